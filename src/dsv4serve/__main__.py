@@ -1,0 +1,3 @@
+from dsv4serve.cli import main
+
+main()

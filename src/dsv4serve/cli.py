@@ -1,0 +1,230 @@
+"""The dsv4serve command line. Thin: it parses, calls a module, renders the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from dsv4serve.cli_common import console, emit_json, err_console, handled
+
+app = typer.Typer(
+    name="dsv4serve",
+    help="Bring up, prove and take down a DeepSeek-V4-Flash-Vision EXL3 seat under vLLM.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+profiles_app = typer.Typer(help="List and show seat profiles.", no_args_is_help=True)
+kernel_app = typer.Typer(help="Build and inspect the lna2 routed-expert kernel.", no_args_is_help=True)
+app.add_typer(profiles_app, name="profiles")
+app.add_typer(kernel_app, name="kernel")
+
+
+def _register_subapps() -> None:
+    from dsv4serve.cli_bench import app as bench_app
+    from dsv4serve.cli_patch import app as patch_app
+
+    app.add_typer(patch_app, name="patch")
+    app.add_typer(bench_app, name="bench")
+
+
+_register_subapps()
+
+ProfileOpt = typer.Option(..., "--profile", "-p", help="a shipped profile name or a path to a YAML file")
+SetOpt = typer.Option(None, "--set", help="override a profile key: --set vllm.port=8123 (repeatable)")
+
+
+# ---------------------------------------------------------------------------------------------
+# profiles
+
+
+@profiles_app.command("list")
+def profiles_list(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """List the shipped seat profiles."""
+    from rich.table import Table
+
+    from dsv4serve.profile import load_profile, shipped_profiles
+
+    with handled():
+        rows = []
+        for name, path in shipped_profiles().items():
+            p = load_profile(name)
+            rows.append({"name": name, "runtime": p.runtime.kind, "tp": p.vllm.tensor_parallel_size,
+                         "gpus": len(p.gpus.ids), "max_model_len": p.vllm.max_model_len,
+                         "seqs": p.vllm.max_num_seqs, "spec": p.spec_tokens(), "kernel": p.moe.kernel,
+                         "strict": p.moe.strict, "description": p.description, "path": str(path)})
+        if json_out:
+            emit_json(rows)
+            return
+        t = Table(title="seat profiles")
+        for col in ("name", "runtime", "TP", "window", "seqs", "spec", "MoE kernel"):
+            t.add_column(col, no_wrap=True)
+        for r in rows:
+            t.add_row(r["name"], r["runtime"], str(r["tp"]), str(r["max_model_len"] or "-"), str(r["seqs"] or "-"),
+                      str(r["spec"]), f"{r['kernel']} strict {r['strict']}")
+        console.print(t)
+
+
+@profiles_app.command("show")
+def profiles_show(name: str = typer.Argument(..., help="profile name or YAML path"),
+                  overrides: Optional[List[str]] = SetOpt,
+                  json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Show a profile fully resolved (extends and --set applied)."""
+    import yaml
+
+    from dsv4serve.profile import load_profile
+
+    with handled():
+        p = load_profile(name, overrides)
+        data = p.model_dump(mode="json")
+        if json_out:
+            emit_json(data)
+        else:
+            console.print(f"# {p.name} (digest {p.digest()})", highlight=False)
+            console.print(yaml.safe_dump(data, sort_keys=False), highlight=False, markup=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# up / down / status / logs
+
+
+@app.command()
+def up(profile: str = ProfileOpt,
+       overrides: Optional[List[str]] = SetOpt,
+       dry_run: bool = typer.Option(False, "--dry-run", help="print what would run; start nothing"),
+       json_out: bool = typer.Option(False, "--json", help="JSON (dry run: one object; live: event lines)"),
+       foreground: bool = typer.Option(False, "--foreground", help="stay attached; Ctrl-C tears the seat down"),
+       apply_patches: bool = typer.Option(False, "--apply-patches", help="apply the profile's patch sets first"),
+       validate: bool = typer.Option(True, "--validate/--no-validate", help="check argv with vLLM's parser"),
+       skip_checks: bool = typer.Option(False, "--skip-checks", help="do not run check-seat's pre-launch checks")) -> None:
+    """Bring a seat up and return once it is provably ready (markers on every rank, a real completion)."""
+    from dsv4serve import seat
+
+    with handled():
+        p = seat.load(profile, overrides)
+        if dry_run:
+            plan = seat.dry_run(p, validate=validate)
+            if json_out:
+                emit_json(plan)
+            else:
+                seat.render_plan(plan)
+            return
+        code = seat.up(p, json_events=json_out, foreground=foreground, apply_patches=apply_patches,
+                       skip_checks=skip_checks)
+        raise typer.Exit(code)
+
+
+@app.command()
+def down(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat (default: the only one)"),
+         grace: Optional[float] = typer.Option(None, "--grace", help="seconds between SIGTERM and SIGKILL"),
+         json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Stop a seat: the whole process group, its leftovers, and proof nothing is left."""
+    from dsv4serve import seat
+
+    with handled():
+        report = seat.down(profile, grace=grace)
+        if json_out:
+            emit_json(report)
+        else:
+            seat.render_down(report)
+        raise typer.Exit(0 if report.get("clean", True) else 1)
+
+
+@app.command()
+def status(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat (default: all)"),
+           json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Phase, uptime, processes, endpoint and per-rank proof of every known seat."""
+    from dsv4serve import seat
+
+    with handled():
+        rows = seat.status(profile)
+        if json_out:
+            emit_json(rows)
+        else:
+            seat.render_status(rows)
+
+
+@app.command()
+def logs(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat"),
+         rank: Optional[str] = typer.Option(None, "--rank", "-r", help="a rank number, 'api' or 'engine'"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
+         lines: int = typer.Option(200, "--lines", "-n", help="lines of history to print first")) -> None:
+    """Print a seat's log, whole or one rank's stream."""
+    from dsv4serve import seat
+
+    with handled():
+        seat.logs(profile, rank=rank, follow=follow, lines=lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# demo model, checks, kernel
+
+
+@app.command("demo-model")
+def demo_model(out: Optional[Path] = typer.Option(None, "--out", help="where to write it (default: state dir)"),
+               seed: int = typer.Option(0, "--seed", help="RNG seed; the same seed gives the same model"),
+               force: bool = typer.Option(False, "--force", help="rebuild even if a complete copy exists")) -> None:
+    """Write the tiny DeepSeek-V3-style MoE + MTP demo model (no network needed)."""
+    from dsv4serve.demo_model import ensure_demo_model
+
+    with handled():
+        path = ensure_demo_model(out, seed=seed, force=force)
+        console.print(f"demo model ready: {path}", highlight=False)
+
+
+@app.command("check-seat")
+def check_seat(profile: str = typer.Option("cpu-demo", "--profile", "-p", help="profile to check against"),
+               overrides: Optional[List[str]] = SetOpt,
+               json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Will this seat come up, and is the running seat really what it claims?"""
+    from dsv4serve import checks, seat
+
+    with handled():
+        p = seat.load(profile, overrides)
+        report = checks.run_all(p)
+        if json_out:
+            emit_json(report.as_json())
+        else:
+            checks.render(report)
+        raise typer.Exit(report.exit_code())
+
+
+@kernel_app.command("build")
+def kernel_build(arch: str = typer.Option("9.0;12.0", "--arch", help="TORCH_CUDA_ARCH_LIST to build for"),
+                 out: Optional[Path] = typer.Option(None, "--out", help="output directory"),
+                 jobs: int = typer.Option(0, "--jobs", help="parallel compile jobs (0: all cores)")) -> None:
+    """Build the lna2 extension with torch's cpp_extension."""
+    from dsv4serve.lna2 import build as lna2_build
+
+    with handled():
+        path = lna2_build.build(arch=arch, out=out, jobs=jobs or None)
+        console.print(f"lna2 extension built: {path}", highlight=False)
+
+
+@kernel_app.command("info")
+def kernel_info(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Report the lna2 extension: where it is, what it was built for, its limits."""
+    from dsv4serve.lna2 import loader
+
+    with handled():
+        info = loader.describe()
+        if json_out:
+            emit_json(info)
+        else:
+            for k, v in info.items():
+                console.print(f"{k}: {v}", highlight=False)
+        raise typer.Exit(0 if info.get("loadable") else 1)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

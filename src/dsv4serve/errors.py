@@ -1,0 +1,41 @@
+"""Error types that carry the exit code and the one-line fix a user needs.
+
+Exit codes are part of the CLI contract: 0 ok, 1 the job failed (the seat did not come up,
+a check failed), 2 bad input (usage, profile, missing file, refused launch plan).
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class DsvError(Exception):
+    """Base error: `str(e)` is the single line shown to the user."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def line(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
+
+
+class BadInput(DsvError):
+    """The user's input cannot work as given (profile, flag, path, port, plan)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ProfileError(BadInput):
+    """A seat profile is malformed or asks for something the seat cannot do."""
+
+
+class JobFailed(DsvError):
+    """The job ran and failed: the seat did not come up, a gate or a check failed."""
+
+    exit_code = EXIT_FAILED

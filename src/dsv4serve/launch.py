@@ -1,0 +1,259 @@
+"""Profile -> LaunchSpec: the exact argv, env delta and runtime of a seat, and the plan checks
+that refuse a seat before it is started (each refusal names the key and the fix)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from dsv4serve import home
+from dsv4serve.errors import ProfileError
+from dsv4serve.profile import Profile, VllmSection
+
+PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
+PLUGIN_ENV_RUN_DIR = "DSV4SERVE_RUN_DIR"
+PLUGIN_ENV_KERNEL = "DSV4SERVE_MOE_KERNEL"
+PLUGIN_ENV_STRICT = "VLLM_EXL3_MOE_STRICT"
+PLUGIN_ENV_EXT = "DSV4SERVE_LNA2_EXT"
+NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
+PUBLIC_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+
+# Flags vLLM spells as BooleanOptionalAction: False renders as --no-<flag>.
+_TRISTATE = {"enable_prefix_caching"}
+# Keys of VllmSection that are ours, not vLLM flags.
+_NOT_FLAGS = {"extra_args", "allow_public_host"}
+
+
+class LaunchSpec(BaseModel):
+    runtime: Literal["native", "docker"]
+    argv: list[str]
+    env: dict[str, str] = Field(description="delta over the launcher's environment")
+    cwd: str | None = None
+    vllm_args: list[str] = Field(description="the arguments vLLM itself parses (after its entrypoint)")
+    host: str
+    port: int
+    model_path: str
+    served_name: str
+    container_name: str | None = None
+    run_id: str
+    run_dir: str
+
+    def shell(self) -> str:
+        """A copy-pasteable command: env assignments (native) then the shell-quoted argv."""
+        parts = []
+        if self.runtime == "native":
+            parts += [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        parts += [shlex.quote(a) for a in self.argv]
+        return " ".join(parts)
+
+
+def placeholders(profile: Profile, run_dir: Path) -> dict[str, str]:
+    return {
+        "home": str(home.home()),
+        "cache": str(home.cache_dir()),
+        "run_dir": str(run_dir),
+        "model_path": resolve_model_path(profile, expand=False),
+    }
+
+
+def _expand(value: str, ctx: dict[str, str], where: str) -> str:
+    try:
+        return value.format_map(ctx)
+    except KeyError as e:
+        raise ProfileError(f"{where}: unknown placeholder {{{e.args[0]}}}",
+                           hint=f"use one of {', '.join('{' + k + '}' for k in ctx)}") from None
+    except (ValueError, IndexError):
+        raise ProfileError(f"{where}: malformed placeholder in '{value}' (write a literal brace as {{{{ or }}}})") from None
+
+
+def resolve_model_path(profile: Profile, expand: bool = True) -> str:
+    if profile.model.demo:
+        from dsv4serve.demo_model import default_dir
+
+        return str(default_dir(profile.model.demo_seed))
+    if not profile.model.path:
+        raise ProfileError(f"profile {profile.name}: model.path is required unless model.demo is true")
+    path = profile.model.path
+    if expand:
+        path = _expand(path, {"home": str(home.home()), "cache": str(home.cache_dir())}, "model.path")
+    return str(Path(path).expanduser())
+
+
+def render_flags(v: VllmSection, *, host: str, port: int) -> list[str]:
+    out: list[str] = []
+    data = v.model_dump()
+    data["host"], data["port"] = host, port
+    for key, val in data.items():
+        if key in _NOT_FLAGS or val is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(val, bool):
+            if key in _TRISTATE:
+                out.append(flag if val else "--no-" + key.replace("_", "-"))
+            elif val:
+                out.append(flag)
+        elif isinstance(val, (dict, list)):
+            out += [flag, json.dumps(val, separators=(",", ":"))]
+        else:
+            out += [flag, str(val)]
+    return out + list(v.extra_args)
+
+
+def check_plan(profile: Profile) -> None:
+    """Refuse, before anything starts, a seat that cannot be what the profile claims."""
+    p, v = profile, profile.vllm
+    tp = v.tensor_parallel_size
+    if p.moe.kernel == "lna2":
+        rows = p.decode_rows()
+        if rows > p.moe.row_ceiling:
+            k = p.spec_tokens()
+            fit = max(1, p.moe.row_ceiling // (1 + k))
+            raise ProfileError(
+                f"profile {p.name}: vllm.max_num_seqs: {v.max_num_seqs} x (1 + {k} speculative) = {rows} decode rows "
+                f"exceed the lna2 row ceiling {p.moe.row_ceiling}",
+                hint=f"set vllm.max_num_seqs <= {fit}, or moe.kernel=incumbent")
+    if p.model.wo_a_rank_slices and tp != p.model.wo_a_rank_slices:
+        raise ProfileError(
+            f"profile {p.name}: vllm.tensor_parallel_size is {tp} but the pack stores attn.wo_a as "
+            f"{p.model.wo_a_rank_slices} rank-local slices", hint=f"set vllm.tensor_parallel_size={p.model.wo_a_rank_slices}")
+    if p.gpus.ids and len(p.gpus.ids) != tp:
+        raise ProfileError(
+            f"profile {p.name}: gpus.ids lists {len(p.gpus.ids)} GPUs but vllm.tensor_parallel_size is {tp}",
+            hint="give exactly one GPU id per tensor-parallel rank")
+    if len(set(p.gpus.ids)) != len(p.gpus.ids):
+        raise ProfileError(f"profile {p.name}: gpus.ids {p.gpus.ids} repeats a GPU")
+    if v.host in PUBLIC_HOSTS and not v.allow_public_host:
+        raise ProfileError(
+            f"profile {p.name}: vllm.host {v.host or '(empty)'} would expose the seat on every interface",
+            hint="use 127.0.0.1, or set vllm.allow_public_host=true to opt in")
+    env = p.env
+    if p.moe.kernel == "lna2":
+        if env.get("VLLM_EXL3_MOE_KERNEL") != "lna2":
+            raise ProfileError(f"profile {p.name}: moe.kernel is lna2 but env.VLLM_EXL3_MOE_KERNEL is "
+                               f"{env.get('VLLM_EXL3_MOE_KERNEL', 'unset')}", hint="set env.VLLM_EXL3_MOE_KERNEL=lna2")
+        if env.get("VLLM_EXL3_MOE_STRICT") != str(p.moe.strict):
+            raise ProfileError(f"profile {p.name}: moe.strict is {p.moe.strict} but env.VLLM_EXL3_MOE_STRICT is "
+                               f"{env.get('VLLM_EXL3_MOE_STRICT', 'unset')}",
+                               hint=f"set env.VLLM_EXL3_MOE_STRICT={p.moe.strict}")
+    elif env.get("VLLM_EXL3_MOE_KERNEL") == "lna2":
+        raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL=lna2 but moe.kernel is {p.moe.kernel}",
+                           hint="make moe.kernel and env.VLLM_EXL3_MOE_KERNEL agree")
+    if v.quantization == "exl3":
+        # Both are silent hangs (seat-reference trap 3a/3b), not errors vLLM would report.
+        for var, want, why in (("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1", "two EXL3 kernels on two streams deadlock"),
+                               ("LNA_DSV4_AUX_STREAMS", "0", "DSV4 aux streams hang warmup with graphs on")):
+            if env.get(var) != want:
+                raise ProfileError(f"profile {p.name}: env.{var} must be {want} for an EXL3 seat ({why})",
+                                   hint=f"set env.{var}={want}")
+    if p.runtime.kind == "docker" and not p.runtime.image:
+        raise ProfileError(f"profile {p.name}: runtime.image is required for the docker runtime")
+
+
+def _plugin_env(profile: Profile, run_id: str, run_dir: Path) -> dict[str, str]:
+    env = {PLUGIN_ENV_RUN_ID: run_id, PLUGIN_ENV_RUN_DIR: str(run_dir), PLUGIN_ENV_KERNEL: profile.moe.kernel,
+           PLUGIN_ENV_STRICT: str(profile.moe.strict)}
+    return env
+
+
+def build(profile: Profile, run_id: str, run_dir: Path, python: str | None = None) -> LaunchSpec:
+    check_plan(profile)
+    ctx = placeholders(profile, run_dir)
+    ctx["model_path"] = model_path = resolve_model_path(profile)
+    env = {k: _expand(val, ctx, f"env.{k}") for k, val in profile.env.items()}
+    env.update(_plugin_env(profile, run_id, run_dir))
+    v = profile.vllm
+    if profile.runtime.kind == "native":
+        if profile.gpus.ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, profile.gpus.ids))
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        vargs = ["--model", model_path, "--served-model-name", profile.model.served_name]
+        vargs += render_flags(v, host=v.host, port=v.port)
+        argv = [python or sys.executable, *NATIVE_ENTRYPOINT, *vargs]
+        return LaunchSpec(runtime="native", argv=argv, env=env, vllm_args=vargs, host=v.host, port=v.port,
+                          model_path=model_path, served_name=profile.model.served_name, run_id=run_id,
+                          run_dir=str(run_dir))
+    return _build_docker(profile, run_id, run_dir, env, ctx, model_path)
+
+
+def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, str], ctx: dict[str, str],
+                  model_path: str) -> LaunchSpec:
+    rt, v = profile.runtime, profile.vllm
+    argv = ["docker", "run", "--name", rt.container_name, "--label", f"dsv4serve.run_id={run_id}",
+            "--label", f"dsv4serve.profile={profile.name}"]
+    if profile.gpus.ids:
+        # docker splits --gpus on commas unless the device list is itself quoted
+        argv += ["--gpus", '"device=' + ",".join(map(str, profile.gpus.ids)) + '"']
+    if rt.ipc_host:
+        argv.append("--ipc=host")
+    argv += [f"--shm-size={rt.shm_size}"]
+    if not rt.core_dumps:
+        argv += ["--ulimit", "core=0"]
+    argv += [f"--cap-add={c}" for c in rt.cap_add]
+    argv += ["-p", f"{v.host}:{v.port}:{rt.container_port}"]
+    for k, val in env.items():
+        argv += ["-e", f"{k}={val}"]
+    mounts = [(_expand(m.host, ctx, "runtime.mounts.host"), _expand(m.container, ctx, "runtime.mounts.container"),
+               m.read_only) for m in rt.mounts]
+    mounts += _overlay_mounts(profile, run_dir)
+    for host_path, cont, ro in mounts:
+        argv += ["-v", f"{host_path}:{cont}" + (":ro" if ro else "")]
+    argv += list(rt.extra_args)
+    argv.append(rt.image or "")
+    # Inside the container vLLM listens on all interfaces of the container; the host side of
+    # the port mapping above is what decides exposure.
+    vargs = [model_path, "--served-model-name", profile.model.served_name]
+    vargs += render_flags(v, host="0.0.0.0", port=rt.container_port)
+    argv += vargs
+    return LaunchSpec(runtime="docker", argv=argv, env={}, vllm_args=vargs, host=v.host, port=v.port,
+                      model_path=model_path, served_name=profile.model.served_name,
+                      container_name=rt.container_name, run_id=run_id, run_dir=str(run_dir))
+
+
+def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, bool]]:
+    """What dsv4serve itself puts into the image: its plugin (package + entry-point metadata), the
+    run dir (counters), and the lna2 extension when the seat uses it."""
+    sp = profile.runtime.site_packages.rstrip("/")
+    pkg = Path(__file__).resolve().parent
+    out = [(str(run_dir), str(run_dir), False),
+           (str(pkg), f"{sp}/dsv4serve", True),
+           (str(run_dir / "plugin-dist-info"), f"{sp}/dsv4serve-plugin.dist-info", True)]
+    if profile.moe.kernel == "lna2":
+        ext = profile.moe.extension or "{cache}/lna2/dsv4serve_lna2.so"
+        ext = ext.replace("{cache}", str(home.cache_dir()))
+        out.append((ext, f"{sp}/dsv4serve_lna2.so", True))
+    return out
+
+
+def write_plugin_dist_info(run_dir: Path) -> Path:
+    """Entry-point metadata that makes vLLM inside a container discover the mounted plugin."""
+    d = run_dir / "plugin-dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4serve-plugin\nVersion: 0.1.0\n")
+    (d / "entry_points.txt").write_text("[vllm.general_plugins]\ndsv4serve = dsv4serve.vllm_plugin:register\n")
+    return d
+
+
+def env_for_child(spec: LaunchSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(spec.env)
+    return env
+
+
+def describe_gates(profile: Profile) -> dict[str, Any]:
+    tp = profile.vllm.tensor_parallel_size
+    return {
+        "markers": [{"text": m.text, "ranks": tp if m.ranks == "all" else m.ranks} for m in profile.gates.markers],
+        "kv_cache_min_tokens": profile.kv_min_tokens(),
+        "forbidden": list(profile.gates.forbidden),
+        "timeouts": profile.gates.timeouts.model_dump(),
+        "readiness": ["/health 200", f"/v1/models lists {profile.model.served_name}",
+                      "a canary chat completion returns tokens"],
+        "ranks": tp,
+    }
