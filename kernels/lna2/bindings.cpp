@@ -1,0 +1,191 @@
+// torch binding of the lna2 kernel: argument checks that turn every contract violation into a
+// Python exception naming the argument, then one launch on the current stream (no host sync).
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "lna2_api.h"
+
+namespace {
+
+constexpr int kDefaultHidden = 4096;
+constexpr int kDefaultInter = 256;
+
+#define LNA2_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "lna2_moe_decode: ", __VA_ARGS__)
+
+void check_table(const torch::Tensor& t, const char* name, int64_t n_experts, const torch::Device& dev) {
+    LNA2_CHECK(t.is_cuda() && t.device() == dev, name, " must be a CUDA tensor on ", dev);
+    LNA2_CHECK(t.scalar_type() == torch::kInt64, name, " must be int64 (data_ptr values), got ", t.scalar_type());
+    LNA2_CHECK(t.dim() == 1 && t.size(0) == n_experts && t.is_contiguous(), name,
+               " must be a contiguous [n_experts] table with n_experts = ", n_experts);
+}
+
+struct GridKey {
+    int device, bits, codebook, variant;
+    bool operator<(const GridKey& o) const {
+        return std::tie(device, bits, codebook, variant) < std::tie(o.device, o.bits, o.codebook, o.variant);
+    }
+};
+
+std::mutex g_mu;
+std::map<GridKey, std::pair<int, int>> g_grid;  // -> (blocks_per_sm, num_sms)
+
+std::pair<int, int> grid_for(int device, int bits, int codebook, int variant) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    GridKey k{device, bits, codebook, variant};
+    auto it = g_grid.find(k);
+    if (it != g_grid.end()) return it->second;
+    int bps = 0, sms = 0;
+    cudaError_t err = lna2::occupancy(bits, codebook, variant, device, &bps, &sms);
+    TORCH_CHECK(err == cudaSuccess, "lna2: occupancy query failed: ", cudaGetErrorString(err),
+                " (is the extension built for this GPU's architecture?)");
+    TORCH_CHECK(bps >= 1, "lna2: the kernel cannot be resident on this GPU (0 blocks per SM)");
+    g_grid[k] = {bps, sms};
+    return {bps, sms};
+}
+
+int dtype_code(torch::ScalarType t, bool allow_f32) {
+    if (t == torch::kFloat16) return lna2::DT_F16;
+    if (t == torch::kBFloat16) return lna2::DT_BF16;
+    if (allow_f32 && t == torch::kFloat32) return lna2::DT_F32;
+    return -1;
+}
+
+}  // namespace
+
+int64_t lna2_moe_scratch_bytes(int64_t hidden, int64_t intermediate) {
+    TORCH_CHECK_VALUE(hidden > 0 && hidden % 128 == 0, "hidden must be a positive multiple of 128");
+    TORCH_CHECK_VALUE(intermediate > 0 && intermediate % 128 == 0, "intermediate must be a positive multiple of 128");
+    return static_cast<int64_t>(lna2::make_layout(hidden, intermediate).total);
+}
+
+int64_t lna2_moe_max_rows() { return lna2::MAX_ROWS; }
+
+torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor gate_trellis, torch::Tensor gate_suh,
+                              torch::Tensor gate_svh, torch::Tensor up_trellis, torch::Tensor up_suh,
+                              torch::Tensor up_svh, torch::Tensor down_trellis, torch::Tensor down_suh,
+                              torch::Tensor down_svh, torch::Tensor expert_ids, torch::Tensor routing_weights,
+                              int64_t bits, double swiglu_limit, torch::Tensor scratch, int64_t intermediate,
+                              int64_t codebook, int64_t variant) {
+    LNA2_CHECK(x.is_cuda(), "x must be a CUDA tensor");
+    const auto dev = x.device();
+    const int xdt = dtype_code(x.scalar_type(), false);
+    LNA2_CHECK(xdt >= 0, "x must be fp16 or bf16, got ", x.scalar_type());
+    LNA2_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [m, hidden] tensor");
+    const int64_t m = x.size(0), hidden = x.size(1);
+    LNA2_CHECK(m >= 1 && m <= lna2::MAX_ROWS, "rows m=", m, " outside 1..", lna2::MAX_ROWS, " (lna2_moe_max_rows)");
+    LNA2_CHECK(hidden % 128 == 0 && hidden / 128 <= lna2::MAX_CB, "hidden ", hidden,
+               " must be a multiple of 128 up to ", 128 * lna2::MAX_CB);
+    LNA2_CHECK(intermediate > 0 && intermediate % 128 == 0 && intermediate / 128 <= lna2::MAX_IB, "intermediate ",
+               intermediate, " must be a positive multiple of 128 up to ", 128 * lna2::MAX_IB);
+    LNA2_CHECK(out.device() == dev && out.is_contiguous() && out.sizes() == x.sizes(),
+               "out must be a contiguous tensor of x's shape on x's device");
+    const int odt = dtype_code(out.scalar_type(), true);
+    LNA2_CHECK(odt >= 0, "out must be fp16, bf16 or fp32, got ", out.scalar_type());
+    const int64_t n_experts = gate_trellis.numel();
+    LNA2_CHECK(n_experts >= 1 && n_experts <= lna2::MAX_EXPERTS, "pointer tables hold ", n_experts,
+               " experts; 1..", lna2::MAX_EXPERTS, " supported");
+    const torch::Tensor* tables[9] = {&gate_trellis, &gate_suh, &gate_svh, &up_trellis, &up_suh,
+                                      &up_svh,       &down_trellis, &down_suh, &down_svh};
+    const char* names[9] = {"gate_trellis", "gate_suh", "gate_svh", "up_trellis", "up_suh",
+                            "up_svh",       "down_trellis", "down_suh", "down_svh"};
+    for (int i = 0; i < 9; i++) check_table(*tables[i], names[i], n_experts, dev);
+    LNA2_CHECK(expert_ids.device() == dev && expert_ids.scalar_type() == torch::kInt32 && expert_ids.dim() == 2 &&
+                   expert_ids.is_contiguous() && expert_ids.size(0) == m,
+               "expert_ids must be a contiguous int32 [m, top_k] tensor (flat [m*top_k] ids are rejected)");
+    const int64_t top_k = expert_ids.size(1);
+    LNA2_CHECK(top_k >= 1 && top_k <= lna2::MAX_TOPK, "top_k ", top_k, " outside 1..", lna2::MAX_TOPK);
+    LNA2_CHECK(routing_weights.device() == dev && routing_weights.scalar_type() == torch::kFloat32 &&
+                   routing_weights.is_contiguous() && routing_weights.sizes() == expert_ids.sizes(),
+               "routing_weights must be a contiguous fp32 [m, top_k] tensor");
+    LNA2_CHECK(bits == 2 || bits == 3, "bits must be 2 or 3, got ", bits);
+    LNA2_CHECK(codebook == lna2::CB_MCG || codebook == lna2::CB_MUL1, "codebook must be 1 (mcg) or 2 (mul1)");
+    LNA2_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0, "swiglu_limit must be finite and > 0");
+    const auto layout = lna2::make_layout(hidden, intermediate);
+    LNA2_CHECK(scratch.device() == dev && scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous() &&
+                   static_cast<size_t>(scratch.numel()) >= layout.total,
+               "scratch must be a contiguous uint8 CUDA tensor of >= ", layout.total,
+               " bytes (lna2_moe_scratch_bytes), zeroed once before first use");
+
+    const c10::cuda::CUDAGuard guard(dev);
+    const auto [bps, sms] = grid_for(dev.index(), static_cast<int>(bits), static_cast<int>(codebook),
+                                     static_cast<int>(variant));
+    lna2::Args a{};
+    a.x = x.data_ptr();
+    a.out = out.data_ptr();
+    for (int i = 0; i < 9; i++) a.tables[i] = tables[i]->data_ptr<int64_t>();
+    a.expert_ids = expert_ids.data_ptr<int32_t>();
+    a.weights = routing_weights.data_ptr<float>();
+    a.scratch = scratch.data_ptr<uint8_t>();
+    a.m = static_cast<int>(m);
+    a.top_k = static_cast<int>(top_k);
+    a.n_experts = static_cast<int>(n_experts);
+    a.hidden = static_cast<int>(hidden);
+    a.inter = static_cast<int>(intermediate);
+    a.bits = static_cast<int>(bits);
+    a.codebook = static_cast<int>(codebook);
+    a.x_dtype = xdt;
+    a.out_dtype = odt;
+    a.variant = static_cast<int>(variant);
+    a.swiglu_limit = static_cast<float>(swiglu_limit);
+    cudaError_t err = lna2::launch(a, bps * sms, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "lna2_moe_decode: launch failed: ", cudaGetErrorString(err));
+    return out;
+}
+
+std::vector<int64_t> lna2_moe_prepare(int64_t bits, int64_t codebook, int64_t variant) {
+    int dev = 0;
+    TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "lna2_moe_prepare: no CUDA device");
+    const auto [bps, sms] = grid_for(dev, static_cast<int>(bits), static_cast<int>(codebook), static_cast<int>(variant));
+    return {sms, bps, static_cast<int64_t>(bps) * sms};
+}
+
+std::map<std::string, int64_t> lna2_moe_info(int64_t bits, int64_t codebook, int64_t hidden, int64_t intermediate) {
+    int dev = 0;
+    TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "lna2_moe_info: no CUDA device");
+    const auto [bps, sms] = grid_for(dev, static_cast<int>(bits), static_cast<int>(codebook), 0);
+    return {
+        {"sms", sms},
+        {"blocks_per_sm", bps},
+        {"grid", static_cast<int64_t>(bps) * sms},
+        {"threads", lna2::THREADS},
+        {"max_rows", lna2::MAX_ROWS},
+        {"max_top_k", lna2::MAX_TOPK},
+        {"max_experts", lna2::MAX_EXPERTS},
+        {"group_rows", lna2::GROUP_ROWS},
+        {"chunk_k_tiles", lna2::CHUNK_KT},
+        {"partial_slots", lna2::PART_CAP},
+        {"max_k_split", lna2::KSPLIT_MAX},
+        {"scratch_bytes", lna2_moe_scratch_bytes(hidden, intermediate)},
+        {"ctrl_bytes", static_cast<int64_t>(lna2::make_layout(hidden, intermediate).ctrl_bytes)},
+        {"concurrent_streams", 1},
+    };
+}
+
+std::string lna2_build_id() { return lna2::build_id(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "lna2: EXL3 routed-expert MoE decode kernel (dsv4serve)";
+    m.def("lna2_moe_decode", &lna2_moe_decode, "one launch: routed experts for [m, top_k] routes",
+          py::arg("x"), py::arg("out"), py::arg("gate_trellis"), py::arg("gate_suh"), py::arg("gate_svh"),
+          py::arg("up_trellis"), py::arg("up_suh"), py::arg("up_svh"), py::arg("down_trellis"), py::arg("down_suh"),
+          py::arg("down_svh"), py::arg("expert_ids"), py::arg("routing_weights"), py::arg("bits"),
+          py::arg("swiglu_limit"), py::arg("scratch"), py::arg("intermediate") = kDefaultInter,
+          py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("variant") = 0);
+    m.def("lna2_moe_scratch_bytes", &lna2_moe_scratch_bytes, py::arg("hidden") = kDefaultHidden,
+          py::arg("intermediate") = kDefaultInter);
+    m.def("lna2_moe_max_rows", &lna2_moe_max_rows);
+    m.def("lna2_moe_prepare", &lna2_moe_prepare, "occupancy and grid: [sms, blocks_per_sm, grid]", py::arg("bits"),
+          py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("variant") = 0);
+    m.def("lna2_moe_info", &lna2_moe_info, "named facts of this build on the current device", py::arg("bits"),
+          py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("hidden") = kDefaultHidden,
+          py::arg("intermediate") = kDefaultInter);
+    m.def("lna2_build_id", &lna2_build_id);
+}

@@ -1,0 +1,91 @@
+"""Build the lna2 extension with torch's cpp_extension (JIT machinery, explicit output dir)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dsv4serve import home
+from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.resources import kernels_dir
+
+MODULE = "dsv4serve_lna2"
+SOURCES = ("bindings.cpp", "lna2_moe.cu")
+HEADERS = ("lna2_api.h",)
+
+
+def source_digest(src_dir: Path | None = None) -> str:
+    src = src_dir or kernels_dir()
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode())
+        h.update((src / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def arch_flags(arch: str) -> list[str]:
+    """'9.0;12.0' -> nvcc -gencode flags (SASS for each; PTX of the last for newer GPUs)."""
+    flags = []
+    archs = [a.strip() for a in arch.replace(",", ";").split(";") if a.strip()]
+    if not archs:
+        raise BadInput(f"--arch '{arch}' names no architecture", hint='e.g. --arch "9.0;12.0"')
+    last = ""
+    for a in archs:
+        try:
+            major, minor = a.replace("+PTX", "").split(".")
+            suffix = "a" if minor.endswith("a") else ""   # 9.0a: arch-specific features
+            cc = f"{int(major)}{int(minor.rstrip('a'))}{suffix}"
+        except ValueError:
+            raise BadInput(f"--arch: '{a}' is not a compute capability like 9.0 or 12.0") from None
+        flags += ["-gencode", f"arch=compute_{cc},code=sm_{cc}"]
+        last = cc
+    flags += ["-gencode", f"arch=compute_{last},code=compute_{last}"]
+    return flags
+
+
+def default_out() -> Path:
+    return home.cache_dir() / "lna2"
+
+
+def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = None, verbose: bool = False) -> Path:
+    try:
+        import torch
+        from torch.utils.cpp_extension import load
+    except ImportError as e:
+        raise BadInput(f"building lna2 needs torch with CUDA ({e})") from None
+    if torch.version.cuda is None:
+        raise BadInput(f"torch {torch.__version__} is a CPU build: lna2 needs a CUDA build of torch to link against",
+                       hint="build on the GPU machine (or in the seat's image)")
+    src = kernels_dir()
+    digest = source_digest(src)
+    out = Path(out or default_out())
+    build_dir = out / f"build-{digest}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if jobs:
+        os.environ["MAX_JOBS"] = str(jobs)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace(",", ";")  # torch adds its own -gencode from this too
+    t0 = time.time()
+    try:
+        load(name=MODULE, sources=[str(src / s) for s in SOURCES], extra_include_paths=[str(src)],
+             build_directory=str(build_dir), verbose=verbose, with_cuda=True,
+             extra_cflags=["-O3", "-std=c++17", f"-DLNA2_BUILD_TAG=b{digest}"],
+             extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-Xptxas", "-v",
+                                f"-DLNA2_BUILD_TAG=b{digest}", *arch_flags(arch)])
+    except Exception as e:  # noqa: BLE001 - compiler errors come as RuntimeError/subprocess errors
+        raise JobFailed(f"lna2 build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
+                        hint=f"see the build log in {build_dir}") from None
+    built = next(build_dir.glob(f"{MODULE}*.so"), None)
+    if built is None:
+        raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
+    target = out / f"{MODULE}.so"
+    tmp = out / f".{MODULE}.so.tmp"
+    shutil.copy2(built, tmp)
+    os.replace(tmp, target)
+    meta = {"build_id": digest, "arch": arch, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "seconds": round(time.time() - t0, 1), "built_at": time.time()}
+    (out / f"{MODULE}.json").write_text(json.dumps(meta, indent=2))
+    return target

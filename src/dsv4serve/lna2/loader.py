@@ -1,0 +1,95 @@
+"""Find and import the lna2 extension, and say why when it cannot be used."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsv4serve.lna2.build import MODULE, default_out, source_digest
+
+_loaded: Any = None
+_error: str | None = None
+
+
+def candidates() -> list[Path]:
+    out = []
+    env = os.environ.get("DSV4SERVE_LNA2_EXT")
+    if env:
+        out.append(Path(env))
+    out.append(default_out() / f"{MODULE}.so")
+    return out
+
+
+def load() -> Any:
+    """The extension module, or raise RuntimeError with the reason (extension not built, ...)."""
+    global _loaded, _error
+    if _loaded is not None:
+        return _loaded
+    import torch  # noqa: F401 - the extension links against libtorch; load it first
+
+    tried = []
+    for path in candidates():
+        if not path.is_file():
+            tried.append(f"{path} (missing)")
+            continue
+        spec = importlib.util.spec_from_file_location(MODULE, path)
+        if spec is None or spec.loader is None:
+            tried.append(f"{path} (not a loadable module)")
+            continue
+        try:
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        except ImportError as e:
+            tried.append(f"{path} ({e})")
+            continue
+        sys.modules.setdefault(MODULE, mod)
+        _loaded = mod
+        return mod
+    try:  # e.g. mounted into a container's site-packages
+        mod = importlib.import_module(MODULE)
+        _loaded = mod
+        return mod
+    except ImportError:
+        pass
+    _error = "extension not built (" + "; ".join(tried) + "): run `dsv4serve kernel build`"
+    raise RuntimeError(_error)
+
+
+def describe() -> dict[str, Any]:
+    info: dict[str, Any] = {"module": MODULE, "source_build_id": _safe(source_digest)}
+    meta_path = default_out() / f"{MODULE}.json"
+    if meta_path.is_file():
+        try:
+            info["built"] = json.loads(meta_path.read_text())
+        except ValueError:
+            info["built"] = "unreadable metadata"
+    try:
+        mod = load()
+    except (RuntimeError, OSError) as e:
+        info.update(loadable=False, error=str(e))
+        return info
+    info.update(loadable=True, path=getattr(mod, "__file__", None), build_id=mod.lna2_build_id(),
+                max_rows=mod.lna2_moe_max_rows(), scratch_bytes_seat=mod.lna2_moe_scratch_bytes(4096, 256))
+    info["stale"] = info["build_id"] != info["source_build_id"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability()
+            info["device"] = torch.cuda.get_device_name()
+            info["device_arch"] = f"sm_{cap[0]}{cap[1]}"
+            info["info"] = dict(mod.lna2_moe_info(2))
+    except Exception as e:  # noqa: BLE001 - a kernel built for another arch fails here
+        info["device_error"] = str(e)
+    return info
+
+
+def _safe(fn) -> Any:
+    try:
+        return fn()
+    except OSError:
+        return None
