@@ -1,5 +1,202 @@
-"""`dsv4serve bench` (placeholder until the bench issue lands)."""
+"""`dsv4serve bench` (tok/s table), `bench needle`, `bench ppl`: thin wrappers over dsv4serve.bench*."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import typer
 
-app = typer.Typer(help="Measure a running seat from the client side.", no_args_is_help=True)
+from dsv4serve.cli_common import console, emit_json, err_console, handled
+
+app = typer.Typer(help="Measure a running seat (or any OpenAI-compatible endpoint) from the client side.",
+                  invoke_without_command=True, no_args_is_help=False)
+
+
+@dataclass
+class Shared:
+    """Options given before the subcommand (`bench --base-url X needle`) apply to it too."""
+
+    base_url: str | None = None
+    model: str | None = None
+    profile: str | None = None
+    seat: str | None = None
+    json_out: bool = False
+    out: Path | None = None
+
+
+def _opt_base_url():
+    return typer.Option(None, "--base-url", help="endpoint to measure, e.g. http://127.0.0.1:8000 "
+                                                  "(default: the running seat)")
+
+
+def _opt_model():
+    return typer.Option(None, "--model", help="served model name (default: the seat's, or the only one served)")
+
+
+def _opt_profile():
+    return typer.Option(None, "--profile", "-p",
+                        help="profile whose reference figures to compare with (default: the seat's own)")
+
+
+def _opt_seat():
+    return typer.Option(None, "--seat", help="which running seat, when several are up")
+
+
+def _opt_json():
+    return typer.Option(False, "--json", help="print one JSON document on stdout instead of tables")
+
+
+def _opt_out():
+    return typer.Option(None, "--out", help="also write JSON and Markdown (and a PNG for the table) here")
+
+
+def _merge(ctx: typer.Context, **given) -> Shared:
+    base: Shared = ctx.obj if isinstance(ctx.obj, Shared) else Shared()
+    return Shared(**{k: (v if v not in (None, False) else getattr(base, k)) for k, v in given.items()})
+
+
+@contextmanager
+def _progress(enabled: bool, total: int | None) -> Iterator[Callable[[str], None]]:
+    """A transient bar on stderr; a no-op when JSON must own the output."""
+    if not enabled:
+        yield lambda _desc: None
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    cols = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn()] if total else [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
+    with Progress(*cols, console=err_console, transient=True) as bar:
+        task = bar.add_task("starting", total=total)
+        started = [False]
+
+        def step(desc: str) -> None:
+            if started[0]:
+                bar.advance(task)
+            started[0] = True
+            bar.update(task, description=desc)
+
+        yield step
+
+
+@contextmanager
+def _session(sh: Shared):
+    """An HTTP client and the resolved target; the client is closed however the measurement ends."""
+    from dsv4serve.bench import make_client, resolve_target
+
+    client = make_client()
+    try:
+        yield client, resolve_target(client, base_url=sh.base_url, model=sh.model, profile=sh.profile, seat=sh.seat)
+    finally:
+        client.close()
+
+
+def _finish(sh: Shared, result: dict, stem: str, render: Callable[[dict], None]) -> None:
+    from dsv4serve.bench_report import write_outputs
+
+    file_notes: list[str] = []
+    written: list[Path] = []
+    if sh.out is not None:
+        written, file_notes = write_outputs(result, sh.out, stem)
+    if sh.json_out:
+        emit_json(result)
+        return
+    render(result)
+    for note in [*result.get("notes", []), *file_notes]:
+        console.print(f"[dim]note:[/] {note}", highlight=False, soft_wrap=True)
+    for p in written:
+        console.print(f"wrote {p}", highlight=False)
+
+
+@app.callback()
+def bench(ctx: typer.Context,
+          streams: str = typer.Option("1,4", "--streams", help="concurrent stream counts to measure, e.g. 1,4"),
+          suite: str = typer.Option("en,ja,code", "--suite", help="prompt suites: en, ja, code"),
+          max_tokens: int = typer.Option(256, "--max-tokens", help="tokens to generate per stream"),
+          runs: int = typer.Option(3, "--runs", help="repeats per cell; reported as mean ± half-range"),
+          thinking: bool = typer.Option(False, "--thinking", help="leave the model's reasoning on (off by default)"),
+          timeout: float = typer.Option(300.0, "--timeout", help="seconds a stream may stay silent before failing"),
+          warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="send one discarded request first"),
+          base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
+          profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
+          json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
+    """tok/s for 1 and 4 streams × en/ja/code, with acceptance length, beside the profile's reference.
+
+    Subcommands `needle` and `ppl` measure long-context retrieval and perplexity.
+    """
+    sh = Shared(base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
+    ctx.obj = sh
+    if ctx.invoked_subcommand is not None:
+        return
+    from dsv4serve.bench import BenchSettings, parse_streams, parse_suites, run_bench
+    from dsv4serve.bench_report import bench_tables
+
+    with handled():
+        settings = BenchSettings(streams=parse_streams(streams), suites=parse_suites(suite), max_tokens=max_tokens,
+                                 runs=runs, thinking=thinking, read_timeout_s=timeout, warmup=warmup)
+        with _session(sh) as (client, target):
+            total = settings.runs * len(settings.streams) * len(settings.suites) + (1 if warmup else 0)
+            with _progress(not sh.json_out, total) as step:
+                result = run_bench(client, target, settings, progress=step)
+
+        def render(r: dict) -> None:
+            for t in bench_tables(r):
+                console.print(t)
+
+        _finish(sh, result, "bench", render)
+
+
+@app.command("needle")
+def needle(ctx: typer.Context,
+           tokens: int = typer.Option(..., "--tokens", help="prompt length in the seat's tokens, e.g. 166000"),
+           depth: float = typer.Option(0.37, "--depth", help="where the code hides, 0 (start) to 1 (end)"),
+           max_tokens: int = typer.Option(32, "--max-tokens", help="answer budget"),
+           haystack: Optional[Path] = typer.Option(None, "--haystack", help="UTF-8 text to build the haystack from "
+                                                                              "(default: the shipped sample)"),
+           seed: Optional[int] = typer.Option(None, "--seed", help="fix the hidden code (default: a fresh one)"),
+           thinking: bool = typer.Option(False, "--thinking", help="leave the model's reasoning on"),
+           timeout: float = typer.Option(1800.0, "--timeout", help="seconds to wait for the first token"),
+           base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
+           profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
+           json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
+    """Hide a code at a depth of a long prompt; report found, TTFT, prefill and decode tok/s."""
+    from dsv4serve.bench_needle import NeedleSettings, run_needle
+    from dsv4serve.bench_report import needle_table
+
+    sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
+    with handled():
+        settings = NeedleSettings(tokens=tokens, depth=depth, max_tokens=max_tokens, thinking=thinking,
+                                  read_timeout_s=timeout, haystack=haystack, seed=seed)
+        with _session(sh) as (client, target):
+            with _progress(not sh.json_out, None) as step:
+                result = run_needle(client, target, settings, progress=step)
+        _finish(sh, result, "needle", lambda r: console.print(needle_table(r)))
+
+
+@app.command("ppl")
+def ppl(ctx: typer.Context,
+        ctx_len: int = typer.Option(512, "--ctx", help="tokens per window"),
+        chunks: int = typer.Option(16, "--chunks", help="number of disjoint windows"),
+        text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text, e.g. wikitext-2-raw wiki.test.raw "
+                                                                   "(default: a shipped sample, not comparable)"),
+        timeout: float = typer.Option(600.0, "--timeout", help="seconds per window request"),
+        base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
+        profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
+        json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
+    """Perplexity over disjoint token windows via /v1/completions prompt_logprobs.
+
+    prompt_logprobs gathers full-vocabulary logits: on a full seat this can run out of memory, so
+    measure on a seat sized for it (profile 8x16gb-ppl).
+    """
+    from dsv4serve.bench_ppl import PplSettings, run_ppl
+    from dsv4serve.bench_report import ppl_table
+
+    sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
+    with handled():
+        settings = PplSettings(ctx=ctx_len, chunks=chunks, text=text, read_timeout_s=timeout)
+        with _session(sh) as (client, target):
+            with _progress(not sh.json_out, chunks) as step:
+                result = run_ppl(client, target, settings, progress=step)
+        _finish(sh, result, "ppl", lambda r: console.print(ppl_table(r)))

@@ -1,0 +1,369 @@
+"""`dsv4serve bench`: the seat's tok/s table, measured from the client side.
+
+Method (seat-reference §5.1, the bench-streams instrument): streaming chat completions at
+temperature 0, thinking off unless asked, one request per stream, all streams released together.
+Tokens come from the final usage chunk, never from counting chunks: under speculation one chunk
+carries several accepted tokens. Acceptance length comes from the /metrics counters' growth
+around each measurement.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from dsv4serve import state
+from dsv4serve.bench_client import (
+    Endpoint,
+    SpecDelta,
+    StreamResult,
+    chat_body,
+    resolve_endpoint,
+    scrape_spec,
+    spec_delta,
+    stream_chat,
+)
+from dsv4serve.errors import BadInput, DsvError, JobFailed
+from dsv4serve.profile import Profile, load_profile
+
+# Three kinds of text that speculate differently: prose, Japanese, code. Code drafts best.
+SUITES: dict[str, str] = {
+    "en": ("Write a long essay on how the printing press changed Europe: the spread of literacy, "
+           "the Reformation, science, and the economics of books. Use several paragraphs."),
+    "ja": ("日本の四季それぞれの伝統行事と、それらが和歌や俳句などの文学に与えた影響について、"
+           "具体例を挙げながら詳しく説明してください。"),
+    "code": ("Implement an LRU cache class in Python with O(1) get and put, using a dict and a doubly "
+             "linked list. Include docstrings, type hints, unit tests, and a short explanation."),
+}
+
+DEFAULT_STREAMS = "1,4"
+DEFAULT_SUITES = "en,ja,code"
+
+
+# ---------------------------------------------------------------------------------------------
+# input parsing
+
+
+def parse_streams(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise BadInput(f"--streams '{text}' must be a comma list of positive integers", hint="e.g. --streams 1,4")
+        if int(part) > 64:
+            raise BadInput(f"--streams {part} is more than this bench opens at once (64)")
+        if int(part) not in out:
+            out.append(int(part))
+    return out
+
+
+def parse_suites(text: str) -> list[str]:
+    out: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part not in SUITES:
+            raise BadInput(f"--suite '{part}' is not a suite", hint=f"choose from {', '.join(SUITES)}")
+        if part not in out:
+            out.append(part)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# where to measure, and what to compare with
+
+
+@dataclass
+class Target:
+    endpoint: Endpoint
+    profile: Profile | None          # whose reference figures the report shows
+    seat: str | None                 # the running seat measured, when it came from the state
+    max_num_seqs: int | None         # the measured seat's, when known
+    notes: list[str] = field(default_factory=list)
+
+
+def _running_seat(seat: str | None, profile: str | None) -> state.SeatState:
+    try:
+        return state.find_running(seat)
+    except BadInput as e:
+        # Several seats up and no --seat: a --profile that names one of them picks it.
+        if seat is None and profile is not None and "seats are running" in e.message:
+            return state.find_running(profile)
+        raise
+
+
+def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | None,
+                   profile: str | None, seat: str | None) -> Target:
+    notes: list[str] = []
+    seat_profile: Profile | None = None
+    seat_name: str | None = None
+    if base_url is None:
+        st = _running_seat(seat, profile)
+        base_url, seat_name = st.base_url, st.seat
+        model = model or st.served_name
+        try:
+            seat_profile = load_profile(st.profile)
+        except DsvError as e:
+            notes.append(f"the seat's profile could not be loaded ({e.line()})")
+    ref_profile = load_profile(profile) if profile else seat_profile
+    # When /v1/models lacks max_model_len: a running seat's own profile knows its window (a
+    # --profile given only for comparison does not); with --base-url, --profile is the best guess.
+    fallback = seat_profile if seat_name else ref_profile
+    fallback_len = fallback.vllm.max_model_len if fallback else None
+    endpoint = resolve_endpoint(client, base_url, model, fallback_len)
+    seqs = seat_profile.vllm.max_num_seqs if seat_profile else None
+    if ref_profile is None:
+        notes.append("no reference figures: pass --profile NAME to compare with a profile's")
+    return Target(endpoint=endpoint, profile=ref_profile, seat=seat_name, max_num_seqs=seqs, notes=notes)
+
+
+def make_client() -> httpx.Client:
+    # Per-call timeouts are always passed explicitly; this default only guards a forgotten one.
+    return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and half-range over runs: how the seat's figures are reported (3 runs, ± half-range)."""
+
+    mean: float
+    half_range: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float | None]) -> "Stat | None":
+        vals = [v for v in values if v is not None]
+        if not vals:
+            return None
+        return cls(mean=sum(vals) / len(vals), half_range=(max(vals) - min(vals)) / 2.0, n=len(vals))
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"mean": self.mean, "half_range": self.half_range, "n": self.n}
+
+
+# ---------------------------------------------------------------------------------------------
+# one measurement: N concurrent streams of one suite
+
+
+@dataclass
+class RunResult:
+    streams: int
+    suite: str
+    run: int
+    per_stream: list[StreamResult]
+    spec: SpecDelta | None
+
+    @property
+    def wall_s(self) -> float:
+        # From the first request sent to the last stream closed: TTFT is inside, as in the
+        # reference's aggregate.
+        start = min(s.t_start for s in self.per_stream)
+        end = max(s.t_end or s.t_start for s in self.per_stream)
+        return end - start
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.completion_tokens or 0 for s in self.per_stream)
+
+    @property
+    def aggregate_tok_s(self) -> float | None:
+        w = self.wall_s
+        return self.completion_tokens / w if w > 0 else None
+
+    @property
+    def ttft_max_s(self) -> float | None:
+        vals = [s.ttft_s for s in self.per_stream if s.ttft_s is not None]
+        return max(vals) if vals else None
+
+    @property
+    def per_stream_tok_s(self) -> list[float]:
+        return [v for v in (s.decode_tok_s for s in self.per_stream) if v is not None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "wall_s": self.wall_s,
+            "completion_tokens": self.completion_tokens,
+            "aggregate_tok_s": self.aggregate_tok_s,
+            "ttft_max_s": self.ttft_max_s,
+            "acceptance_length": self.spec.acceptance_length if self.spec else None,
+            "spec_delta": None if self.spec is None else {
+                "accepted": self.spec.accepted, "drafts": self.spec.drafts, "draft_tokens": self.spec.draft_tokens},
+            "per_stream": [{
+                "prompt_tokens": s.prompt_tokens,
+                "completion_tokens": s.completion_tokens,
+                "ttft_s": s.ttft_s,
+                "decode_s": s.decode_s,
+                "decode_tok_s": s.decode_tok_s,
+                "burst": s.burst,
+                "finish_reason": s.finish_reason,
+                "chunks": s.chunks,
+                "content_chars": len(s.content),
+                "reasoning_chars": len(s.reasoning),
+            } for s in self.per_stream],
+        }
+
+
+def run_streams(endpoint: Endpoint, body: dict[str, Any], streams: int, read_timeout_s: float,
+                client_factory: Callable[[], httpx.Client] = make_client) -> list[StreamResult]:
+    """Start `streams` identical requests together; return them in order or raise the first error."""
+    results: list[StreamResult | None] = [None] * streams
+    errors: list[tuple[int, BaseException]] = []
+    gate = threading.Barrier(streams)
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        with client_factory() as c:
+            try:
+                gate.wait(timeout=30)
+                results[i] = stream_chat(c, endpoint, body, read_timeout_s)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                with lock:
+                    errors.append((i, e))
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"bench-stream-{i}")
+               for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        i, e = sorted(errors, key=lambda x: x[0])[0]
+        if isinstance(e, DsvError):
+            e.message = f"stream {i + 1}/{streams}: {e.message}"
+            raise e
+        raise JobFailed(f"stream {i + 1}/{streams}: {e.__class__.__name__}: {e}")
+    return [r for r in results if r is not None]
+
+
+def measure(client: httpx.Client, endpoint: Endpoint, suite: str, streams: int, run: int, max_tokens: int,
+            thinking: bool, read_timeout_s: float,
+            client_factory: Callable[[], httpx.Client] = make_client) -> RunResult:
+    body = chat_body(endpoint, SUITES[suite], max_tokens, thinking)
+    before = scrape_spec(client, endpoint.base_url)
+    try:
+        per_stream = run_streams(endpoint, body, streams, read_timeout_s, client_factory)
+    except DsvError as e:
+        e.message = f"{suite} × {streams} stream(s), run {run}: {e.message}"
+        raise
+    after = scrape_spec(client, endpoint.base_url)
+    return RunResult(streams=streams, suite=suite, run=run, per_stream=per_stream, spec=spec_delta(before, after))
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole table
+
+
+@dataclass
+class BenchSettings:
+    streams: list[int]
+    suites: list[str]
+    max_tokens: int = 256
+    runs: int = 3
+    thinking: bool = False
+    read_timeout_s: float = 300.0
+    warmup: bool = True
+
+    def validate(self, endpoint: Endpoint) -> None:
+        if self.max_tokens < 1:
+            raise BadInput("--max-tokens must be at least 1")
+        if self.runs < 1:
+            raise BadInput("--runs must be at least 1")
+        if endpoint.max_model_len is not None and self.max_tokens >= endpoint.max_model_len:
+            raise BadInput(f"--max-tokens {self.max_tokens} does not fit the seat's max-model-len "
+                           f"{endpoint.max_model_len} with a prompt", hint=f"use at most {endpoint.max_model_len // 2}")
+
+
+def summarize_cell(runs: list[RunResult], profile: Profile | None) -> dict[str, Any]:
+    streams, suite = runs[0].streams, runs[0].suite
+    agg = Stat.of([r.aggregate_tok_s for r in runs])
+    ttft = Stat.of([r.ttft_max_s for r in runs])
+    acc = Stat.of([r.spec.acceptance_length if r.spec else None for r in runs])
+    per_stream = [v for r in runs for v in r.per_stream_tok_s]
+    ref_tok = ref_acc = None
+    if profile is not None:
+        ref_tok = profile.reference.tok_s.get(str(streams), {}).get(suite)
+        ref_acc = profile.reference.acceptance_length.get(suite)
+    return {
+        "streams": streams,
+        "suite": suite,
+        "aggregate_tok_s": agg.to_dict() if agg else None,
+        "per_stream_tok_s": {"min": min(per_stream), "max": max(per_stream)} if per_stream else None,
+        "ttft_max_s": ttft.to_dict() if ttft else None,
+        "acceptance_length": acc.to_dict() if acc else None,
+        "completion_tokens": [r.completion_tokens for r in runs],
+        "reference": {"tok_s": ref_tok, "acceptance_length": ref_acc},
+        "ratio": {
+            "tok_s": (agg.mean / ref_tok) if agg and ref_tok else None,
+            "acceptance_length": (acc.mean / ref_acc) if acc and ref_acc else None,
+        },
+        "runs": [r.to_dict() for r in runs],
+    }
+
+
+Progress = Callable[[str], None]
+
+
+def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
+              progress: Progress | None = None,
+              client_factory: Callable[[], httpx.Client] = make_client) -> dict[str, Any]:
+    ep = target.endpoint
+    settings.validate(ep)
+    notes = list(target.notes)
+    if target.profile is not None and not target.profile.reference.tok_s:
+        notes.append(f"profile {target.profile.name} carries no reference tok/s: pass --profile NAME "
+                     "(e.g. 8x16gb-380k) to compare")
+    if target.max_num_seqs is not None and max(settings.streams) > target.max_num_seqs:
+        notes.append(f"{max(settings.streams)} streams exceed the seat's max-num-seqs {target.max_num_seqs}: "
+                     "the extra requests queue, so that aggregate is not concurrent throughput")
+    if settings.warmup:
+        # The first request after start pays one-off costs (TP warm-up, compilation caches);
+        # it is sent and discarded so it does not land in the first cell.
+        if progress:
+            progress("warm-up")
+        # As many at once as the widest cell, so a first batch of that size is not measured either.
+        run_streams(ep, chat_body(ep, "Say hello.", 2, settings.thinking), max(settings.streams),
+                    settings.read_timeout_s, client_factory)
+    cells: dict[tuple[int, str], list[RunResult]] = {}
+    # Runs are the outer loop so slow drift (clocks, thermals, other tenants) spreads over
+    # all cells instead of biasing whichever cell ran last.
+    for run in range(1, settings.runs + 1):
+        for streams in settings.streams:
+            for suite in settings.suites:
+                if progress:
+                    progress(f"run {run}/{settings.runs}: {suite} × {streams}")
+                r = measure(client, ep, suite, streams, run, settings.max_tokens, settings.thinking,
+                            settings.read_timeout_s, client_factory)
+                cells.setdefault((streams, suite), []).append(r)
+    bursts = sum(s.burst for rs in cells.values() for r in rs for s in r.per_stream)
+    if bursts:
+        notes.append(f"{bursts} stream(s) received all their tokens in one burst (client or server starved of CPU): "
+                     "their decode rate is not measurable and is left out of the per-stream figures")
+    summaries = [summarize_cell(cells[(s, q)], target.profile) for s in settings.streams for q in settings.suites]
+    if all(c["acceptance_length"] is None for c in summaries):
+        notes.append("acceptance length n/a: the server exposes no speculative-decoding counters "
+                     "(speculation off, or /metrics absent)")
+    else:
+        notes.append("acceptance length comes from server-wide /metrics counters: "
+                     "other traffic during the run would skew it")
+    ref = target.profile.reference if target.profile else None
+    return {
+        "kind": "dsv4serve.bench",
+        "version": 1,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "endpoint": {"base_url": ep.base_url, "model": ep.model, "max_model_len": ep.max_model_len,
+                     "seat": target.seat},
+        "settings": {"streams": settings.streams, "suites": settings.suites, "max_tokens": settings.max_tokens,
+                     "runs": settings.runs, "thinking": settings.thinking, "temperature": 0},
+        "reference": None if target.profile is None else {
+            "profile": target.profile.name, "source": ref.source if ref else None},
+        "cells": summaries,
+        "notes": notes,
+    }

@@ -1,0 +1,443 @@
+"""HTTP primitives the bench measurements share: the endpoint, SSE parsing, /metrics, /tokenize.
+
+Everything here talks to an OpenAI-compatible server (vLLM in practice) with explicit timeouts,
+and turns every failure into a one-line `DsvError`: a bench that swallows an error chunk reports
+a number for a request that never finished (seat-reference §7 trap 18).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import httpx
+
+from dsv4serve.errors import BadInput, JobFailed
+
+# Short calls (models, metrics, tokenize of a short text) must never hang a bench.
+SHORT_TIMEOUT_S = 15.0
+CONNECT_TIMEOUT_S = 5.0
+# Faster than 5,000 tok/s for one stream is no decode any seat does; it is a delivery burst.
+BURST_S_PER_TOKEN = 0.0002
+
+
+def timeout(read_s: float) -> httpx.Timeout:
+    """Connect fast or fail; `read_s` bounds the silence between two bytes of a response."""
+    return httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_s, write=60.0, pool=CONNECT_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+    model: str
+    max_model_len: int | None = None
+    served: tuple[str, ...] = ()
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def _server_message(resp: httpx.Response) -> str:
+    """The server's own words for a non-200: vLLM sends {"error": {"message": ...}}."""
+    try:
+        body = resp.json()
+    except ValueError:
+        text = resp.text.strip().replace("\n", " ")
+        return text[:300] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("detail") or json.dumps(err)[:300]
+            return str(msg)
+        if isinstance(err, str):
+            return err
+        if "detail" in body:
+            return str(body["detail"])
+    return json.dumps(body)[:300]
+
+
+def http_failure(base_url: str, e: httpx.HTTPError) -> JobFailed:
+    if isinstance(e, httpx.ConnectError):
+        return JobFailed(f"cannot reach {base_url} (connection refused or no route)",
+                         hint="is the seat up? check `dsv4serve status`, or the --base-url")
+    if isinstance(e, httpx.TimeoutException):
+        return JobFailed(f"{base_url} did not answer in time ({e.__class__.__name__})",
+                         hint="raise --timeout if the seat is just slow (long prefill), else check its log")
+    return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {e}")
+
+
+def check_status(resp: httpx.Response, what: str) -> None:
+    if resp.status_code != 200:
+        raise JobFailed(f"{what}: HTTP {resp.status_code}: {_server_message(resp)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the endpoint: served models and their max-model-len
+
+
+def list_models(client: httpx.Client, base_url: str) -> list[dict[str, Any]]:
+    try:
+        resp = client.get(base_url.rstrip("/") + "/v1/models", timeout=timeout(SHORT_TIMEOUT_S))
+    except httpx.HTTPError as e:
+        raise http_failure(base_url, e) from None
+    check_status(resp, f"GET {base_url}/v1/models")
+    try:
+        data = resp.json().get("data", [])
+    except (ValueError, AttributeError):
+        raise JobFailed(f"{base_url}/v1/models did not return an OpenAI model list") from None
+    return [m for m in data if isinstance(m, dict) and "id" in m]
+
+
+def resolve_endpoint(client: httpx.Client, base_url: str, model: str | None,
+                     fallback_max_len: int | None = None) -> Endpoint:
+    """Check the server answers and serves `model`; learn its max-model-len."""
+    models = list_models(client, base_url)
+    served = tuple(str(m["id"]) for m in models)
+    if not served:
+        raise JobFailed(f"{base_url} serves no model")
+    if model is None:
+        if len(served) > 1:
+            raise BadInput(f"{base_url} serves {len(served)} models ({', '.join(served)})", hint="pick one with --model")
+        model = served[0]
+    if model not in served:
+        raise BadInput(f"model '{model}' is not served at {base_url} (served: {', '.join(served)})",
+                       hint="pass one of those to --model")
+    entry = next(m for m in models if m["id"] == model)
+    mml = entry.get("max_model_len")
+    max_len = int(mml) if isinstance(mml, (int, float)) and mml > 0 else fallback_max_len
+    return Endpoint(base_url=base_url.rstrip("/"), model=model, max_model_len=max_len, served=served)
+
+
+# ---------------------------------------------------------------------------------------------
+# SSE
+
+
+def iter_sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """Yield the data payload of each server-sent event.
+
+    Comment lines (`: keep-alive`) and fields other than `data` are skipped; a payload split
+    over several `data:` lines is joined with newlines; a blank line ends an event. A payload
+    still pending when the stream ends is yielded too (a server that dies mid-event).
+    """
+    buf: list[str] = []
+    for raw in lines:
+        line = raw.rstrip("\r\n")
+        if line == "":
+            if buf:
+                yield "\n".join(buf)
+                buf = []
+            continue
+        if line.startswith(":"):
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            continue  # a field with no value carries nothing we need
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            buf.append(value)
+    if buf:
+        yield "\n".join(buf)
+
+
+class StreamError(JobFailed):
+    """The server reported an error inside a stream, or sent something that is not a chunk."""
+
+
+def parse_chunk(payload: str) -> dict[str, Any]:
+    """Decode one SSE payload into a chunk, raising on an error chunk or garbage."""
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        raise StreamError(f"stream sent a non-JSON event: {payload[:200]!r}") from None
+    if not isinstance(obj, dict):
+        raise StreamError(f"stream sent a non-object event: {payload[:200]!r}")
+    if "error" in obj:
+        err = obj["error"]
+        msg = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
+        raise StreamError(f"server sent an error chunk: {msg}")
+    # A chunk without `choices` is what a bench once indexed blindly (KeyError 'choices') and
+    # swallowed; only the final usage chunk may legitimately have an empty list.
+    if "choices" not in obj:
+        raise StreamError(f"stream chunk has no 'choices': {payload[:200]}")
+    return obj
+
+
+@dataclass
+class StreamResult:
+    """One streamed chat completion, timed on the client's monotonic clock."""
+
+    t_start: float
+    t_first: float | None = None       # first delta carrying content or reasoning
+    t_last: float | None = None        # last chunk carrying a choice (token or finish)
+    t_end: float | None = None         # the stream closed
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    content: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+    chunks: int = 0                    # for diagnostics only: never a token count
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_start
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.t_first is None or self.t_last is None:
+            return None
+        return self.t_last - self.t_first
+
+    @property
+    def burst(self) -> bool:
+        """All tokens reached the client at once: a starved client or HTTP layer buffered them.
+
+        Seen on a CPU seat with more streams than cores: 16 tokens "decoded" in 0.2 ms. The
+        interval then measures buffering, not decoding, and gives no decode rate.
+        """
+        d = self.decode_s
+        n = self.completion_tokens or 0
+        return d is not None and n > 2 and d < n * BURST_S_PER_TOKEN
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        # Same definition as the seat's reference instrument (tokens over last - first event),
+        # so ratios against the profile's figures compare like with like.
+        d = self.decode_s
+        if d is None or d <= 0 or not self.completion_tokens or self.burst:
+            return None
+        return self.completion_tokens / d
+
+    @property
+    def wall_s(self) -> float | None:
+        return None if self.t_end is None else self.t_end - self.t_start
+
+
+def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.perf_counter) -> StreamResult:
+    """Fold SSE payloads into `result`; raise on errors and on a stream with no usage."""
+    done = False
+    for payload in payloads:
+        if payload.strip() == "[DONE]":
+            done = True
+            break
+        chunk = parse_chunk(payload)
+        now = clock()
+        result.chunks += 1
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            result.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+            result.completion_tokens = _int_or_none(usage.get("completion_tokens"))
+        for choice in chunk["choices"] or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            reason = delta.get("reasoning_content") or delta.get("reasoning")
+            if text or reason:
+                if result.t_first is None:
+                    result.t_first = now
+                result.content += text or ""
+                result.reasoning += reason or ""
+            result.t_last = now
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+    result.t_end = clock()
+    if not done:
+        raise StreamError("stream ended without [DONE] (the server closed it mid-generation)")
+    if result.completion_tokens is None:
+        raise StreamError("stream carried no usage chunk, so tokens cannot be counted",
+                          hint="the server must honour stream_options.include_usage")
+    return result
+
+
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def chat_body(endpoint: Endpoint, prompt: str, max_tokens: int, thinking: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if not thinking:
+        # With reasoning on, thinking eats the budget and the answer can come back empty
+        # (seat-reference §7 trap 6); off unless the user asks for it.
+        body["chat_template_kwargs"] = {"thinking": False}
+    return body
+
+
+def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], read_timeout_s: float,
+                clock=time.perf_counter) -> StreamResult:
+    result = StreamResult(t_start=clock())
+    try:
+        with client.stream("POST", endpoint.url("/v1/chat/completions"), json=body,
+                           timeout=timeout(read_timeout_s)) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise StreamError(f"chat completion: HTTP {resp.status_code}: {_server_message(resp)}")
+            ctype = resp.headers.get("content-type", "")
+            if "text/event-stream" not in ctype:
+                resp.read()
+                raise StreamError(f"chat completion did not stream (content-type {ctype or 'missing'}): "
+                                  f"{resp.text[:200]}")
+            return consume_stream(iter_sse_data(resp.iter_lines()), result, clock)
+    except httpx.HTTPError as e:
+        raise http_failure(endpoint.base_url, e) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# /metrics (Prometheus text format)
+
+
+def _split_series(line: str) -> tuple[str, str] | None:
+    """`name{labels} value [ts]` -> (name, rest after the labels); None if not a sample."""
+    i = 0
+    n = len(line)
+    while i < n and line[i] not in "{ \t":
+        i += 1
+    name = line[:i]
+    if not name:
+        return None
+    if i < n and line[i] == "{":
+        # Skip the label set, honouring quotes and escapes: label values may contain } or spaces.
+        i += 1
+        in_q = False
+        while i < n:
+            c = line[i]
+            if in_q:
+                if c == "\\":
+                    i += 1
+                elif c == '"':
+                    in_q = False
+            elif c == '"':
+                in_q = True
+            elif c == "}":
+                break
+            i += 1
+        else:
+            return None
+        i += 1
+    return name, line[i:]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum every sample of each metric name over all its label sets."""
+    out: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        split = _split_series(line)
+        if split is None:
+            continue
+        name, rest = split
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_SERIES = (ACCEPTED, DRAFTS, DRAFT_TOKENS)
+
+
+def scrape_spec(client: httpx.Client, base_url: str) -> dict[str, float] | None:
+    """The speculative-decoding counters now, or None when /metrics is absent or unreadable."""
+    try:
+        resp = client.get(base_url.rstrip("/") + "/metrics", timeout=timeout(SHORT_TIMEOUT_S))
+    except httpx.HTTPError:
+        return None  # acceptance becomes "n/a"; the token figures do not depend on it
+    if resp.status_code != 200:
+        return None
+    values = parse_metrics(resp.text)
+    return {k: values[k] for k in SPEC_SERIES if k in values}
+
+
+@dataclass(frozen=True)
+class SpecDelta:
+    accepted: float
+    drafts: float
+    draft_tokens: float | None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens emitted per target forward: the accepted drafts plus the one bonus token."""
+        if self.drafts <= 0:
+            return None
+        return 1.0 + self.accepted / self.drafts
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.draft_tokens:
+            return None
+        return self.accepted / self.draft_tokens
+
+
+def spec_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> SpecDelta | None:
+    """The counters' growth over a run; None when either scrape lacks a needed series."""
+    if before is None or after is None:
+        return None
+    if any(k not in before or k not in after for k in (ACCEPTED, DRAFTS)):
+        return None
+    tokens = None
+    if DRAFT_TOKENS in before and DRAFT_TOKENS in after:
+        tokens = after[DRAFT_TOKENS] - before[DRAFT_TOKENS]
+    return SpecDelta(accepted=after[ACCEPTED] - before[ACCEPTED], drafts=after[DRAFTS] - before[DRAFTS],
+                     draft_tokens=tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize
+
+
+@dataclass
+class Tokenizer:
+    """The seat's own tokenizer, through vLLM's POST /tokenize; `available` False on other servers."""
+
+    client: httpx.Client
+    endpoint: Endpoint
+    read_timeout_s: float = 120.0
+    available: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def _post(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            resp = self.client.post(self.endpoint.url("/tokenize"), json=body, timeout=timeout(self.read_timeout_s))
+        except httpx.HTTPError as e:
+            raise http_failure(self.endpoint.base_url, e) from None
+        if resp.status_code in (404, 405, 501):
+            self.available = False
+            return None
+        check_status(resp, "POST /tokenize")
+        return resp.json()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int] | None:
+        out = self._post({"model": self.endpoint.model, "prompt": text, "add_special_tokens": add_special_tokens})
+        return None if out is None else [int(t) for t in out["tokens"]]
+
+    def chat_count(self, prompt: str, thinking: bool) -> int | None:
+        """Tokens of the whole chat-templated prompt, exactly as the server will see it."""
+        body: dict[str, Any] = {"model": self.endpoint.model, "messages": [{"role": "user", "content": prompt}],
+                                "add_generation_prompt": True}
+        if not thinking:
+            body["chat_template_kwargs"] = {"thinking": False}
+        out = self._post(body)
+        return None if out is None else int(out["count"])

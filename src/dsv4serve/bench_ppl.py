@@ -1,0 +1,182 @@
+"""`dsv4serve bench ppl`: perplexity through /v1/completions with prompt_logprobs.
+
+The text is cut with the seat's own tokenizer (POST /tokenize) into disjoint windows of exactly
+`ctx` tokens, each sent as a token-id prompt with `max_tokens: 1`. vLLM returns, per prompt
+position, a dict keyed by token id holding the actual prompt token's logprob and, when
+`prompt_logprobs` > 0, the top candidates too. We read the entry of the actual token by its id,
+never the max over the dict: the max would pick a better-scoring candidate and bias ppl down.
+The first position of each window has no context and no logprob, so it is not scored.
+
+Caution on a full seat: prompt_logprobs gathers the whole vocabulary's logits, which ran the
+380K seat out of memory; measure ppl on a seat sized for it (the 8x16gb-ppl profile).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from dsv4serve.bench import Target
+from dsv4serve.bench_client import Endpoint, Tokenizer, check_status, http_failure, timeout
+from dsv4serve.errors import BadInput, JobFailed
+
+SAMPLE_NAME = "ppl_sample.txt"
+
+
+def sample_text() -> str:
+    """The project's own English sample (written for dsv4serve, free to use)."""
+    return resources.files("dsv4serve").joinpath("data", SAMPLE_NAME).read_text(encoding="utf-8")
+
+
+@dataclass
+class PplSettings:
+    ctx: int = 512
+    chunks: int = 16
+    text: Path | None = None
+    read_timeout_s: float = 600.0
+
+    def validate(self, max_model_len: int | None) -> None:
+        if self.ctx < 2:
+            raise BadInput("--ctx must be at least 2 tokens")
+        if self.chunks < 1:
+            raise BadInput("--chunks must be at least 1")
+        # The prompt plus the one generated token must fit the window.
+        if max_model_len is not None and self.ctx + 1 > max_model_len:
+            raise BadInput(f"--ctx {self.ctx} plus the one generated token exceeds the seat's max-model-len "
+                           f"{max_model_len}", hint=f"use --ctx {max_model_len - 1} or less")
+
+
+def _read_text(settings: PplSettings) -> tuple[str, str]:
+    if settings.text is None:
+        return sample_text(), f"dsv4serve sample ({SAMPLE_NAME})"
+    try:
+        return settings.text.read_text(encoding="utf-8"), str(settings.text)
+    except OSError as e:
+        raise BadInput(f"cannot read --text {settings.text}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"--text {settings.text} is not UTF-8 text") from None
+
+
+def detect_bos(tok: Tokenizer) -> int | None:
+    """The token the tokenizer prepends to a plain prompt, if any (the seat's BOS)."""
+    with_special = tok.encode("a", add_special_tokens=True) or []
+    plain = tok.encode("a", add_special_tokens=False) or []
+    if len(with_special) == len(plain) + 1 and with_special[1:] == plain:
+        return with_special[0]
+    return None
+
+
+def windows(ids: list[int], ctx: int, chunks: int, bos: int | None) -> list[list[int]]:
+    """Disjoint prompts of exactly `ctx` tokens; with a BOS, it leads each and text fills ctx-1."""
+    step = ctx - (1 if bos is not None else 0)
+    out = []
+    for i in range(chunks):
+        piece = ids[i * step:(i + 1) * step]
+        if len(piece) < step:
+            break
+        out.append(([bos] if bos is not None else []) + piece)
+    return out
+
+
+def window_nll(prompt: list[int], prompt_logprobs: Any) -> tuple[float, int]:
+    """Summed negative log-likelihood of prompt[1:] and the count scored."""
+    if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(prompt):
+        got = len(prompt_logprobs) if isinstance(prompt_logprobs, list) else type(prompt_logprobs).__name__
+        raise JobFailed(f"prompt_logprobs has {got} entries for a {len(prompt)}-token prompt",
+                        hint="the server does not return per-token prompt logprobs as vLLM does")
+    total = 0.0
+    for pos in range(1, len(prompt)):
+        entry = prompt_logprobs[pos]
+        item = entry.get(str(prompt[pos])) if isinstance(entry, dict) else None
+        if not isinstance(item, dict) or "logprob" not in item:
+            raise JobFailed(f"prompt_logprobs at position {pos} has no entry for the prompt token {prompt[pos]}")
+        total -= float(item["logprob"])
+    return total, len(prompt) - 1
+
+
+def score(client: httpx.Client, ep: Endpoint, prompt: list[int], read_timeout_s: float) -> tuple[float, int]:
+    body = {"model": ep.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    try:
+        resp = client.post(ep.url("/v1/completions"), json=body, timeout=timeout(read_timeout_s))
+    except httpx.HTTPError as e:
+        raise http_failure(ep.base_url, e) from None
+    check_status(resp, "completion with prompt_logprobs")
+    try:
+        choice = resp.json()["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise JobFailed(f"completion response has no choices: {resp.text[:200]}") from None
+    return window_nll(prompt, choice.get("prompt_logprobs"))
+
+
+def run_ppl(client: httpx.Client, target: Target, settings: PplSettings,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    ep = target.endpoint
+    settings.validate(ep.max_model_len)
+    text, label = _read_text(settings)
+    tok = Tokenizer(client, ep, read_timeout_s=settings.read_timeout_s)
+    ids = tok.encode(text, add_special_tokens=False)
+    if ids is None:
+        raise JobFailed(f"{ep.base_url} has no /tokenize: ppl needs the seat's tokenizer to cut token windows")
+    bos = detect_bos(tok)
+    wins = windows(ids, settings.ctx, settings.chunks, bos)
+    if not wins:
+        raise BadInput(f"the text has {len(ids)} tokens, less than one window of --ctx {settings.ctx}",
+                       hint="use a longer --text or a smaller --ctx")
+    notes = list(target.notes)
+    if len(wins) < settings.chunks:
+        notes.append(f"the text holds only {len(wins)} windows of {settings.ctx} tokens, not {settings.chunks}")
+    per_window: list[float | None] = []
+    nll_sum = 0.0
+    scored = 0
+    for i, w in enumerate(wins, 1):
+        if progress:
+            progress(f"window {i}/{len(wins)}")
+        nll, n = score(client, ep, w, settings.read_timeout_s)
+        per_window.append(math.exp(nll / n) if math.isfinite(nll) else None)
+        nll_sum += nll
+        scored += n
+    ppl: float | None = math.exp(nll_sum / scored)
+    if not math.isfinite(ppl):
+        # A -inf logprob (a token the model gives zero probability): say so rather than print
+        # a bare Infinity that strict JSON readers reject.
+        notes.append("perplexity is infinite: a prompt token had zero probability")
+        ppl = None
+    ref = target.profile.reference.ppl if target.profile else None
+    shipped = settings.text is None
+    comparable = bool(ref and not shipped and ref.ctx == settings.ctx and ref.chunks == len(wins))
+    if shipped:
+        notes.append("measured on the dsv4serve sample text: NOT comparable to wikitext-2 figures "
+                     "(pass --text wiki.test.raw for those)")
+    elif ref is not None:
+        notes.append(f"comparable to the reference ({ref.text}, {ref.ctx}x{ref.chunks}) only if --text is that "
+                     "text and the windows match" + ("" if comparable else "; ctx or chunk count differ here"))
+    notes.append("windows are exact token windows; the reference instrument cut ctx*4-character windows "
+                 "capped at ctx tokens, so figures can differ slightly")
+    return {
+        "kind": "dsv4serve.bench.ppl",
+        "version": 1,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "endpoint": {"base_url": ep.base_url, "model": ep.model, "max_model_len": ep.max_model_len,
+                     "seat": target.seat},
+        "text": label,
+        "text_shipped": shipped,
+        "text_tokens": len(ids),
+        "ctx": settings.ctx,
+        "chunks_requested": settings.chunks,
+        "chunks": len(wins),
+        "bos": bos,
+        "tokens_scored": scored,
+        "ppl": ppl,
+        "ppl_per_window": per_window,
+        "reference": None if ref is None else {
+            "profile": target.profile.name if target.profile else None, "value": ref.value, "ctx": ref.ctx,
+            "chunks": ref.chunks, "text": ref.text, "comparable": comparable},
+        "ratio": (ppl / ref.value) if comparable and ref and ppl is not None else None,
+        "notes": notes,
+    }

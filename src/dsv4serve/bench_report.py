@@ -1,0 +1,243 @@
+"""Render bench results: rich tables for the terminal, Markdown and JSON files, a PNG chart.
+
+Every renderer reads the plain result dicts built by bench / bench_needle / bench_ppl, so what the
+terminal shows, what --json prints and what --out writes are the same figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from dsv4serve.errors import BadInput
+
+NA = "n/a"
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return NA if v is None else f"{v:.{digits}f}"
+
+
+def _stat(s: dict[str, Any] | None, digits: int = 1) -> str:
+    if not s:
+        return NA
+    if s["n"] > 1:
+        return f"{s['mean']:.{digits}f} ±{s['half_range']:.{digits}f}"
+    return f"{s['mean']:.{digits}f}"
+
+
+def _ratio(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}×"
+
+
+def _range(r: dict[str, float] | None) -> str:
+    return NA if not r else f"{r['min']:.1f}–{r['max']:.1f}"
+
+
+def _ref_name(result: dict[str, Any]) -> str:
+    ref = result.get("reference")
+    return ref["profile"] if ref else "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# terminal
+
+
+def bench_tables(result: dict[str, Any]) -> list[Table]:
+    """One table per suite: a row per stream count, measured beside the reference and the ratio."""
+    ref = _ref_name(result)
+    tables = []
+    for suite in result["settings"]["suites"]:
+        # Sized for an 80-column terminal; the per-run token counts are in the Markdown and JSON.
+        t = Table(title=f"{suite}: {result['endpoint']['model']} vs reference {ref}", title_justify="left",
+                  caption="n = concurrent streams; tok/s = aggregate; ± = half-range over runs",
+                  caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True,
+                  show_edge=False)
+        for col in ("n", "tok/s", "ref", "ratio", "per-stream", "TTFT s", "accept", "ref", "ratio"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for c in result["cells"]:
+            if c["suite"] != suite:
+                continue
+            t.add_row(str(c["streams"]), _stat(c["aggregate_tok_s"]), _num(c["reference"]["tok_s"]),
+                      _ratio(c["ratio"]["tok_s"]), _range(c["per_stream_tok_s"]), _stat(c["ttft_max_s"], 2),
+                      _stat(c["acceptance_length"], 2), _num(c["reference"]["acceptance_length"], 2),
+                      _ratio(c["ratio"]["acceptance_length"]))
+        tables.append(t)
+    return tables
+
+
+def needle_table(r: dict[str, Any]) -> Table:
+    ref = r.get("reference") or {}
+    t = Table(title=f"needle: {r['prompt_tokens']} prompt tokens at depth {r['depth']:g} "
+                    f"({r['tokens_sized_by']}), vs reference {ref.get('profile') or 'none'}", title_justify="left")
+    for col in ("metric", "measured", "reference", "ratio"):
+        t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
+    ratio = r.get("ratio") or {}
+    t.add_row("found", "yes" if r["found"] else "no", _yn(ref.get("found")), "")
+    t.add_row("TTFT s", _num(r["ttft_s"], 2), _num(ref.get("ttft_s"), 1), _ratio(ratio.get("ttft_s")))
+    t.add_row("prefill tok/s", _num(r["prefill_tok_s"]), _num(ref.get("prefill_tok_s")), "")
+    t.add_row("decode tok/s", _num(r["decode_tok_s"]), _num(ref.get("decode_tok_s")), _ratio(ratio.get("decode_tok_s")))
+    return t
+
+
+def _yn(v: bool | None) -> str:
+    return NA if v is None else ("yes" if v else "no")
+
+
+def ppl_table(r: dict[str, Any]) -> Table:
+    ref = r.get("reference") or {}
+    t = Table(title=f"ppl: {r['text']}, {r['ctx']}×{r['chunks']} ({r['tokens_scored']} tokens scored)",
+              title_justify="left")
+    for col in ("metric", "measured", "reference", "ratio", "comparable"):
+        t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
+    ref_txt = f"{ref['value']:.4f} ({ref['ctx']}×{ref['chunks']})" if ref else NA
+    t.add_row("perplexity", _num(r["ppl"], 4), ref_txt, _ratio(r.get("ratio")), _yn(ref.get("comparable")) if ref else NA)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+
+
+def bench_markdown(result: dict[str, Any]) -> str:
+    ep, st = result["endpoint"], result["settings"]
+    ref = result.get("reference")
+    lines = [
+        "# dsv4serve bench",
+        "",
+        f"- endpoint: `{ep['base_url']}`, model `{ep['model']}`" + (f", seat `{ep['seat']}`" if ep.get("seat") else ""),
+        f"- measured: {result['measured_at']}; {st['runs']} run(s), max_tokens {st['max_tokens']}, "
+        f"temperature 0, thinking {'on' if st['thinking'] else 'off'}",
+        f"- reference: profile `{ref['profile']}`" + (f" ({ref['source']})" if ref.get("source") else "")
+        if ref else "- reference: none",
+        "- tok/s is the aggregate Σ usage completion tokens / wall (TTFT included); mean ± half-range over runs; "
+        "ratio = measured / reference",
+        "",
+        "| suite | streams | measured tok/s | reference tok/s | ratio | per-stream tok/s | TTFT max s "
+        "| accept len | reference accept | ratio | tokens per run |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for c in result["cells"]:
+        lines.append(
+            f"| {c['suite']} | {c['streams']} | {_stat(c['aggregate_tok_s'])} | {_num(c['reference']['tok_s'])} "
+            f"| {_ratio(c['ratio']['tok_s'])} | {_range(c['per_stream_tok_s'])} | {_stat(c['ttft_max_s'], 2)} "
+            f"| {_stat(c['acceptance_length'], 2)} | {_num(c['reference']['acceptance_length'], 2)} "
+            f"| {_ratio(c['ratio']['acceptance_length'])} | {'/'.join(str(n) for n in c['completion_tokens'])} |")
+    lines += _notes_md(result)
+    return "\n".join(lines) + "\n"
+
+
+def needle_markdown(r: dict[str, Any]) -> str:
+    ref = r.get("reference") or {}
+    ratio = r.get("ratio") or {}
+    lines = [
+        "# dsv4serve bench needle",
+        "",
+        f"- endpoint: `{r['endpoint']['base_url']}`, model `{r['endpoint']['model']}`",
+        f"- prompt: {r['prompt_tokens']} tokens (asked {r['tokens_requested']}, sized by {r['tokens_sized_by']}), "
+        f"depth {r['depth']:g}, code `{r['code']}`",
+        f"- reference: profile `{ref['profile']}` ({ref['tokens']} tokens, depth {ref['depth']:g})" if ref
+        else "- reference: none",
+        "",
+        "| metric | measured | reference | ratio |",
+        "|---|--:|--:|--:|",
+        f"| found | {'yes' if r['found'] else 'no'} | {_yn(ref.get('found'))} | |",
+        f"| TTFT s | {_num(r['ttft_s'], 2)} | {_num(ref.get('ttft_s'), 1)} | {_ratio(ratio.get('ttft_s'))} |",
+        f"| prefill tok/s | {_num(r['prefill_tok_s'])} | {_num(ref.get('prefill_tok_s'))} | |",
+        f"| decode tok/s | {_num(r['decode_tok_s'])} | {_num(ref.get('decode_tok_s'))} "
+        f"| {_ratio(ratio.get('decode_tok_s'))} |",
+    ]
+    lines += _notes_md(r)
+    return "\n".join(lines) + "\n"
+
+
+def ppl_markdown(r: dict[str, Any]) -> str:
+    ref = r.get("reference")
+    lines = [
+        "# dsv4serve bench ppl",
+        "",
+        f"- endpoint: `{r['endpoint']['base_url']}`, model `{r['endpoint']['model']}`",
+        f"- text: {r['text']}; {r['chunks']} windows of {r['ctx']} tokens, {r['tokens_scored']} tokens scored",
+        "",
+        "| metric | measured | reference | ratio | comparable |",
+        "|---|--:|--:|--:|--:|",
+        f"| perplexity | {_num(r['ppl'], 4)} | "
+        + (f"{ref['value']:.4f} ({ref['text']}, {ref['ctx']}×{ref['chunks']}, profile `{ref['profile']}`)"
+           if ref else NA)
+        + f" | {_ratio(r.get('ratio'))} | {_yn(ref['comparable']) if ref else NA} |",
+    ]
+    lines += _notes_md(r)
+    return "\n".join(lines) + "\n"
+
+
+def _notes_md(r: dict[str, Any]) -> list[str]:
+    notes = r.get("notes") or []
+    return (["", "Notes:", ""] + [f"- {n}" for n in notes]) if notes else []
+
+
+# ---------------------------------------------------------------------------------------------
+# chart
+
+
+def write_png(result: dict[str, Any], path: Path) -> str | None:
+    """tok/s by suite and streams, reference beside measured. Returns a note when skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a seat host
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: bench.png skipped (install the `plot` extra)"
+    cells = result["cells"]
+    labels = [f"{c['suite']}×{c['streams']}" for c in cells]
+    measured = [c["aggregate_tok_s"]["mean"] if c["aggregate_tok_s"] else 0.0 for c in cells]
+    errs = [c["aggregate_tok_s"]["half_range"] if c["aggregate_tok_s"] else 0.0 for c in cells]
+    refs = [c["reference"]["tok_s"] or 0.0 for c in cells]
+    xs = list(range(len(cells)))
+    w = 0.4
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(cells)), 3.5))
+    ax.bar([x - w / 2 for x in xs], measured, w, yerr=errs, label="measured")
+    if any(refs):
+        ax.bar([x + w / 2 for x in xs], refs, w, label=f"reference ({_ref_name(result)})")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("tok/s (aggregate)")
+    ax.set_title(f"dsv4serve bench: {result['endpoint']['model']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[list[Path], list[str]]:
+    """`stem`.json and `stem`.md (and bench.png for the main table) under out_dir.
+
+    A skipped chart is noted in the returned notes and in the files themselves.
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"cannot create --out {out_dir}: {e.strerror or e}") from None
+    written: list[Path] = []
+    notes: list[str] = []
+    if stem == "bench":
+        png = out_dir / "bench.png"
+        skipped = write_png(result, png)
+        if skipped:
+            notes.append(skipped)
+            result = {**result, "notes": [*result.get("notes", []), skipped]}
+        else:
+            written.append(png)
+    md = {"bench": bench_markdown, "needle": needle_markdown, "ppl": ppl_markdown}[stem](result)
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out_dir / f"{stem}.md").write_text(md)
+    return [out_dir / f"{stem}.json", out_dir / f"{stem}.md", *written], notes

@@ -1,0 +1,400 @@
+"""The bench CLI against a scripted fake endpoint, and its error paths against a closed port.
+
+`FakeVllm` stands in for vLLM's OpenAI server so the tests can script what a real server will not
+produce on demand: error chunks mid-stream, chunks without `choices`, HTTP 500s, several tokens
+per chunk, missing /metrics or /tokenize, two served models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from dsv4serve.cli import app
+
+TOKENS_PER_CHUNK = 3
+
+
+@dataclass
+class Script:
+    models: list[str] = field(default_factory=lambda: ["fake-model"])
+    max_model_len: int | None = 4096
+    chat: str = "ok"                  # ok | error_chunk | no_choices | http_500 | json_200
+    content_chunks: int = 4
+    metrics: bool = True
+    tokenize: bool = True
+    chunk_delay_s: float = 0.01
+    # filled in by the server
+    chat_bodies: list[dict] = field(default_factory=list)
+    completion_bodies: list[dict] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    drafts: float = 0.0
+    accepted: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    script: Script
+
+    def log_message(self, *args: Any) -> None:  # keep pytest output clean
+        pass
+
+    def _json(self, status: int, obj: Any) -> None:
+        raw = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _body(self) -> dict:
+        n = int(self.headers.get("Content-Length", "0"))
+        return json.loads(self.rfile.read(n) or b"{}")
+
+    def do_GET(self) -> None:  # noqa: N802
+        s = self.script
+        if self.path == "/v1/models":
+            data = []
+            for m in s.models:
+                entry: dict[str, Any] = {"id": m, "object": "model"}
+                if s.max_model_len is not None:
+                    entry["max_model_len"] = s.max_model_len
+                data.append(entry)
+            self._json(200, {"object": "list", "data": data})
+        elif self.path == "/metrics" and s.metrics:
+            with s.lock:
+                text = (f'vllm:spec_decode_num_drafts_total{{engine="0"}} {s.drafts / 2}\n'
+                        f'vllm:spec_decode_num_drafts_total{{engine="1"}} {s.drafts / 2}\n'
+                        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {s.accepted}\n'
+                        f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {s.drafts * 3}\n')
+            raw = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        s = self.script
+        body = self._body()
+        if self.path == "/v1/chat/completions":
+            self._chat(body)
+        elif self.path == "/tokenize" and s.tokenize:
+            if "messages" in body:
+                text = body["messages"][0]["content"]
+                self._json(200, {"count": (len(text) + 2) // 3 + 7, "max_model_len": s.max_model_len, "tokens": []})
+            else:
+                n = (len(body["prompt"]) + 2) // 3
+                self._json(200, {"count": n, "max_model_len": s.max_model_len, "tokens": [10 + i % 50 for i in range(n)]})
+        elif self.path == "/v1/completions":
+            s.completion_bodies.append(body)
+            prompt = body["prompt"]
+            # The prompt token scores -2.0; a better candidate rides along as vLLM adds top-k.
+            plp = [None] + [{str(t): {"logprob": -2.0, "rank": 4}, "999": {"logprob": -0.1, "rank": 1}}
+                            for t in prompt[1:]]
+            self._json(200, {"choices": [{"index": 0, "text": "x", "prompt_logprobs": plp}],
+                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1}})
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def _chat(self, body: dict) -> None:
+        s = self.script
+        with s.lock:
+            s.chat_bodies.append(body)
+            s.in_flight += 1
+            s.max_in_flight = max(s.max_in_flight, s.in_flight)
+        try:
+            if body.get("model") not in s.models:
+                self._json(404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}})
+                return
+            if s.chat == "json_200":  # a proxy that ignored stream: true
+                self._json(200, {"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1}})
+                return
+            if s.chat == "http_500":
+                self._json(500, {"error": {"message": "EngineCore died", "type": "InternalServerError"}})
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            prompt = body["messages"][0]["content"]
+            m = re.search(r"passcode is ([a-z]+-[a-z]+-\d+)\.", prompt)
+            events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+            if s.chat == "error_chunk":
+                events += [{"choices": [{"index": 0, "delta": {"content": "abc"}}]},
+                           {"error": {"message": "KV cache exhausted at 166000 tokens", "code": 500}}]
+            elif s.chat == "no_choices":
+                events += [{"choices": [{"index": 0, "delta": {"content": "abc"}}]}, {"object": "oops"}]
+            else:
+                words = [m.group(1)] if m else [f" w{i}" for i in range(s.content_chunks)]
+                for i, w in enumerate(words):
+                    last = i == len(words) - 1
+                    events.append({"choices": [{"index": 0, "delta": {"content": w},
+                                                "finish_reason": "length" if last else None}]})
+                n = TOKENS_PER_CHUNK * len(words)
+                events.append({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": n,
+                                                        "total_tokens": 20 + n}})
+                with s.lock:
+                    # Each chunk is one target step that accepted 2 drafted tokens: length 3.
+                    s.drafts += len(words)
+                    s.accepted += 2 * len(words)
+            for ev in events:
+                time.sleep(s.chunk_delay_s)
+                self.wfile.write(b": keep-alive\n\n")
+                self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        finally:
+            with s.lock:
+                s.in_flight -= 1
+
+
+@pytest.fixture
+def fake():
+    script = Script()
+    handler = type("H", (_Handler,), {"script": script})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    script.url = f"http://127.0.0.1:{srv.server_address[1]}"  # type: ignore[attr-defined]
+    yield script
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens here now
+    return port
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+def one_line_error(res) -> str:
+    err = res.stderr.strip()
+    assert "\n" not in err, err
+    assert err.startswith("error: ")
+    assert res.stdout == ""
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+
+def test_bench_json_counts_from_usage_and_acceptance_from_metrics(fake):
+    res = run("--base-url", fake.url, "--streams", "1,3", "--suite", "en,code", "--runs", "2",
+              "--max-tokens", "12", "--json", "--profile", "8x16gb-380k")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)  # one clean document: no bar, no table
+    assert doc["reference"]["profile"] == "8x16gb-380k"
+    assert [(c["streams"], c["suite"]) for c in doc["cells"]] == [(1, "en"), (1, "code"), (3, "en"), (3, "code")]
+    for c in doc["cells"]:
+        for r in c["runs"]:
+            for s in r["per_stream"]:
+                # 4 content chunks of 3 tokens each: usage says 12; the chunk count (7) is not used
+                assert s["completion_tokens"] == 12 and s["chunks"] == 6
+            assert r["completion_tokens"] == 12 * c["streams"]
+        assert c["acceptance_length"]["mean"] == pytest.approx(3.0)
+        assert c["aggregate_tok_s"]["n"] == 2
+    en1 = doc["cells"][0]
+    assert en1["reference"]["tok_s"] == 78.6
+    assert en1["ratio"]["tok_s"] == pytest.approx(en1["aggregate_tok_s"]["mean"] / 78.6)
+    assert doc["cells"][2]["reference"]["tok_s"] is None  # the profile has no 3-stream figure
+    assert fake.max_in_flight == 3  # the three streams really ran together
+    # warm-up (3 streams) + 2 runs x (1 + 3 streams) x 2 suites
+    assert len(fake.chat_bodies) == 3 + 2 * 4 * 2
+    b = fake.chat_bodies[-1]
+    assert b["temperature"] == 0 and b["stream"] is True and b["stream_options"] == {"include_usage": True}
+    assert b["chat_template_kwargs"] == {"thinking": False} and b["max_tokens"] == 12
+
+
+def test_thinking_flag_keeps_reasoning_on(fake):
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--thinking",
+              "--no-warmup", "--json")
+    assert res.exit_code == 0, res.stderr
+    assert "chat_template_kwargs" not in fake.chat_bodies[0]
+
+
+def test_table_output_and_files(fake, tmp_path):
+    out = tmp_path / "report"
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "ja", "--runs", "1", "--max-tokens", "12",
+              "--profile", "8x16gb-380k", "--out", str(out))
+    assert res.exit_code == 0, res.stderr
+    assert "ja: fake-model vs reference 8x16gb-380k" in res.stdout
+    assert "71.1" in res.stdout  # the reference figure beside the measured one
+    md = (out / "bench.md").read_text()
+    assert "| ja | 1 |" in md and "| 71.1 |" in md
+    assert json.loads((out / "bench.json").read_text())["cells"][0]["suite"] == "ja"
+
+
+def test_metrics_absent_gives_na(fake):
+    fake.metrics = False
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["cells"][0]["acceptance_length"] is None
+    assert any("acceptance length n/a" in n for n in doc["notes"])
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("error_chunk", "server sent an error chunk: KV cache exhausted at 166000 tokens"),
+    ("no_choices", "stream chunk has no 'choices'"),
+    ("http_500", "HTTP 500: EngineCore died"),
+    ("json_200", "did not stream (content-type application/json)"),
+])
+def test_stream_errors_are_surfaced(fake, mode, words):
+    fake.chat = mode
+    res = run("--base-url", fake.url, "--streams", "2", "--suite", "en", "--runs", "1", "--no-warmup", "--json")
+    assert res.exit_code == 1
+    err = one_line_error(res)
+    assert words in err and "en × 2 stream(s), run 1" in err and "stream 1/2" in err
+
+
+def test_wrong_model_names_the_served_ones(fake):
+    res = run("--base-url", fake.url, "--model", "nope")
+    assert res.exit_code == 2
+    assert "model 'nope' is not served" in one_line_error(res) and "(served: fake-model)" in res.stderr
+
+
+def test_two_models_need_a_choice(fake):
+    fake.models = ["a", "b"]
+    res = run("--base-url", fake.url)
+    assert res.exit_code == 2
+    assert "serves 2 models (a, b)" in one_line_error(res)
+
+
+def test_bad_streams_syntax_exits_2(fake):
+    res = run("--base-url", fake.url, "--streams", "1,four")
+    assert res.exit_code == 2
+    assert "--streams '1,four'" in one_line_error(res)
+
+
+def test_running_seat_from_state(fake, isolated_home):
+    from dsv4serve import state
+
+    port = int(fake.url.rsplit(":", 1)[1])
+    st = state.SeatState(seat="cpu-demo", run_id="r1", profile="cpu-demo", profile_digest="x", runtime="native",
+                         pid=os.getpid(), start_time=psutil.Process().create_time(), argv=["vllm"], env={},
+                         host="127.0.0.1", port=port, served_name="fake-model", tp=2, run_dir=str(isolated_home),
+                         log_path=str(isolated_home / "log"), phase="ready")
+    state.save(st)
+    res = run("--streams", "1", "--suite", "en", "--runs", "1", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["endpoint"]["seat"] == "cpu-demo" and doc["endpoint"]["model"] == "fake-model"
+    assert doc["reference"]["profile"] == "cpu-demo"  # the seat's own profile: no figures
+    assert doc["cells"][0]["reference"]["tok_s"] is None
+    res = run("--streams", "1", "--suite", "en", "--runs", "1", "--json", "--profile", "8x16gb-380k")
+    assert json.loads(res.stdout)["cells"][0]["reference"]["tok_s"] == 78.6
+
+
+def test_no_seat_running_is_bad_input():
+    res = run("--streams", "1")
+    assert res.exit_code == 2
+    assert "not running" in one_line_error(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# needle and ppl
+
+
+def test_needle_found_with_figures(fake):
+    res = run("needle", "--base-url", fake.url, "--tokens", "900", "--depth", "0.37", "--json", "--seed", "1")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["found"] is True and doc["code"] in doc["answer"]
+    assert doc["tokens_sized_by"] == "tokenize" and 890 <= doc["tokens_counted"] <= 900
+    assert doc["prefill_tok_s"] == pytest.approx(doc["prompt_tokens"] / doc["ttft_s"])
+    prompt = fake.chat_bodies[0]["messages"][0]["content"]
+    assert prompt.count(doc["code"]) == 1
+
+
+def test_needle_without_tokenize_estimates_and_says_so(fake):
+    fake.tokenize = False
+    res = run("needle", "--base-url", fake.url, "--tokens", "900", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["tokens_sized_by"] == "estimate" and doc["tokens_counted"] is None
+    assert any("no /tokenize" in n for n in doc["notes"])
+
+
+def test_needle_above_max_model_len(fake):
+    fake.max_model_len = 512
+    res = run("needle", "--base-url", fake.url, "--tokens", "600")
+    assert res.exit_code == 2
+    assert "exceeds the seat's max-model-len 512" in one_line_error(res)
+    assert fake.chat_bodies == []
+
+
+def test_needle_uses_profile_window_when_models_lack_it(fake):
+    fake.max_model_len = None
+    res = run("needle", "--base-url", fake.url, "--tokens", "600", "--profile", "cpu-demo")
+    assert res.exit_code == 2
+    assert "max-model-len 512" in one_line_error(res)
+
+
+def test_ppl_reads_the_prompt_tokens_logprob(fake):
+    res = run("ppl", "--base-url", fake.url, "--ctx", "64", "--chunks", "3", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ppl"] == pytest.approx(math.exp(2.0))  # not exp(0.1): the max candidate is ignored
+    assert doc["chunks"] == 3 and doc["tokens_scored"] == 3 * 63
+    assert any("NOT comparable" in n for n in doc["notes"])
+    for b in fake.completion_bodies:
+        assert b["prompt_logprobs"] == 0 and b["max_tokens"] == 1 and b["temperature"] == 0
+        assert isinstance(b["prompt"], list) and len(b["prompt"]) == 64
+
+
+def test_ppl_text_too_short(fake, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("only a few words here")
+    res = run("ppl", "--base-url", fake.url, "--ctx", "64", "--text", str(f))
+    assert res.exit_code == 2
+    assert "less than one window" in one_line_error(res)
+
+
+def test_shared_options_before_the_subcommand(fake):
+    res = run("--base-url", fake.url, "--json", "ppl", "--ctx", "32", "--chunks", "1")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["chunks"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# endpoint down
+
+
+@pytest.mark.parametrize("sub", [[], ["needle", "--tokens", "300"], ["ppl"]])
+def test_endpoint_down_is_one_line_exit_1(closed_port, sub):
+    res = run(*sub, "--base-url", f"http://127.0.0.1:{closed_port}")
+    assert res.exit_code == 1
+    assert f"cannot reach http://127.0.0.1:{closed_port}" in one_line_error(res)

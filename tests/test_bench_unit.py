@@ -1,0 +1,436 @@
+"""Unit tests of the bench arithmetic and parsing: no server, no network."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dsv4serve.bench import RunResult, Stat, parse_streams, parse_suites, summarize_cell
+from dsv4serve.bench_client import (
+    ACCEPTED,
+    DRAFT_TOKENS,
+    DRAFTS,
+    SpecDelta,
+    StreamError,
+    StreamResult,
+    consume_stream,
+    iter_sse_data,
+    parse_metrics,
+    spec_delta,
+)
+from dsv4serve.bench_needle import NeedleSettings, _boundary, build_prompt, compose
+from dsv4serve.bench_ppl import PplSettings, window_nll, windows
+from dsv4serve.bench_report import bench_markdown, needle_markdown, ppl_markdown, write_outputs
+from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.profile import load_profile
+
+
+class Clock:
+    """A clock that advances a fixed step each time it is read, so timings are exact."""
+
+    def __init__(self, start: float = 100.0, step: float = 0.5):
+        self.t = start - step
+        self.step = step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def chunk(content: str | None = None, *, reasoning: str | None = None, finish: str | None = None,
+          role: bool = False) -> str:
+    delta: dict = {}
+    if role:
+        delta["role"] = "assistant"
+    if content is not None:
+        delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning_content"] = reasoning
+    return "data: " + json.dumps({"object": "chat.completion.chunk",
+                                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def usage_chunk(prompt: int, completion: int) -> str:
+    return "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                           "total_tokens": prompt + completion}})
+
+
+def sse(*events: str) -> list[str]:
+    lines: list[str] = []
+    for e in events:
+        lines += [e, ""]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# SSE
+
+
+def test_sse_skips_comments_and_keepalives_and_joins_multiline_data():
+    lines = [": keep-alive", "", "event: message", "data: {\"a\":", "data: 1}", "", ":ping", "data:[DONE]", ""]
+    assert list(iter_sse_data(lines)) == ['{"a":\n1}', "[DONE]"]
+
+
+def test_sse_handles_crlf_and_a_last_event_without_blank_line():
+    assert list(iter_sse_data(["data: x\r\n", "\r\n", "data: y"])) == ["x", "y"]
+
+
+def test_stream_counts_tokens_from_usage_not_chunks():
+    # Speculation: each chunk carries several accepted tokens; 3 content chunks, 11 tokens.
+    lines = sse(chunk("", role=True), chunk("The quick brown"), chunk(" fox jumps over"),
+                chunk(" the dog.", finish="stop"), usage_chunk(9, 11), "data: [DONE]")
+    clock = Clock(step=0.5)
+    r = consume_stream(iter_sse_data(lines), StreamResult(t_start=clock()), clock)
+    assert r.completion_tokens == 11 and r.prompt_tokens == 9
+    assert r.chunks == 5  # role + 3 content + usage: never used as a count
+    assert r.content == "The quick brown fox jumps over the dog."
+    assert r.finish_reason == "stop"
+    # start 100.0; role chunk 100.5 (empty content: not a first token); first token 101.0;
+    # last choice chunk 102.0; usage 102.5; end 103.0
+    assert r.ttft_s == pytest.approx(1.0)
+    assert r.decode_s == pytest.approx(1.0)
+    assert r.decode_tok_s == pytest.approx(11.0)
+    assert r.wall_s == pytest.approx(3.0)
+
+
+def test_reasoning_delta_counts_as_first_token():
+    lines = sse(chunk(reasoning="Let me think"), chunk("42", finish="stop"), usage_chunk(3, 5), "data: [DONE]")
+    clock = Clock(step=1.0)
+    r = consume_stream(iter_sse_data(lines), StreamResult(t_start=clock()), clock)
+    assert r.ttft_s == pytest.approx(1.0)
+    assert r.reasoning == "Let me think" and r.content == "42"
+
+
+def test_vllm_reasoning_field_name_also_counts():
+    payload = "data: " + json.dumps({"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]})
+    lines = sse(payload, usage_chunk(1, 1), "data: [DONE]")
+    r = consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+    assert r.reasoning == "hm" and r.t_first is not None
+
+
+def test_error_chunk_is_raised_with_the_servers_message():
+    lines = sse(chunk("a"), 'data: {"error": {"message": "KV cache exhausted", "code": 500}}', "data: [DONE]")
+    with pytest.raises(StreamError, match="KV cache exhausted"):
+        consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+
+
+def test_chunk_without_choices_is_raised_not_skipped():
+    # The 166k-token case that a bench once swallowed as KeyError 'choices' (trap 18).
+    lines = sse(chunk("a"), 'data: {"object": "chat.completion.chunk", "detail": "oops"}', "data: [DONE]")
+    with pytest.raises(StreamError, match="no 'choices'"):
+        consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+
+
+def test_non_json_event_is_raised():
+    with pytest.raises(StreamError, match="non-JSON"):
+        consume_stream(iter_sse_data(sse("data: <html>")), StreamResult(t_start=0.0), Clock())
+
+
+def test_stream_without_done_is_a_failure():
+    lines = sse(chunk("a"), usage_chunk(1, 1))
+    with pytest.raises(StreamError, match=r"without \[DONE\]"):
+        consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+
+
+def test_stream_without_usage_is_a_failure():
+    lines = sse(chunk("a", finish="length"), "data: [DONE]")
+    with pytest.raises(StreamError, match="no usage"):
+        consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+
+
+def test_single_token_stream_has_no_decode_rate():
+    lines = sse(chunk("a", finish="length"), usage_chunk(1, 1), "data: [DONE]")
+    r = consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+    assert r.decode_s == 0.0 and r.decode_tok_s is None
+
+
+# ---------------------------------------------------------------------------------------------
+# /metrics
+
+
+METRICS_BEFORE = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 30.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m",note="a } b, c"} 8.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 120.0
+vllm:other{x="1"} NaN
+"""
+
+METRICS_AFTER = """\
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 60.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 80.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 112.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m",note="a } b, c"} 11.0 1700000000000
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 420.0
+"""
+
+
+def test_metrics_sum_over_label_sets_and_ignore_created_and_nan():
+    m = parse_metrics(METRICS_BEFORE)
+    assert m[DRAFTS] == 40.0
+    assert m[ACCEPTED] == 20.0  # the label value holding "}" and "," parsed as one label set
+    assert m["vllm:spec_decode_num_drafts_created"] == pytest.approx(1.7e9)
+    assert "vllm:other" not in m
+
+
+def test_acceptance_length_from_deltas():
+    d = spec_delta(parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER))
+    assert d == SpecDelta(accepted=103.0, drafts=100.0, draft_tokens=300.0)
+    assert d.acceptance_length == pytest.approx(1 + 103 / 100)
+    assert d.acceptance_rate == pytest.approx(103 / 300)
+
+
+def test_missing_series_gives_no_acceptance():
+    after = parse_metrics(METRICS_AFTER)
+    assert spec_delta(None, after) is None
+    assert spec_delta({DRAFTS: 1.0}, after) is None  # accepted missing before
+    no_tokens = {k: v for k, v in after.items() if k != DRAFT_TOKENS}
+    d = spec_delta(parse_metrics(METRICS_BEFORE), no_tokens)
+    assert d is not None and d.draft_tokens is None and d.acceptance_rate is None
+
+
+def test_no_drafts_in_the_window_gives_no_acceptance():
+    m = parse_metrics(METRICS_BEFORE)
+    assert spec_delta(m, m).acceptance_length is None
+
+
+# ---------------------------------------------------------------------------------------------
+# arithmetic
+
+
+def _stream(t_start, t_first, t_last, t_end, tokens):
+    return StreamResult(t_start=t_start, t_first=t_first, t_last=t_last, t_end=t_end, prompt_tokens=10,
+                        completion_tokens=tokens, finish_reason="length")
+
+
+def test_aggregate_and_per_stream_arithmetic():
+    streams = [_stream(0.0, 0.5, 4.5, 4.6, 100), _stream(0.01, 1.0, 3.0, 3.1, 50)]
+    r = RunResult(streams=2, suite="en", run=1, per_stream=streams, spec=SpecDelta(30, 20, 60))
+    assert r.wall_s == pytest.approx(4.6)
+    assert r.completion_tokens == 150
+    assert r.aggregate_tok_s == pytest.approx(150 / 4.6)
+    assert r.ttft_max_s == pytest.approx(0.99)
+    assert r.per_stream_tok_s == pytest.approx([25.0, 25.0])
+    d = r.to_dict()
+    assert d["acceptance_length"] == pytest.approx(2.5)
+    assert [s["completion_tokens"] for s in d["per_stream"]] == [100, 50]
+
+
+def test_mean_and_half_range():
+    s = Stat.of([10.0, 14.0, 12.0, None])
+    assert (s.mean, s.half_range, s.n) == (12.0, 2.0, 3)
+    assert Stat.of([5.0]).half_range == 0.0
+    assert Stat.of([None]) is None
+
+
+def test_cell_summary_compares_with_the_profile_reference():
+    prof = load_profile("8x16gb-380k")
+    runs = [RunResult(1, "code", i, [_stream(0.0, 0.1, 1.1, 1.1, n)], SpecDelta(a, 10, 30))
+            for i, (n, a) in enumerate([(110, 20), (106, 21)], 1)]
+    c = summarize_cell(runs, prof)
+    assert c["aggregate_tok_s"]["mean"] == pytest.approx(108 / 1.1)
+    assert c["aggregate_tok_s"]["half_range"] == pytest.approx(2 / 1.1)
+    assert c["reference"] == {"tok_s": 108.6, "acceptance_length": 3.05}
+    assert c["ratio"]["tok_s"] == pytest.approx((108 / 1.1) / 108.6)
+    assert c["acceptance_length"]["mean"] == pytest.approx(3.05)
+    assert c["ratio"]["acceptance_length"] == pytest.approx(1.0)
+    assert c["completion_tokens"] == [110, 106]
+
+
+def test_cell_without_reference_for_that_stream_count():
+    prof = load_profile("8x16gb-380k")
+    c = summarize_cell([RunResult(2, "en", 1, [_stream(0, 0.1, 1.1, 1.2, 10)], None)], prof)
+    assert c["reference"]["tok_s"] is None and c["ratio"]["tok_s"] is None
+    assert c["acceptance_length"] is None
+
+
+@pytest.mark.parametrize("text", ["", "1,,4", "0", "-1", "1;4", "a", "1.5", "65"])
+def test_bad_streams_syntax(text):
+    with pytest.raises(BadInput):
+        parse_streams(text)
+
+
+def test_streams_and_suites_parse():
+    assert parse_streams(" 1, 4,1 ") == [1, 4]
+    assert parse_suites("code,en") == ["code", "en"]
+    with pytest.raises(BadInput) as ei:
+        parse_suites("en,fr")
+    assert ei.value.line() == "--suite 'fr' is not a suite; choose from en, ja, code"
+
+
+# ---------------------------------------------------------------------------------------------
+# ppl
+
+
+def test_ppl_takes_the_actual_tokens_logprob_not_the_max():
+    prompt = [5, 7, 9]
+    # With prompt_logprobs > 0 vLLM adds the top candidates; the best one is not the prompt token.
+    plp = [None,
+           {"7": {"logprob": -2.0, "rank": 3}, "1": {"logprob": -0.1, "rank": 1}},
+           {"9": {"logprob": -3.0, "rank": 5}, "2": {"logprob": -0.2, "rank": 1}}]
+    nll, n = window_nll(prompt, plp)
+    assert (nll, n) == (5.0, 2)
+    assert math.exp(nll / n) == pytest.approx(math.exp(2.5))
+
+
+def test_ppl_rejects_a_misaligned_or_incomplete_answer():
+    with pytest.raises(JobFailed, match="2 entries for a 3-token prompt"):
+        window_nll([1, 2, 3], [None, {"2": {"logprob": -1.0}}])
+    with pytest.raises(JobFailed, match="no entry for the prompt token 3"):
+        window_nll([1, 2, 3], [None, {"2": {"logprob": -1.0}}, {"4": {"logprob": -1.0}}])
+
+
+def test_windows_are_disjoint_and_exactly_ctx_long():
+    ids = list(range(100, 130))
+    w = windows(ids, 8, 10, bos=None)
+    assert w == [ids[0:8], ids[8:16], ids[16:24]]
+    wb = windows(ids, 8, 2, bos=0)
+    assert wb == [[0] + ids[0:7], [0] + ids[7:14]]
+    assert all(len(x) == 8 for x in w + wb)
+
+
+def test_ppl_ctx_must_leave_room_for_one_token():
+    with pytest.raises(BadInput) as ei:
+        PplSettings(ctx=512).validate(512)
+    assert ei.value.line().endswith("max-model-len 512; use --ctx 511 or less")
+    PplSettings(ctx=511).validate(512)
+
+
+# ---------------------------------------------------------------------------------------------
+# needle
+
+
+def test_needle_is_placed_at_the_depth():
+    filler = "Alpha beta gamma. Delta epsilon zeta. " * 50
+    p = compose(filler, 1500, 0.37, "amber-river-1234", "deadbeef")
+    assert p.text.count("amber-river-1234") == 1
+    assert abs(p.depth_actual - 0.37) < 0.03
+    assert p.text.startswith("Document deadbeef.")
+    assert compose(filler, 1500, 0.0, "c-o-1", "n").needle_at_char == 0
+    end = compose(filler, 1500, 1.0, "c-o-1", "n")
+    assert end.needle_at_char == end.haystack_chars
+
+
+def test_boundary_prefers_a_nearby_sentence_end():
+    hay = "aaa bbb. ccc ddd eee fff ggg hhh."
+    assert _boundary(hay, 7) == 9 and hay[:9].endswith(". ")
+    assert _boundary("x" * 100, 50) == 50  # no boundary near: stay put
+
+
+def test_needle_refuses_lengths_above_max_model_len():
+    with pytest.raises(BadInput) as ei:
+        NeedleSettings(tokens=500, depth=0.5, max_tokens=32).validate(512)
+    assert ei.value.line().endswith("exceeds the seat's max-model-len 512; use --tokens 480 or less")
+    with pytest.raises(BadInput, match="between 0 and 1"):
+        NeedleSettings(tokens=100, depth=1.5).validate(None)
+
+
+class FakeTokenizer:
+    """One token per 3 characters plus a fixed chat-template overhead: enough to test sizing."""
+
+    available = True
+
+    def __init__(self, tokenize: bool = True):
+        self.tokenize = tokenize
+        self.calls = 0
+
+    def chat_count(self, text: str, thinking: bool):
+        self.calls += 1
+        return (len(text) + 2) // 3 + 7 if self.tokenize else None
+
+    def encode(self, text: str, add_special_tokens: bool = False):
+        return list(range((len(text) + 2) // 3)) if self.tokenize else None
+
+
+def test_needle_sizing_converges_at_or_under_the_target():
+    filler = "The mill stands below the bridge. Its wheel turns slowly. " * 40
+    tok = FakeTokenizer()
+    prompt, counted, notes = build_prompt(tok, NeedleSettings(tokens=900, depth=0.37), "amber-river-1", "n", filler)
+    assert counted is not None and 900 - 4 <= counted <= 900
+    assert counted == tok.chat_count(prompt.text, False)
+    assert notes == []
+
+
+def test_needle_without_tokenize_says_it_estimated():
+    filler = "The mill stands below the bridge. " * 40
+    prompt, counted, notes = build_prompt(FakeTokenizer(tokenize=False), NeedleSettings(tokens=600, depth=0.5),
+                                          "c-o-1", "n", filler)
+    assert counted is None and "no /tokenize" in notes[0]
+    assert "c-o-1" in prompt.text
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+
+
+def _bench_result() -> dict:
+    prof = load_profile("8x16gb-380k")
+    cells = [summarize_cell([RunResult(s, q, 1, [_stream(0, 0.1, 1.1, 1.2, 60)] * s, SpecDelta(10, 10, 30))],
+                            prof) for s in (1, 4) for q in ("en", "ja", "code")]
+    return {"kind": "dsv4serve.bench", "version": 1, "measured_at": "now",
+            "endpoint": {"base_url": "http://x", "model": "m", "max_model_len": 512, "seat": None},
+            "settings": {"streams": [1, 4], "suites": ["en", "ja", "code"], "max_tokens": 60, "runs": 1,
+                         "thinking": False, "temperature": 0},
+            "reference": {"profile": "8x16gb-380k", "source": "canon"}, "cells": cells, "notes": ["a note"]}
+
+
+def test_markdown_puts_reference_beside_measured_with_ratios():
+    md = bench_markdown(_bench_result())
+    rows = [ln for ln in md.splitlines() if ln.startswith("| en | 1 ")]
+    assert len(rows) == 1
+    cols = [c.strip() for c in rows[0].strip("|").split("|")]
+    # suite, streams, measured, reference, ratio, per-stream, ttft, accept, ref accept, ratio, tokens
+    assert cols[2] == "50.0" and cols[3] == "78.6" and cols[4] == f"{50 / 78.6:.2f}×"
+    assert cols[7] == "2.00" and cols[8] == "2.08" and cols[9] == f"{2 / 2.08:.2f}×"
+    assert "| code | 4 | 200.0 | 193.8 |" in md
+    assert "profile `8x16gb-380k`" in md and "- a note" in md
+
+
+def test_write_outputs_writes_json_md_and_png_or_says_why_not(tmp_path: Path):
+    written, notes = write_outputs(_bench_result(), tmp_path / "o", "bench")
+    assert (tmp_path / "o" / "bench.json").is_file() and (tmp_path / "o" / "bench.md").is_file()
+    data = json.loads((tmp_path / "o" / "bench.json").read_text())
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp_path / "o" / "bench.png").exists()
+        assert any("matplotlib is not installed" in n for n in notes)
+        assert any("matplotlib" in n for n in data["notes"])
+        assert "matplotlib is not installed" in (tmp_path / "o" / "bench.md").read_text()
+    else:
+        assert (tmp_path / "o" / "bench.png").stat().st_size > 0 and notes == []
+
+
+def test_needle_and_ppl_markdown():
+    needle = {"endpoint": {"base_url": "u", "model": "m"}, "prompt_tokens": 400, "tokens_requested": 400,
+              "tokens_sized_by": "tokenize", "depth": 0.37, "code": "a-b-1", "found": True, "ttft_s": 2.0,
+              "prefill_tok_s": 200.0, "decode_tok_s": 10.0,
+              "reference": {"profile": "p", "tokens": 166000, "depth": 0.37, "found": True, "ttft_s": 119.7,
+                            "prefill_tok_s": 1386.8, "decode_tok_s": None, "comparable": False},
+              "ratio": None, "notes": []}
+    md = needle_markdown(needle)
+    assert "| found | yes | yes | |" in md and "| TTFT s | 2.00 | 119.7 | — |" in md
+    ppl = {"endpoint": {"base_url": "u", "model": "m"}, "text": "t", "chunks": 16, "ctx": 512,
+           "tokens_scored": 8176, "ppl": 6.8, "ratio": None, "notes": ["NOT comparable"],
+           "reference": {"value": 6.7159, "text": "wikitext-2-raw test", "ctx": 512, "chunks": 16,
+                         "profile": "p", "comparable": False}}
+    md = ppl_markdown(ppl)
+    assert "| perplexity | 6.8000 | 6.7159 (wikitext-2-raw test, 512×16, profile `p`) | — | no |" in md
+
+
+def test_burst_delivery_gives_no_decode_rate():
+    # 16 tokens arriving 0.2 ms apart from first to last: buffered, not decoded.
+    s = _stream(0.0, 1.3360, 1.3362, 1.3363, 16)
+    assert s.burst and s.decode_tok_s is None
+    ok = _stream(0.0, 0.1, 0.4, 0.41, 16)
+    assert not ok.burst and ok.decode_tok_s == pytest.approx(16 / 0.3)
+    r = RunResult(4, "ja", 1, [s, ok], None)
+    assert r.per_stream_tok_s == pytest.approx([16 / 0.3])
+    assert r.aggregate_tok_s == pytest.approx(32 / 1.3363)  # the aggregate still counts every token
