@@ -2,7 +2,7 @@
 // Python exception naming the argument, then one launch on the current stream (no host sync).
 #include <torch/extension.h>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
@@ -135,7 +135,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     a.out_dtype = odt;
     a.variant = static_cast<int>(variant);
     a.swiglu_limit = static_cast<float>(swiglu_limit);
-    cudaError_t err = lna2::launch(a, bps * sms, at::cuda::getCurrentCUDAStream());
+    cudaError_t err = lna2::launch(a, bps * sms, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "lna2_moe_decode: launch failed: ", cudaGetErrorString(err));
     return out;
 }

@@ -1,0 +1,108 @@
+"""Launch assembly: profile -> argv/env, and the refusals before anything starts."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4serve import launch
+from dsv4serve.errors import ProfileError
+from dsv4serve.profile import load_profile
+
+from tests.test_profile import CANON_ENV
+
+
+def build(name, *overrides, tmp=Path("/tmp/dsv4serve-test-run")):
+    return launch.build(load_profile(name, list(overrides)), run_id="r1", run_dir=tmp)
+
+
+def flag_value(argv, flag):
+    i = argv.index(flag)
+    return argv[i + 1]
+
+
+def test_canon_docker_argv_holds_every_flag_and_env():
+    spec = build("8x16gb-380k")
+    a = spec.argv
+    assert a[:2] == ["docker", "run"]
+    assert flag_value(a, "--gpus") == '"device=0,1,2,3,5,7,8,9"'
+    assert "--ipc=host" in a and "--shm-size=16g" in a and "--cap-add=SYS_PTRACE" in a
+    assert flag_value(a, "--ulimit") == "core=0"
+    assert flag_value(a, "-p") == "127.0.0.1:8899:8000"
+    envs = {a[i + 1].split("=", 1)[0]: a[i + 1].split("=", 1)[1] for i, x in enumerate(a) if x == "-e"}
+    for k, v in CANON_ENV.items():
+        assert envs[k] == v
+    assert envs["DSV4SERVE_RUN_ID"] == "r1" and envs["DSV4SERVE_MOE_KERNEL"] == "lna2"
+    image = a.index("lna-lab/vllm-exl3:dsv4-dense")
+    v = a[image + 1:]
+    assert v[0] == "/data/models/DSV4-Flash-Vision-EXL3-MixedK-D2-K2x3-Dense6"
+    for flag, val in [("--served-model-name", "DSV4-Flash"), ("--tensor-parallel-size", "8"),
+                      ("--quantization", "exl3"), ("--max-model-len", "389120"), ("--max-num-seqs", "4"),
+                      ("--max-num-batched-tokens", "512"), ("--kv-cache-dtype", "fp8"),
+                      ("--gpu-memory-utilization", "0.97"), ("--tool-call-parser", "deepseek_v4"),
+                      ("--reasoning-parser", "deepseek_v4"), ("--host", "0.0.0.0"), ("--port", "8000")]:
+        assert flag_value(v, flag) == val, flag
+    assert json.loads(flag_value(v, "--compilation-config")) == {"cudagraph_capture_sizes": [1, 2, 4]}
+    assert json.loads(flag_value(v, "--speculative-config")) == {"method": "dspark", "num_speculative_tokens": 3}
+    for f in ("--disable-custom-all-reduce", "--trust-remote-code", "--enable-auto-tool-choice"):
+        assert f in v
+    vols = [a[i + 1] for i, x in enumerate(a) if x == "-v"]
+    assert any(m.endswith(":/lab/exl3-tune-cache") for m in vols)
+    assert any("/dist-packages/dsv4serve:ro" in m for m in vols)          # our plugin
+    assert any(m.endswith("/dist-packages/dsv4serve_lna2.so:ro") for m in vols)  # the lna2 extension
+    # the shell rendering round-trips
+    assert shlex.split(spec.shell()) == spec.argv
+
+
+def test_native_demo_argv_uses_this_interpreter():
+    spec = build("cpu-demo")
+    assert spec.argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag_value(spec.argv, "--tensor-parallel-size") == "2"
+    assert "--enforce-eager" in spec.argv
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert spec.env["DSV4SERVE_RUN_DIR"] == "/tmp/dsv4serve-test-run"
+    assert spec.env["VLLM_CACHE_ROOT"].endswith("/cache/vllm")   # placeholder expanded
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["vllm.max_num_seqs=8"], "vllm.max_num_seqs: 8 x (1 + 3 speculative) = 32 decode rows exceed the lna2 row ceiling 24"),
+    (["vllm.tensor_parallel_size=4", "gpus.ids=[0,1,2,3]"], "wo_a"),
+    (["gpus.ids=[0,1,2]"], "gpus.ids lists 3 GPUs"),
+    (["vllm.host=0.0.0.0"], "vllm.host 0.0.0.0"),
+    (["env.VLLM_EXL3_MOE_KERNEL=null"], "env.VLLM_EXL3_MOE_KERNEL"),
+    (["env.VLLM_EXL3_MOE_STRICT=2"], "moe.strict is 1"),
+    (["env.LNA_DSV4_AUX_STREAMS=1"], "LNA_DSV4_AUX_STREAMS must be 0"),
+    (["env.VLLM_DISABLE_SHARED_EXPERTS_STREAM=0"], "VLLM_DISABLE_SHARED_EXPERTS_STREAM must be 1"),
+])
+def test_refusals_name_the_key_and_fix(overrides, needle):
+    with pytest.raises(ProfileError) as e:
+        build("8x16gb-380k", *overrides)
+    assert needle in e.value.line() and "\n" not in e.value.line()
+
+
+def test_row_ceiling_refusal_suggests_a_fit():
+    with pytest.raises(ProfileError) as e:
+        build("8x16gb-380k", "vllm.max_num_seqs=8")
+    assert "vllm.max_num_seqs <= 6" in e.value.line()
+
+
+def test_public_host_needs_opt_in():
+    spec = build("cpu-demo", "vllm.host=0.0.0.0", "vllm.allow_public_host=true")
+    assert flag_value(spec.argv, "--host") == "0.0.0.0"
+    assert "--allow-public-host" not in spec.argv
+
+
+def test_unknown_placeholder_is_refused():
+    with pytest.raises(ProfileError, match=r"unknown placeholder \{nope\}"):
+        build("cpu-demo", "env.X={nope}/y")
+
+
+def test_incumbent_profile_needs_no_lna2_env():
+    spec = build("8x16gb-380k-incumbent")
+    envs = [spec.argv[i + 1] for i, x in enumerate(spec.argv) if x == "-e"]
+    assert not any(e.startswith("VLLM_EXL3_MOE_KERNEL=") for e in envs)
+    assert not any("dsv4serve_lna2.so" in x for x in spec.argv)

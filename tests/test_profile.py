@@ -1,0 +1,132 @@
+"""Seat profiles: schema, extends, --set overrides, and one-line errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dsv4serve.errors import ProfileError
+from dsv4serve.profile import load_profile, shipped_profiles
+
+CANON_FLAGS = {
+    "max_model_len": 389120, "max_num_seqs": 4, "max_num_batched_tokens": 512, "kv_cache_dtype": "fp8",
+    "gpu_memory_utilization": 0.97, "tensor_parallel_size": 8, "quantization": "exl3", "host": "127.0.0.1",
+    "port": 8899, "tool_call_parser": "deepseek_v4", "reasoning_parser": "deepseek_v4",
+}
+CANON_ENV = {
+    "VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1", "LNA_DSV4_AUX_STREAMS": "0", "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": "128",
+    "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION": "1", "VLLM_EXL3_MOE_KERNEL": "lna2", "VLLM_EXL3_MOE_STRICT": "1",
+    "NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+}
+
+
+def write(tmp_path: Path, data: dict, name: str = "p.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_all_shipped_profiles_load():
+    names = set(shipped_profiles())
+    assert {"8x16gb-380k", "8x16gb-380k-incumbent", "8x16gb-ppl", "cpu-demo"} <= names
+    for n in names:
+        p = load_profile(n)
+        assert p.name == n
+
+
+def test_canon_profile_is_the_seat():
+    p = load_profile("8x16gb-380k")
+    for k, v in CANON_FLAGS.items():
+        assert getattr(p.vllm, k) == v, k
+    for k, v in CANON_ENV.items():
+        assert p.env[k] == v, k
+    assert p.env["EXLLAMAV3_TUNE_CACHE"]
+    assert p.vllm.compilation_config == {"cudagraph_capture_sizes": [1, 2, 4]}
+    assert p.vllm.speculative_config == {"method": "dspark", "num_speculative_tokens": 3}
+    assert p.vllm.disable_custom_all_reduce and p.vllm.trust_remote_code and p.vllm.enable_auto_tool_choice
+    assert p.model.served_name == "DSV4-Flash"
+    assert p.moe.kernel == "lna2" and p.moe.strict == 1
+    assert p.gpus.ids == [0, 1, 2, 3, 5, 7, 8, 9]
+    assert [m.text for m in p.gates.markers][0] == "LNA2 MoE kernel ACTIVE"
+    assert p.kv_min_tokens() == 389120
+    assert p.decode_rows() == 16
+    assert p.reference.tok_s["1"]["code"] == 108.6
+
+
+def test_incumbent_extends_canon_and_drops_lna2_env():
+    p = load_profile("8x16gb-380k-incumbent")
+    assert p.moe.kernel == "incumbent"
+    assert "VLLM_EXL3_MOE_KERNEL" not in p.env and "VLLM_EXL3_MOE_STRICT" not in p.env
+    assert p.env["LNA_DSV4_AUX_STREAMS"] == "0"      # inherited
+    assert p.vllm.max_model_len == 389120
+    assert "LNA2 MoE kernel ACTIVE" in p.gates.forbidden
+
+
+def test_ppl_profile_turns_speculation_off():
+    p = load_profile("8x16gb-ppl")
+    assert p.vllm.speculative_config is None and p.spec_tokens() == 0
+    assert 0.93 <= p.vllm.gpu_memory_utilization <= 0.95
+    assert p.vllm.max_model_len <= 8192
+
+
+def test_set_overrides_are_typed():
+    p = load_profile("cpu-demo", ["vllm.port=8123", "moe.strict=2", "vllm.enforce_eager=false",
+                                  'vllm.speculative_config={"method": "mtp", "num_speculative_tokens": 2}'])
+    assert p.vllm.port == 8123 and p.moe.strict == 2 and p.vllm.enforce_eager is False
+    assert p.spec_tokens() == 2
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("vllm.max_num_seq=4", "unknown key 'vllm.max_num_seq'; did you mean 'vllm.max_num_seqs'?"),
+    ("vllm.port=eighty", "vllm.port"),
+    ("moe.strict=3", "moe.strict"),
+    ("vllm.port=70000", "between 1 and 65535"),
+    ("gpus.idz=[1]", "did you mean 'gpus.ids'"),
+    ("novel=1", "unknown key 'novel'"),
+])
+def test_bad_overrides_are_one_line_errors(override, needle):
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", [override])
+    line = e.value.line()
+    assert needle in line and "\n" not in line
+
+
+def test_typo_in_a_yaml_file(tmp_path):
+    data = yaml.safe_load(Path(shipped_profiles()["cpu-demo"]).read_text())
+    data["gates"]["timeouts"]["stal_s"] = 5
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(write(tmp_path, data)))
+    assert "gates.timeouts.stal_s" in e.value.line() and "gates.timeouts.stall_s" in e.value.line()
+
+
+def test_extends_a_shipped_profile_from_a_path(tmp_path):
+    path = write(tmp_path, {"extends": "cpu-demo", "vllm": {"port": 9000}}, "mine.yaml")
+    p = load_profile(str(path))
+    assert p.name == "mine" and p.vllm.port == 9000 and p.vllm.tensor_parallel_size == 2
+
+
+def test_extends_cycle_and_missing_files(tmp_path):
+    write(tmp_path, {"extends": "b.yaml", "model": {"served_name": "x"}}, "a.yaml")
+    write(tmp_path, {"extends": "a.yaml", "model": {"served_name": "x"}}, "b.yaml")
+    with pytest.raises(ProfileError, match="cycle"):
+        load_profile(str(tmp_path / "a.yaml"))
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-dem")
+    assert e.value.line() == "unknown profile 'cpu-dem'; did you mean 'cpu-demo'?"
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nvllm: {port: 1\n")
+    with pytest.raises(ProfileError, match="not valid YAML"):
+        load_profile(str(p))
+
+
+def test_digest_changes_with_content():
+    a = load_profile("cpu-demo").digest()
+    assert a == load_profile("cpu-demo").digest()
+    assert a != load_profile("cpu-demo", ["vllm.port=9999"]).digest()
