@@ -57,7 +57,8 @@ build() {  # $1: label
 
 probe() {  # $1: label
   log "probing $CASES ($1)"
-  "$PY" "$REPO/scripts/exl3_capture_probe.py" --cases "$CASES" --disk-cache --label "$1" \
+  DISK_FLAG=(); [ "${EXL3_CAPTURE_DISK:-1}" = 1 ] && DISK_FLAG=(--disk-cache)
+  "$PY" "$REPO/scripts/exl3_capture_probe.py" --cases "$CASES" ${DISK_FLAG[@]+"${DISK_FLAG[@]}"} --label "$1" \
     --json-out "$STATE/probe_$1.json" --timeout 300 ${PROBE_EXTRA[@]+"${PROBE_EXTRA[@]}"} >&2
 }
 

@@ -43,9 +43,17 @@ MAX_JOBS=4 timeout 300 python3 scripts/lna2_device.py build > "$OUT/lna2_build.l
 echo "exit $?" >> "$OUT/lna2_build.log"
 grep -E "registers|spill|error|built|exit" "$OUT/lna2_build.log" | tail -24 | tee -a "$LOG"
 
+step "smoke v1 (a hang or fault here drops v1 from the rest of the run)"
+export LNA2_VARIANTS=1,0 BENCH_VARIANTS=1,0
+if ! LNA2_VARIANTS=1 timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke_v1.log" 2>&1; then
+  tail -5 "$OUT/smoke_v1.log" | tee -a "$LOG"
+  export LNA2_VARIANTS=0 BENCH_VARIANTS=0
+  echo "v1 dropped" | tee -a "$LOG"
+fi
+
 step "parity"
-Q=; [ "$MODE" = quick ] && Q=--quick
-timeout 240 python3 scripts/lna2_device.py parity $Q > "$OUT/lna2_parity.log" 2>&1; echo "exit $?" >> "$OUT/lna2_parity.log"
+Q=--quick; [ "${PARITY:-quick}" = full ] && Q=
+timeout 200 python3 scripts/lna2_device.py parity $Q > "$OUT/lna2_parity.log" 2>&1; echo "exit $?" >> "$OUT/lna2_parity.log"
 tail -12 "$OUT/lna2_parity.log" | tee -a "$LOG"
 
 if command -v compute-sanitizer >/dev/null; then
@@ -74,10 +82,30 @@ if [ "$INC" != none ]; then
   tail -3 "$OUT/reconstruct_$INC.log" | tee -a "$LOG"
 fi
 
+if [ "$INC" = 145 ] && [ "$MODE" != quick ] && [ -x scripts/exl3_capture_check.sh ]; then
+  # the patch's own proof, on the same pristine build: capture fails pristine, works patched
+  step "exllamav3 1.4.5 capture check (pristine -> patch -> incremental rebuild -> patched)"
+  BENCH_SO="$SITE/exllamav3_ext.so"; mv -f "$BENCH_SO" /tmp/exllamav3_ext_pristine.so 2>/dev/null || true
+  EXL3_SITE=$SITE TORCH_EXTENSIONS_DIR=/tmp/ext$INC EXL3_WHEELS=$PWD/.whl$INC OUT=$OUT MAX_JOBS=16 \
+    EXL3_CAPTURE_CASES=${EXL3_CAPTURE_CASES:-16:2,16:6,4:6} EXL3_CAPTURE_DISK=0 \
+    timeout 330 bash scripts/exl3_capture_check.sh all > "$OUT/capture_check.log" 2>&1
+  echo "exit $?" >> "$OUT/capture_check.log"
+  tail -25 "$OUT/capture_check.log" | tee -a "$LOG"
+  mv -f /tmp/exllamav3_ext_pristine.so "$BENCH_SO" 2>/dev/null || true
+fi
+
 step "bench vs $INC"
 MS=1,2,4,8,16,24; [ "$MODE" = quick ] && MS=1,4,16
-PYTHONPATH=${SITE:-} timeout 300 python3 scripts/lna2_device.py bench --incumbent $INC --ms $MS \
+PYTHONPATH=${SITE:-} timeout 300 python3 scripts/lna2_device.py bench --incumbent $INC --ms $MS --variants $BENCH_VARIANTS \
   > "$OUT/bench_$INC.log" 2>&1; echo "exit $?" >> "$OUT/bench_$INC.log"
 grep -E "^tp|exit|Error" "$OUT/bench_$INC.log" | tee -a "$LOG"
+if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
+  step "ncu (the third launch of each shape)"
+  V=$(echo "$BENCH_VARIANTS" | cut -d, -f1)
+  LNA2_PROFILE_VARIANT=$V timeout 150 ncu --clock-control none -k regex:moe_decode_v --launch-skip 0 --launch-count 9 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+    python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1; echo "exit $?" >> "$OUT/ncu.log"
+  grep -E "Duration|Throughput|Achieved Occupancy|Stall|exit" "$OUT/ncu.log" | tail -20 | tee -a "$LOG"
+fi
 step "done"
 pack
