@@ -321,7 +321,7 @@ def test_running_seat_from_state(fake, isolated_home):
 def test_no_seat_running_is_bad_input():
     res = run("--streams", "1")
     assert res.exit_code == 2
-    assert "not running" in one_line_error(res)
+    assert "no seat is running" in one_line_error(res)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -398,7 +398,9 @@ class _FakeEndpoint:
                     if c is not None:
                         c["calls"]["incumbent"] += 3
                         p.write_text(json.dumps(c))
-                self._json(200, {"choices": [{"message": {"content": "ready"}}]})
+                # vLLM always reports usage; readiness counts tokens from it, not from the text
+                self._json(200, {"choices": [{"message": {"content": "ready"}}],
+                                 "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.port = self.server.server_address[1]

@@ -892,14 +892,7 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
 def _tracker(tp: int, markers: list[str], forbidden: list[str]) -> Any:
     from dsv4serve.ranklog import SeatTracker
 
-    class _Tracker(SeatTracker):
-        # ranklog's _ev(now, kind, rank, **kw) is called with kind=... for fatal lines, which
-        # raises TypeError; naming the event parameter differently makes the same call work.
-        # Harmless once ranklog renames it.
-        def _ev(self, now: float, event: str, rank: int | None, **kw: Any) -> dict[str, Any]:  # type: ignore[override]
-            return {"t": round(now, 3), "event": event, "rank": rank, **kw}
-
-    return _Tracker(tp, markers, forbidden)
+    return SeatTracker(tp, markers, forbidden)
 
 
 def _markers_live(rep: Report, ctx: Ctx, tracker: Any) -> None:

@@ -1,11 +1,17 @@
 """Split vLLM's single output stream into per-process streams and track each rank's bring-up.
 
-vLLM prefixes every line a worker or the engine writes through Python with its process name and
-pid: `(APIServer pid=N)`, `(EngineCore pid=N)` / `(EngineCore_DP0 pid=N)`, `(VllmWorker-3 pid=N)`
-before init_worker relabels it, `(Worker pid=N)` at TP 1 and during early init, and
+vLLM prefixes every line a worker or the engine writes through its logger with the process name
+and pid: `(APIServer pid=N)`, `(EngineCore pid=N)` / `(EngineCore_DP0 pid=N)`, `(VllmWorker-3
+pid=N)` before init_worker relabels it, `(Worker pid=N)` at TP 1 and during early init, and
 `(Worker_TP3 pid=N)` (or `Worker_PP0_TP3`) afterwards. Versions differ, so ranks are learnt from
-whatever identifies them (TP in the name, the VllmWorker index, `TP rank r` in vLLM's own
-assignment line, `rank=r/tp` in our plugin's lines) and remembered per pid.
+whatever identifies them (TP in the name, the VllmWorker index, `rank r in world size` / `world_size=
+W rank=r` in vLLM's own init lines, `rank=r/tp` in our plugin's lines) and remembered per pid, so a
+later `(Worker pid=N)` line or an unprefixed glog line (`W1202 19:04:16.38 22801 torch/...`) of the
+same pid lands on the right rank. Unprefixed lines without a pid (uvicorn, tqdm bars, Python
+warnings) belong to the API server's stream, except the safetensors bar, which only rank 0 draws.
+
+Every analysis runs on the message with vLLM's `LEVEL MM-DD HH:MM:SS [file.py:N] ` header cut off,
+because vLLM logs a traceback through its logger, header and prefix on every line.
 """
 
 from __future__ import annotations
@@ -15,35 +21,59 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4serve.errors import ProfileError
+
 PREFIX = re.compile(r"^\((?P<proc>[A-Za-z][A-Za-z0-9_\-]*) pid=(?P<pid>\d+)\)\s?(?P<rest>.*)$")
+LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+)?"
+                      r"(?:\[[^\]]+\] ?)?")
+GLOG_PID = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +(\d+) ")
 _TP_IN_NAME = re.compile(r"TP(\d+)")
 _VLLMWORKER = re.compile(r"^VllmWorker-(\d+)$")
 _ASSIGNED = re.compile(r"\brank (\d+) in world size (\d+) is assigned as .*?\bTP rank (\d+)")
-_WORLD = re.compile(r"\bworld_size=(\d+) rank=(\d+)")
+_WORLD = re.compile(r"\bworld_size=(\d+) rank=(\d+)\b")
 _OUR_RANK = re.compile(r"\brank=(\d+)/(\d+)\b")
 SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")
 KV_TOKENS = re.compile(r"\b(?:GPU|CPU|XPU|TPU|NPU)? ?KV cache size: ([\d,]+) tokens")
 KV_MEMORY = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 MAXLEN_HINT = re.compile(r"estimated maximum model length is (\d+)")
+DIST_ID = re.compile(r"vllm_dist_([0-9a-f]{8,})")
+DIST_PATH = re.compile(r"distributed_init_method=file://(\S+)")
 TRACEBACK = "Traceback (most recent call last):"
-EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
+# The last line of a traceback: `pkg.mod.SomeError: message` (bare `Exception:` included).
+EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Warning)\b(?::.*)?$")
+_EXC_NAME = re.compile(r"^[A-Za-z_][\w.]*: \S")  # any `Name: message`, e.g. a custom exception class
+_TB_CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+# Lines vLLM (or our own polling) repeats while nothing moves: they must not reset the stall timer.
+HEARTBEAT = re.compile(r"Waiting for \d+ local|Avg prompt throughput|SpecDecoding metrics|"
+                       r"\"GET /(?:health|v1/models|metrics)|Waiting for shard|still loading")
 
-# (phase, pattern) in bring-up order; a rank only moves forward.
+# Phases in bring-up order; a rank only moves forward (phases may be skipped: at TP 2 only rank 0
+# logs "Loading weights took", and an eager seat captures no graphs).
 PHASES = ["starting", "loading", "loaded", "kv_sized", "graphs", "marker", "ready"]
+PHASE_LABEL = {"starting": "starting", "loading": "loading weights", "loaded": "weights loaded",
+               "kv_sized": "KV cache sized", "graphs": "graphs/warmup done", "marker": "markers seen",
+               "ready": "ready"}
 _RANK_PHASE = [
     ("loading", re.compile(r"Starting to load model|Loading model from scratch|Loading weights")),
-    ("loaded", re.compile(r"Loading weights took|Model loading took|model weights took|Loading drafter model")),
+    ("loaded", re.compile(r"Loading weights took|Model loading took|model weights took|Loading drafter model|"
+                          r"dsv4serve plugin ready")),
     ("kv_sized", re.compile(r"for KV cache|Available KV cache memory|KV cache initialized|KV cache size")),
-    ("graphs", re.compile(r"Graph capturing finished|Capturing CUDA graphs|cudagraph|EAGLE drafter KV cache")),
+    ("graphs", re.compile(r"Graph capturing finished|Capturing CUDA graphs|cudagraph capturing finished")),
 ]
+_DIED = re.compile(r"Worker proc VllmWorker-(\d+) died")
+_ENGINE_UP = re.compile(r"init engine \(.*\) took")
+_API_SERVING = re.compile(r"Starting vLLM server on|Application startup complete")
 
 FATAL = [
-    ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError|Cannot allocate memory|MemoryError")),
+    ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|\bMemoryError\b")),
     ("max_model_len", MAXLEN_HINT),
-    ("nccl", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError|Watchdog caught collective")),
+    ("nccl", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError|"
+                        r"Watchdog caught collective")),
     ("rank_died", re.compile(r"died unexpectedly|Worker proc \S+ died|WorkerProc hit an exception|"
-                             r"Engine core initialization failed|EngineCore encountered a fatal error|EngineDeadError")),
+                             r"Engine core initialization failed|EngineCore encountered a fatal error|"
+                             r"EngineDeadError")),
     ("cuda", re.compile(r"CUDA error: |an illegal memory access|device-side assert triggered")),
+    ("plugin", re.compile(r"dsv4serve plugin FAILED")),
 ]
 
 
@@ -59,6 +89,11 @@ def parse_line(line: str) -> ParsedLine:
     if not m:
         return ParsedLine(None, None, line)
     return ParsedLine(m.group("proc"), int(m.group("pid")), m.group("rest"))
+
+
+def message(text: str) -> str:
+    """The log record's message: vLLM's level/time/file header removed."""
+    return LOG_HEAD.sub("", text, count=1)
 
 
 @dataclass
@@ -86,6 +121,7 @@ class Fatal:
     stream: str
     line: str
     hint: str | None = None
+    rank: int | None = None
 
 
 class SeatTracker:
@@ -94,23 +130,32 @@ class SeatTracker:
     def __init__(self, tp: int, markers: list[str], forbidden: list[str], start: float | None = None):
         self.tp = tp
         self.required = list(markers)
-        self.forbidden = [(f, re.compile(f)) for f in forbidden]
+        self.forbidden = []
+        for f in forbidden:
+            try:
+                self.forbidden.append((f, re.compile(f)))
+            except re.error as e:
+                raise ProfileError(f"gates.forbidden: /{f}/ is not a valid regex ({e})") from None
         t0 = start if start is not None else time.time()
+        self.start = t0
         self.ranks = {r: RankState(f"rank{r}", since=t0, last_progress=t0) for r in range(tp)}
         self.others = {"api": RankState("api", since=t0, last_progress=t0),
                        "engine": RankState("engine", since=t0, last_progress=t0)}
         self.pid_rank: dict[int, int] = {}
-        self.pending: dict[int, list[str]] = {}
         self.kv_tokens: int | None = None
         self.kv_gib: float | None = None
         self.maxlen_hint: int | None = None
         self.fatal: list[Fatal] = []
         self.marker_ranks: dict[str, set[int]] = {m: set() for m in self.required}
         self.dist_ids: set[str] = set()
+        self.dist_paths: set[str] = set()
         self.api_serving = False
         self.engine_ready = False
+        self.api_pid: int | None = None
+        self.engine_pid: int | None = None
         self.last_progress = t0
-        self._tb: dict[str, list[str]] = {}
+        self._tb: dict[str, bool] = {}  # stream -> inside a traceback body
+        self._tb_skipped: dict[str, int] = {}
         self.lines = 0
 
     # -- attribution --------------------------------------------------------------------------
@@ -123,7 +168,7 @@ class SeatTracker:
         m = _TP_IN_NAME.search(p.proc)
         if m and p.proc.startswith("Worker"):
             return int(m.group(1))
-        if p.proc == "Worker" and p.pid is not None:
+        if p.proc.startswith("Worker") and p.pid is not None:
             if p.pid in self.pid_rank:
                 return self.pid_rank[p.pid]
             m = _ASSIGNED.search(p.text)
@@ -138,17 +183,31 @@ class SeatTracker:
 
     def stream_for(self, p: ParsedLine) -> tuple[str, int | None]:
         if p.proc is None:
+            g = GLOG_PID.match(p.text)
+            if g and int(g.group(1)) in self.pid_rank:
+                r = self.pid_rank[int(g.group(1))]
+                return f"rank{r}", r
+            if g and self.engine_pid == int(g.group(1)):
+                return "engine", None
             return "api", None
-        if p.proc.startswith("APIServer") or p.proc.startswith("ApiServer"):
+        if p.proc.startswith(("APIServer", "ApiServer", "APIServer_")):
             return "api", None
         if p.proc.startswith("EngineCore") or p.proc.startswith("Engine"):
             return "engine", None
         r = self._rank_of(p)
         if r is not None and p.pid is not None:
             self.pid_rank.setdefault(p.pid, r)
-        if r is None:
+        if r is None or r not in self.ranks:
             return f"pid{p.pid}", None
         return f"rank{r}", r
+
+    def route(self, line: str) -> str:
+        """The stream a raw log line belongs to (`rank0`, `engine`, `api`, `pid123`)."""
+        p = parse_line(line.rstrip("\n"))
+        stream = self.stream_for(p)[0]
+        if stream == "engine" and p.pid is not None and self.engine_pid is None:
+            self.engine_pid = p.pid
+        return stream
 
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, raw: str, now: float | None = None) -> list[dict[str, Any]]:
@@ -158,48 +217,62 @@ class SeatTracker:
         p = parse_line(line)
         events: list[dict[str, Any]] = []
         stream, rank = self.stream_for(p)
-        text = p.text
-        ours = _OUR_RANK.search(text) if "dsv4serve" in text or "LNA2" in text or "lna2" in text else None
-        if ours and rank is None and int(ours.group(2)) == self.tp:
-            rank = int(ours.group(1))
-            stream = f"rank{rank}"
+        text = message(p.text)
+        ours = _OUR_RANK.search(text) if ("dsv4serve" in text or "LNA" in text or "lna2" in text) else None
+        if ours and int(ours.group(2)) == self.tp and int(ours.group(1)) in self.ranks:
+            if rank is None:
+                rank, stream = int(ours.group(1)), f"rank{ours.group(1)}"
         st = self.ranks.get(rank) if rank is not None else self.others.get(stream)
         if st is not None:
             st.last_line = text[-300:]
-            if p.pid is not None and st.pid is None and rank is not None:
+            if p.pid is not None and st.pid is None and (rank is not None or stream in self.others):
                 st.pid = p.pid
+        if stream == "engine" and p.pid is not None:
+            self.engine_pid = self.engine_pid or p.pid
+        elif stream == "api" and p.pid is not None:
+            self.api_pid = self.api_pid or p.pid
+        progress = not HEARTBEAT.search(text)
 
-        # Progress bars from rank 0 are written without a prefix.
+        # The safetensors bar is drawn by rank 0 only, without a prefix.
         m = SHARDS.search(text)
         if m:
             r0 = self.ranks.get(0)
             if r0 is not None:
-                r0.shards = (int(m.group(2)), int(m.group(3)))
+                shards = (int(m.group(2)), int(m.group(3)))
                 if r0.advance("loading", now):
                     events.append(self._ev(now, "phase", 0, phase="loading"))
-                r0.last_progress = self.last_progress = now
-                events.append(self._ev(now, "shards", 0, done=r0.shards[0], total=r0.shards[1]))
+                if shards != r0.shards:
+                    r0.shards = shards
+                    events.append(self._ev(now, "shards", 0, done=shards[0], total=shards[1]))
+                r0.last_progress = now
 
         if "vllm_dist_" in text:
-            self.dist_ids.update(re.findall(r"vllm_dist_([0-9a-f]{8,})", text))
+            self.dist_ids.update(DIST_ID.findall(text))
+            self.dist_paths.update(DIST_PATH.findall(text))
 
         if rank is not None:
             for phase, pat in _RANK_PHASE:
                 if pat.search(text) and self.ranks[rank].advance(phase, now):
                     events.append(self._ev(now, "phase", rank, phase=phase))
-            self.ranks[rank].last_progress = self.last_progress = now
+            if progress:
+                self.ranks[rank].last_progress = now
         elif stream == "engine":
-            self.others["engine"].last_progress = self.last_progress = now
-            if "init engine" in text and "took" in text:
+            if progress:
+                self.others["engine"].last_progress = now
+            if _ENGINE_UP.search(text):
                 self.engine_ready = True
+                events.append(self._ev(now, "engine", None, phase="ready"))
                 for r, rs in self.ranks.items():
                     if rs.advance("graphs", now):
                         events.append(self._ev(now, "phase", r, phase="graphs"))
         elif stream == "api":
-            self.others["api"].last_progress = self.last_progress = now
-            if "Starting vLLM server on" in text or "Application startup complete" in text:
+            if progress:
+                self.others["api"].last_progress = now
+            if _API_SERVING.search(text) and not self.api_serving:
                 self.api_serving = True
                 events.append(self._ev(now, "api", None, phase="serving"))
+        if progress:
+            self.last_progress = now
 
         m = KV_TOKENS.search(text)
         if m:
@@ -213,79 +286,96 @@ class SeatTracker:
             self.kv_gib = float(m.group(1))
 
         for marker in self.required:
-            if marker in text:
-                mr = rank
-                if ours and int(ours.group(2)) == self.tp:
-                    mr = int(ours.group(1))
-                if mr is not None and mr not in self.marker_ranks[marker]:
-                    self.marker_ranks[marker].add(mr)
-                    self.ranks[mr].markers.add(marker)
-                    events.append(self._ev(now, "marker", mr, marker=marker))
-                    if self.ranks[mr].markers >= set(self.required):
-                        if self.ranks[mr].advance("marker", now):
-                            events.append(self._ev(now, "phase", mr, phase="marker"))
+            if marker in text and rank is not None and rank not in self.marker_ranks[marker]:
+                self.marker_ranks[marker].add(rank)
+                self.ranks[rank].markers.add(marker)
+                events.append(self._ev(now, "marker", rank, marker=marker))
+                if self.ranks[rank].markers >= set(self.required) and self.ranks[rank].advance("marker", now):
+                    events.append(self._ev(now, "phase", rank, phase="marker"))
 
         events += self._fatal_checks(stream, rank, text, now)
         return events
 
-    def _ev(self, now: float, kind: str, rank: int | None, **kw: Any) -> dict[str, Any]:
-        return {"t": round(now, 3), "event": kind, "rank": rank, **kw}
+    def _ev(self, now: float, event: str, rank: int | None, **kw: Any) -> dict[str, Any]:
+        return {"t": round(now, 3), "elapsed_s": round(now - self.start, 1), "event": event, "rank": rank, **kw}
 
     def _note_error(self, stream: str, rank: int | None, line: str) -> None:
         st = self.ranks.get(rank) if rank is not None else self.others.get(stream)
         if st is not None and st.first_error is None:
             st.first_error = line.strip()[:400]
 
+    def _add_fatal(self, kind: str, stream: str, rank: int | None, line: str, hint: str | None,
+                   now: float, **extra: Any) -> dict[str, Any]:
+        line = line.strip()[:400]
+        if kind == "rank_died" and rank is None:
+            m = _DIED.search(line)  # the engine names the dead worker: blame its rank
+            if m and int(m.group(1)) in self.ranks:
+                rank = int(m.group(1))
+        self._note_error(stream, rank, line)
+        self.fatal.append(Fatal(kind, stream, line, hint, rank))
+        return self._ev(now, "fatal", rank, kind=kind, stream=stream, line=line, hint=hint, **extra)
+
+    def _traceback(self, stream: str, rank: int | None, text: str, now: float) -> dict[str, Any] | None:
+        """A Python traceback ends at its first unindented line that is not a chaining remark:
+        that line is the exception (`SafetensorError: ...`), the root cause for the first one."""
+        if TRACEBACK in text:
+            self._tb[stream] = True
+            return None
+        if not self._tb.get(stream):
+            return None
+        if not text.strip() or text.startswith((" ", "\t")) or text.startswith(_TB_CHAIN):
+            return None
+        body = text.strip()
+        if not (EXC_LINE.match(body) or _EXC_NAME.match(body)):
+            # Unprefixed streams interleave several processes: a stray line is not the end.
+            self._tb_skipped[stream] = self._tb_skipped.get(stream, 0) + 1
+            if self._tb_skipped[stream] > 200:
+                self._tb[stream] = False
+            return None
+        self._tb[stream] = False
+        self._tb_skipped[stream] = 0
+        return self._add_fatal("traceback", stream, rank, body, self._hint_for(body), now)
+
     def _fatal_checks(self, stream: str, rank: int | None, text: str, now: float) -> list[dict[str, Any]]:
         events = []
-        key = stream
-        if TRACEBACK in text:
-            self._tb[key] = []
-        elif key in self._tb:
-            body = text.strip()
-            self._tb[key].append(body)
-            if EXC_LINE.match(body):
-                self._tb.pop(key)
-                self._note_error(stream, rank, body)
-                f = Fatal("traceback", stream, body, self._hint_for(body))
-                self.fatal.append(f)
-                events.append(self._ev(now, "fatal", rank, kind=f.kind, stream=stream, line=body, hint=f.hint))
-            elif len(self._tb[key]) > 400:
-                self._tb.pop(key)
-        for kind, pat in FATAL:
-            m = pat.search(text)
-            if m:
-                if kind == "max_model_len":
-                    self.maxlen_hint = int(m.group(1))
-                hint = self._hint_for(text)
-                self._note_error(stream, rank, text)
-                self.fatal.append(Fatal(kind, stream, text.strip()[:400], hint))
-                events.append(self._ev(now, "fatal", rank, kind=kind, stream=stream, line=text.strip()[:400],
-                                       hint=hint))
+        ev = self._traceback(stream, rank, text, now)
+        if ev:
+            events.append(ev)
+        elif not text.startswith((" ", "\t")):  # frames of a traceback quote code, not errors
+            for kind, pat in FATAL:
+                m = pat.search(text)
+                if m:
+                    events.append(self._add_fatal(kind, stream, rank, text, self._hint_for(text), now))
+                    break
         for src, pat in self.forbidden:
             if pat.search(text):
-                self._note_error(stream, rank, text)
-                self.fatal.append(Fatal("forbidden", stream, text.strip()[:400], f"forbidden by the profile: /{src}/"))
-                events.append(self._ev(now, "fatal", rank, kind="forbidden", stream=stream,
-                                       line=text.strip()[:400], pattern=src))
+                events.append(self._add_fatal("forbidden", stream, rank, text, f"forbidden by the profile: /{src}/",
+                                              now, pattern=src))
         return events
 
     def _hint_for(self, line: str) -> str | None:
         m = MAXLEN_HINT.search(line)
-        if m or self.maxlen_hint:
-            n = int(m.group(1)) if m else self.maxlen_hint
+        if m:
+            self.maxlen_hint = int(m.group(1))
+        if self.maxlen_hint:
+            n = self.maxlen_hint
             return f"the KV cache fits {n} tokens: retry with --set vllm.max_model_len={n}"
         low = line.lower()
-        if "out of memory" in low or "outofmemory" in low:
+        if "out of memory" in low or "outofmemory" in low or "cannot allocate memory" in low:
             return "free the GPUs of other processes, or lower vllm.max_num_batched_tokens or vllm.max_model_len"
         if "nccl" in low:
             return "check NCCL_P2P_DISABLE=1 and --disable-custom-all-reduce on PCIe seats without P2P"
         if "lna2 not ready" in low:
             return "build the lna2 extension for this GPU (`dsv4serve kernel build`) or use moe.kernel=incumbent"
+        if "safetensor" in low or "incomplete metadata" in low or "header" in low and "deserializ" in low:
+            return "the pack's safetensors are damaged or incomplete: re-download or re-copy the model files"
+        if "died unexpectedly" in low:
+            return "a rank process died: its own log lines come first (`dsv4serve logs --rank R`)"
         return None
 
     # -- gates --------------------------------------------------------------------------------
     def missing_markers(self, ranks_needed: dict[str, int] | None = None) -> dict[str, list[int]]:
+        """Required markers seen on fewer distinct ranks than needed -> the ranks lacking them."""
         out = {}
         for m in self.required:
             need = (ranks_needed or {}).get(m, self.tp)
@@ -298,17 +388,45 @@ class SeatTracker:
         return now - self.last_progress
 
     def laggard(self) -> RankState:
-        """The rank furthest behind (for stall reports)."""
+        """The rank furthest behind (for stall reports): lowest phase, then the oldest progress."""
         return min(self.ranks.values(), key=lambda s: (PHASES.index(s.phase), s.last_progress))
+
+    def first_errors(self) -> dict[str, str]:
+        out = {f"rank{r}": s.first_error for r, s in self.ranks.items() if s.first_error}
+        out.update({k: s.first_error for k, s in self.others.items() if s.first_error})
+        return out
+
+    def rank_pids(self) -> dict[int, int]:
+        return {r: s.pid for r, s in self.ranks.items() if s.pid is not None}
 
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
             "ranks": {r: {"phase": s.phase, "elapsed_s": round(now - s.since, 1), "pid": s.pid,
-                          "markers": sorted(s.markers), "shards": s.shards, "first_error": s.first_error}
+                          "markers": sorted(s.markers), "shards": s.shards, "first_error": s.first_error,
+                          "last_line": s.last_line}
                       for r, s in self.ranks.items()},
+            "api": {"pid": self.api_pid, "serving": self.api_serving, "first_error": self.others["api"].first_error},
+            "engine": {"pid": self.engine_pid, "ready": self.engine_ready,
+                       "first_error": self.others["engine"].first_error},
             "kv_cache_tokens": self.kv_tokens,
             "kv_cache_gib": self.kv_gib,
             "api_serving": self.api_serving,
             "markers": {m: sorted(v) for m, v in self.marker_ranks.items()},
+            "dist_ids": sorted(self.dist_ids),
             "fatal": [f.__dict__ for f in self.fatal],
+            "lines": self.lines,
         }
+
+
+def read_log(path: str, tp: int, markers: list[str], forbidden: list[str]) -> SeatTracker:
+    """A tracker fed with a whole log file (for `status`, `down` and diagnostics)."""
+    tr = SeatTracker(tp, markers, forbidden, start=0.0)
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                for part in line.split("\r"):
+                    if part.strip():
+                        tr.feed(part, now=0.0)
+    except OSError:
+        pass
+    return tr

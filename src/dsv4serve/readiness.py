@@ -1,0 +1,105 @@
+"""Readiness proves inference: /health, the served name in /v1/models, then a real completion.
+
+/health alone is not readiness: a tiny model can answer it and die on its first request
+(vllm-cpu-reference §2, head_dim 16), and /v1/models answers while generation is dead
+(vllm#53157). The canary is one greedy chat completion, thinking off where the template has it
+(the deepseek_v4 template reasons by default and can spend the whole budget on it, trap 6); it
+passes when the server reports at least one completion token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import psutil
+
+from dsv4serve.errors import JobFailed
+
+
+def health(base_url: str, timeout: float = 3.0) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def served_models(base_url: str, timeout: float = 5.0) -> list[str]:
+    try:
+        r = httpx.get(f"{base_url}/v1/models", timeout=timeout)
+        r.raise_for_status()
+        return [m.get("id", "") for m in r.json().get("data", [])]
+    except (httpx.HTTPError, ValueError) as e:
+        raise JobFailed(f"{base_url}/v1/models did not answer ({type(e).__name__}: {e})") from None
+
+
+def canary_body(model: str, canary_cfg: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": getattr(canary_cfg, "prompt", "Hello")}],
+        "max_tokens": int(getattr(canary_cfg, "max_tokens", 8)),
+        "temperature": 0,
+    }
+    if getattr(canary_cfg, "thinking_off", False):
+        body["chat_template_kwargs"] = {"thinking": False}
+    return body
+
+
+def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0) -> dict[str, Any]:
+    """The canary with its evidence: text, completion tokens, seconds. Raises JobFailed."""
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=canary_body(model, canary_cfg), timeout=timeout)
+    except httpx.HTTPError as e:
+        raise JobFailed(f"canary completion failed: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise JobFailed(f"canary completion returned HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        data = r.json()
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        msg = data["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        # an error chunk must surface, not pass as an empty answer (trap 18)
+        raise JobFailed(f"canary completion answered without choices: {r.text[:200]}") from None
+    if tokens < 1:
+        raise JobFailed("canary completion returned no tokens",
+                        hint="the model produced nothing: read the seat's log (`dsv4serve logs`)")
+    text = (msg.get("content") or msg.get("reasoning_content") or msg.get("reasoning") or "").strip()
+    return {"text": text, "tokens": tokens, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def canary(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0) -> str:
+    """One chat completion that must return tokens; the generated text (may be gibberish)."""
+    return canary_result(base_url, model, canary_cfg, timeout)["text"]
+
+
+def listeners(port: int) -> set[int]:
+    """Pids listening on `port` (empty when psutil may not see them)."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.AccessDenied, OSError):
+        return set()
+    return {c.pid for c in conns if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+
+
+def check(base_url: str, model: str, canary_cfg: Any, timeout: float, port: int | None = None,
+          our_pids: set[int] | None = None) -> dict[str, Any]:
+    """/health, the served name, that the listener is one of our processes (when the caller can
+    say which are ours), then the canary."""
+    if not health(base_url, timeout=5.0):
+        raise JobFailed(f"{base_url}/health is not 200")
+    names = served_models(base_url)
+    if model not in names:
+        raise JobFailed(f"the server at {base_url} serves {names}, not {model}",
+                        hint="another server may own this port")
+    owner = None
+    if port is not None and our_pids is not None:
+        owners = listeners(port)
+        if owners and not owners & our_pids:
+            raise JobFailed(f"port {port} is served by pid {sorted(owners)}, not by this seat's processes",
+                            hint="an older server answers on this port: stop it")
+        owner = sorted(owners & our_pids) or None
+    res = canary_result(base_url, model, canary_cfg, timeout)
+    return {"health": 200, "models": names, "listener": owner, "canary": res["text"][:80],
+            "canary_tokens": res["tokens"], "canary_s": res["seconds"]}

@@ -1,0 +1,287 @@
+"""Seat state files: one per seat, written atomically, with two locks.
+
+- `seat.lock` is held by `up` while it brings a seat up (and for as long as `up --foreground`
+  stays attached): a second `up` of the same seat is refused at once.
+- `state.lock` is held for the few milliseconds of a read-modify-write of state.json, so `down`
+  (which may run while `up` is still bringing the seat up) and `up` never overwrite each other:
+  `down` marks the state `stopping` first, and `update()` refuses to touch a stopping state.
+
+The state names the run by pid *and* process start time, so a pid reused by an unrelated process
+is never mistaken for the seat. When a run ends, `last.json` keeps one line about it (outcome,
+diagnostics path), so `status` and `logs` still know what happened after the state is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+from filelock import FileLock, Timeout
+from pydantic import BaseModel, Field
+
+from dsv4serve import home
+from dsv4serve.errors import BadInput
+
+Phase = Literal["launching", "starting", "ready", "failed", "stopping", "stopped"]
+RUN_ID_ENV = "DSV4SERVE_RUN_ID"
+
+
+class SeatState(BaseModel):
+    seat: str = Field(description="seat name (the profile name)")
+    run_id: str
+    profile: str
+    profile_digest: str
+    runtime: Literal["native", "docker"]
+    pid: int | None = None
+    pgid: int | None = None
+    start_time: float | None = Field(None, description="psutil create_time() of pid, seconds since the epoch")
+    container_name: str | None = None
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+    served_name: str
+    tp: int
+    gpu_ids: list[int] = Field(default_factory=list)
+    gpu_uuids: list[str] = Field(default_factory=list)
+    run_dir: str
+    log_path: str
+    phase: Phase = "launching"
+    phase_detail: str = ""
+    started_at: float = Field(default_factory=time.time)
+    ready_at: float | None = None
+    kv_cache_tokens: int | None = None
+    markers: dict[str, list[int]] = Field(default_factory=dict)
+    dist_ids: list[str] = Field(default_factory=list)
+    dist_paths: list[str] = Field(default_factory=list, description="vLLM's file:// rendezvous files of this run")
+    rank_pids: dict[int, int] = Field(default_factory=dict, description="TP rank -> worker pid, from the log")
+    engine_pid: int | None = None
+    supervisor_pid: int | None = Field(None, description="the `up` process watching the seat, while it runs")
+    gates: dict[str, Any] = Field(default_factory=dict, description="launch.describe_gates() of the run")
+    overrides: list[str] = Field(default_factory=list, description="the --set overrides `up` was given")
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def marker_texts(self) -> list[str]:
+        return [m["text"] for m in self.gates.get("markers", [])]
+
+    def forbidden(self) -> list[str]:
+        return list(self.gates.get("forbidden", []))
+
+
+def seat_dir(seat: str) -> Path:
+    return home.seats_dir() / seat
+
+
+def state_path(seat: str) -> Path:
+    return seat_dir(seat) / "state.json"
+
+
+def last_path(seat: str) -> Path:
+    return seat_dir(seat) / "last.json"
+
+
+def lock(seat: str, timeout: float = 0.0) -> FileLock:
+    d = seat_dir(seat)
+    d.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(d / "seat.lock"), timeout=timeout)
+
+
+def acquire(seat: str, what: str) -> FileLock:
+    lk = lock(seat)
+    try:
+        lk.acquire(timeout=0)
+    except Timeout:
+        raise BadInput(f"seat {seat} is held by another dsv4serve (an `up` bringing it up or attached with "
+                       f"--foreground); {what} refused",
+                       hint="wait for it to finish, or check `dsv4serve status`") from None
+    return lk
+
+
+def _state_lock(seat: str) -> FileLock:
+    d = seat_dir(seat)
+    d.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(d / "state.lock"), timeout=10.0)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def save(st: SeatState) -> None:
+    with _state_lock(st.seat):
+        atomic_write(state_path(st.seat), st.model_dump_json(indent=2))
+
+
+def load(seat: str) -> SeatState | None:
+    p = state_path(seat)
+    try:
+        return SeatState.model_validate_json(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError) as e:
+        raise BadInput(f"state file {p} is unreadable ({e.__class__.__name__})",
+                       hint="remove it after checking no seat is running (`dsv4serve down` does this)") from None
+
+
+def update(seat: str, run_id: str, **changes: Any) -> SeatState | None:
+    """Change fields of this run's state, unless `down` has taken the seat over (state gone, a
+    different run, or phase `stopping`): then nothing is written and None is returned."""
+    with _state_lock(seat):
+        st = load(seat)
+        if st is None or st.run_id != run_id or st.phase == "stopping":
+            return None
+        st = st.model_copy(update=changes)
+        atomic_write(state_path(seat), st.model_dump_json(indent=2))
+        return st
+
+
+def mark_stopping(seat: str, run_id: str, why: str) -> SeatState | None:
+    """`down` takes the seat: from now on `up` writes nothing to it."""
+    with _state_lock(seat):
+        st = load(seat)
+        if st is None or st.run_id != run_id:
+            return None
+        st = st.model_copy(update={"phase": "stopping", "phase_detail": why})
+        atomic_write(state_path(seat), st.model_dump_json(indent=2))
+        return st
+
+
+def claim_stop(seat: str, run_id: str, why: str) -> SeatState | None:
+    """`up` stopping its own seat: like mark_stopping, but None when someone else (`down`) already
+    marked it stopping, so two teardowns never report over each other."""
+    with _state_lock(seat):
+        st = load(seat)
+        if st is None or st.run_id != run_id or st.phase == "stopping":
+            return None
+        st = st.model_copy(update={"phase": "stopping", "phase_detail": why})
+        atomic_write(state_path(seat), st.model_dump_json(indent=2))
+        return st
+
+
+def remove(seat: str, run_id: str | None = None) -> bool:
+    """Remove the state (only this run's, when `run_id` is given: never a newer run's)."""
+    with _state_lock(seat):
+        if run_id is not None:
+            cur = load(seat)
+            if cur is None or cur.run_id != run_id:
+                return False
+        try:
+            state_path(seat).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def save_last(seat: str, info: dict[str, Any]) -> None:
+    atomic_write(last_path(seat), json.dumps({"at": time.time(), **info}, indent=2, default=str))
+
+
+def load_last(seat: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(last_path(seat).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def all_seats() -> list[str]:
+    d = home.seats_dir()
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if (p / "state.json").is_file())
+
+
+def known_seats() -> list[str]:
+    """Seats with a state or a record of their last run."""
+    d = home.seats_dir()
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if (p / "state.json").is_file() or (p / "last.json").is_file())
+
+
+def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
+    """Is the recorded main process still *our* process?"""
+    if st.pid is None:
+        return "unknown"
+    try:
+        proc = psutil.Process(st.pid)
+        created = proc.create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return "gone"
+    except psutil.AccessDenied:
+        return "unknown"
+    if st.start_time is not None and abs(created - st.start_time) > 1.0:
+        return "reused"
+    try:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return "gone"
+    except psutil.Error:
+        pass
+    return "alive"
+
+
+def pid_alive(pid: int | None) -> bool:
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def dead_ranks(st: SeatState) -> list[int]:
+    """Ranks whose recorded worker process is gone (native seats; container pids are not ours)."""
+    if st.runtime != "native":
+        return []
+    return sorted(r for r, pid in st.rank_pids.items() if not pid_alive(pid))
+
+
+def find_running(seat: str | None = None) -> SeatState:
+    """The seat a client command (bench, check-seat live) should talk to."""
+    names = [seat] if seat else all_seats()
+    live = []
+    for n in names:
+        st = load(n)
+        if st is not None and st.phase in ("ready", "starting") and liveness(st) == "alive" and not dead_ranks(st):
+            live.append(st)
+    if not live:
+        what = f"seat {seat} is not running" if seat else "no seat is running"
+        raise BadInput(what, hint="start one with `dsv4serve up`, or pass --base-url and --model")
+    if len(live) > 1:
+        raise BadInput(f"{len(live)} seats are running ({', '.join(s.seat for s in live)})",
+                       hint="name one with --profile")
+    return live[0]
+
+
+def counters_path(run_dir: str | Path, rank: int) -> Path:
+    """Per-rank MoE call counters the vLLM plugin writes (schema: plugin_counters)."""
+    return Path(run_dir) / f"counters-rank{rank}.json"
+
+
+def read_counters(run_dir: str | Path, tp: int) -> dict[int, dict[str, Any] | None]:
+    out: dict[int, dict[str, Any] | None] = {}
+    for r in range(tp):
+        try:
+            out[r] = json.loads(counters_path(run_dir, r).read_text())
+        except (OSError, ValueError):
+            out[r] = None
+    return out

@@ -1,0 +1,122 @@
+"""Take one run down and prove nothing of it is left.
+
+vLLM's tree is the API server, a multiprocessing resource tracker, the EngineCore and one worker
+per rank. SIGKILL of the main process orphans the rest (they re-parent to init and keep running,
+and on a GPU keep its memory), and SIGTERM is swallowed while vLLM is still starting
+(vllm-cpu-reference §5). So: SIGTERM the whole group (and the env-tagged strays), wait a grace
+period, SIGKILL, wait until every process is reaped, remove the run's leftovers, check the port and,
+where NVML sees GPUs, that no process of ours still holds memory on the seat's GPUs.
+Docker seats: `docker stop -t <grace>` (the engine sends SIGTERM, then SIGKILL), then `docker rm -f`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any, Callable
+
+from dsv4serve import leftovers, ports, procs
+from dsv4serve.ranklog import read_log
+from dsv4serve.state import SeatState
+
+# While vLLM is still starting, SIGTERM is lost in its init handler (§5: not within 45 s), so a
+# long grace only delays the SIGKILL that does the work. Used unless the user asked for a grace.
+STARTUP_GRACE_S = 5.0
+DOCKER_EXTRA_S = 30.0
+
+
+def _docker(args: list[str], timeout: float) -> dict[str, Any]:
+    exe = shutil.which("docker")
+    if exe is None:
+        return {"argv": ["docker", *args], "rc": None, "error": "the docker CLI is not on PATH"}
+    try:
+        r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"argv": ["docker", *args], "rc": None, "error": f"timed out after {timeout:.0f} s"}
+    return {"argv": ["docker", *args], "rc": r.returncode, "out": (r.stdout + r.stderr).strip()[-400:]}
+
+
+def container_exists(name: str) -> bool | None:
+    """True/False, or None when the docker CLI cannot say."""
+    r = _docker(["inspect", "--format", "{{.State.Status}}", name], timeout=30)
+    if r["rc"] is None:
+        return None
+    return r["rc"] == 0
+
+
+def stop_container(name: str, grace: float) -> list[dict[str, Any]]:
+    return [_docker(["stop", "-t", str(max(0, int(round(grace)))), name], timeout=grace + DOCKER_EXTRA_S),
+            _docker(["rm", "-f", name], timeout=DOCKER_EXTRA_S)]
+
+
+def gpu_check(st: SeatState, ours: set[int]) -> dict[str, Any]:
+    """Processes on the seat's GPUs after the stop: ours ones are a failure, others are named."""
+    if not st.gpu_ids:
+        return {"checked": False, "detail": "CPU seat: no GPUs to check"}
+    try:
+        from dsv4serve import gpu  # another developer's module; guarded for trimmed installs
+    except ImportError:
+        gpu = None
+    if gpu is not None:
+        m = gpu.probe(list(st.gpu_ids))
+        if not m.available:
+            return {"checked": False, "detail": m.error or "NVML is not available"}
+        held, foreign, unknown = [], [], []
+        for idx in st.gpu_ids:
+            g = m.gpu(idx)
+            if g is None:
+                unknown.append(idx)
+                continue
+            if g.processes is None:
+                unknown.append(idx)
+                continue
+            for p in g.processes:
+                row = {"gpu": idx, "pid": p.pid, "name": p.name,
+                       "used_mib": (p.used_bytes or 0) >> 20 if p.used_bytes is not None else None}
+                (held if p.pid in ours else foreign).append(row)
+        return {"checked": True, "ours": held, "foreign": foreign, "unknown_gpus": unknown}
+    try:
+        import pynvml
+    except ImportError:
+        return {"checked": False, "detail": "neither dsv4serve.gpu nor pynvml is importable"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - no driver: nothing can hold GPU memory
+        return {"checked": False, "detail": f"NVML: {e}"}
+    held, foreign = [], []
+    try:
+        for idx in st.gpu_ids:
+            h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                row = {"gpu": idx, "pid": p.pid, "used_mib": (p.usedGpuMemory or 0) >> 20}
+                (held if p.pid in ours else foreign).append(row)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return {"checked": True, "ours": held, "foreign": foreign, "unknown_gpus": []}
+
+
+def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Stop this run wherever it is; the report says what was stopped and what (if anything) is left."""
+    report: dict[str, Any] = {"seat": st.seat, "run_id": st.run_id, "runtime": st.runtime, "grace_s": grace}
+    if st.runtime == "docker" and st.container_name:
+        report["docker"] = stop_container(st.container_name, grace)
+        gone = container_exists(st.container_name)
+        report["container_left"] = bool(gone)
+    report.update(procs.stop(st, grace, escalate))
+    tracker = read_log(st.log_path, st.tp, [], [])
+    found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
+    removed, failed = leftovers.remove(found)
+    report["leftovers_removed"] = removed
+    report["leftovers_failed"] = failed
+    ours = {p["pid"] for p in report["signalled"]} | set(st.rank_pids.values()) | {st.pid or -1}
+    report["gpu"] = gpu_check(st, ours)
+    host = st.host if st.host not in ("0.0.0.0", "", "::") else "127.0.0.1"
+    report["port_free"] = not ports.in_use(host, st.port)
+    report["port_owner"] = None if report["port_free"] else ports.owner(st.port)
+    report["clean"] = (not report["remaining"] and not report["unreaped"] and not failed
+                       and not report["gpu"].get("ours") and not report.get("container_left")
+                       and (report["port_free"] or report["port_owner"] is not None))
+    return report

@@ -1,0 +1,682 @@
+"""Start a LaunchSpec in its own session and watch it until the seat is provably ready or failed.
+
+The child writes straight into the run's log file (so it keeps logging after `up` returns); the
+supervisor tails that file into a `SeatTracker`. It fails fast on a fatal line, on the main process
+exiting, on a rank process dying, on a stall (no progress on any rank for `stall_s`; every new
+non-heartbeat line is progress, as Ollama's load timer resets on progress) and on the hard cap.
+Once the API server serves, a probe thread checks /health, /v1/models and a canary completion
+(bounded by `ready_s`) while the main loop keeps tailing, so a rank crashing under the canary is
+still seen. The seat is ready only when every rank showed every required marker (counted by
+distinct rank), the KV cache holds the profile's minimum, and the canary returned tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4serve import procs, readiness, state, stop
+from dsv4serve.cli_common import console, emit_json_line, err_console
+from dsv4serve.errors import EXIT_FAILED, EXIT_OK, JobFailed
+from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child
+from dsv4serve.profile import Profile
+from dsv4serve.ranklog import PHASE_LABEL, SeatTracker
+from dsv4serve.state import RUN_ID_ENV, SeatState
+
+POLL_S = 0.2
+STATE_POLL_S = 0.5
+# The demo plugin's marker comes before the API serves; lna2's ACTIVE line comes with the first
+# decode-shaped MoE call (trap 7), i.e. during the canary on an eager seat. The ranks write the
+# log file themselves, unbuffered, before the canary's answer leaves the server, so a short wait
+# after the canary covers every marker still in flight.
+MARKER_GRACE_S = 3.0
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    code: int = EXIT_OK
+    reason: str = ""
+    hint: str | None = None
+    seconds: float = 0.0
+    readiness: dict[str, Any] = field(default_factory=dict)
+    taken_over: bool = False  # `dsv4serve down` stopped the seat
+    interrupted: bool = False
+    stalled: bool = False
+    diagnostics: str | None = None
+    stop_report: dict[str, Any] | None = None
+
+
+class LogTail:
+    """Incremental reader of a growing log file, yielding whole lines (tqdm's \\r bars included)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pos = 0
+        self.buf = b""
+
+    def skip_to_end(self) -> None:
+        try:
+            self.pos = self.path.stat().st_size
+        except OSError:
+            pass
+
+    def read(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+                self.pos = f.tell()
+        except OSError:
+            return []
+        if not chunk:
+            return []
+        self.buf += chunk
+        parts = self.buf.replace(b"\r", b"\n").split(b"\n")
+        self.buf = parts.pop()
+        return [p.decode("utf-8", "replace") for p in parts if p.strip()]
+
+
+class Interrupts:
+    """Ctrl-C / SIGTERM / SIGHUP of `up` itself: the first asks for a clean teardown, the second
+    escalates it to SIGKILL. The child runs in its own session, so a terminal's Ctrl-C reaches only
+    `up`, never vLLM directly."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+    def __enter__(self) -> "Interrupts":
+        for s in self.SIGNALS:
+            self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    @property
+    def requested(self) -> bool:
+        return self.count >= 1
+
+    def escalate(self) -> bool:
+        return self.count >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# display
+
+
+class Display:
+    """The per-rank table (rich Live on a terminal; event lines and a final table otherwise), or
+    JSON event lines with --json. Everything for humans goes to stdout; errors to stderr."""
+
+    def __init__(self, seat: str, tracker: SeatTracker, json_events: bool, t0: float):
+        self.seat, self.tracker, self.json, self.t0 = seat, tracker, json_events, t0
+        self.live: Any = None
+        self.http = "waiting for the API server"
+        self._last = 0.0
+
+    def start(self) -> None:
+        if not self.json and console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self.table(time.time()), console=console, refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def stop(self, final: bool = True) -> None:
+        now = time.time()
+        if self.live is not None:
+            self.live.update(self.table(now))
+            self.live.stop()
+            self.live = None
+        elif final and not self.json:
+            console.print(self.table(now))
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """One of our own events (spawn, readiness, ready, failed...)."""
+        if self.json:
+            emit_json_line({"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 1), **event})
+        elif self.live is None and event.get("say"):
+            console.print(f"{time.time() - self.t0:6.1f} s  {event['say']}", highlight=False, markup=False,
+                          soft_wrap=True)
+
+    def events(self, evs: list[dict[str, Any]]) -> None:
+        for e in evs:
+            if self.json:
+                emit_json_line(e)
+            elif self.live is None:
+                line = self._describe(e)
+                if line:
+                    console.print(f"{e.get('elapsed_s', 0):6.1f} s  {line}", highlight=False, markup=False,
+                                  soft_wrap=True)
+
+    @staticmethod
+    def _describe(e: dict[str, Any]) -> str | None:
+        who = f"rank {e['rank']}" if e.get("rank") is not None else ""
+        kind = e["event"]
+        if kind == "phase":
+            return f"{who}: {PHASE_LABEL.get(e['phase'], e['phase'])}"
+        if kind == "marker":
+            return f"{who}: marker '{e['marker']}'"
+        if kind == "kv":
+            return f"KV cache: {e['tokens']:,} tokens"
+        if kind == "api":
+            return "API server: serving"
+        if kind == "engine":
+            return "engine: initialised"
+        if kind == "fatal":
+            return f"FATAL ({e['kind']}) {e['stream']}: {e['line'][:200]}"
+        return None  # shards: the table shows them
+
+    def tick(self, now: float) -> None:
+        if self.live is not None and now - self._last >= 0.25:
+            self._last = now
+            self.live.update(self.table(now))
+
+    def table(self, now: float) -> Any:
+        from rich.table import Table
+
+        tr = self.tracker
+        t = Table(title=f"{self.seat}: {now - self.t0:.0f} s", title_justify="left", expand=False)
+        wide = console.width >= 120  # the last line only where it fits without wrapping the table
+        cols = ["rank", "pid", "phase", "in phase", "shards", "markers"] + (["last line"] if wide else [])
+        for col in cols:
+            t.add_column(col, no_wrap=True, overflow="ellipsis",
+                         max_width=max(20, console.width - 90) if col == "last line" else None)
+        need = len(tr.required)
+        for name, s in (("api", tr.others["api"]), ("engine", tr.others["engine"])):
+            phase = ("serving" if tr.api_serving else "starting") if name == "api" else (
+                "initialised" if tr.engine_ready else "starting")
+            t.add_row(name, str(s.pid or ""), phase, "", "", "", *([s.last_line] if wide else []))
+        for r, s in tr.ranks.items():
+            shards = f"{s.shards[0]}/{s.shards[1]}" if s.shards else ""
+            marks = f"{len(s.markers)}/{need}" if need else "-"
+            t.add_row(str(r), str(s.pid or ""), PHASE_LABEL.get(s.phase, s.phase), f"{now - s.since:.0f} s", shards,
+                      marks, *([s.last_line] if wide else []))
+        kv = f"KV cache {tr.kv_tokens:,} tokens" if tr.kv_tokens is not None else "KV cache not sized yet"
+        t.caption = f"{kv} · HTTP: {self.http}"
+        return t
+
+
+# ---------------------------------------------------------------------------------------------
+# the supervisor
+
+
+def _no_core_dumps() -> None:  # runs in the child between fork and exec
+    # A crashed seat once wrote 27.6 GB of core files (seat-reference trap 5).
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def spawn(spec: LaunchSpec, log_path: Path, core_dumps: bool = False) -> subprocess.Popen:
+    """The seat in its own session (so its whole tree shares one process group that `down` can
+    signal, and a Ctrl-C in our terminal never reaches it), logging into the run's file."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = env_for_child(spec)
+    env[RUN_ID_ENV] = spec.run_id  # also on the docker client, whose env delta is passed with -e
+    with open(log_path, "ab", buffering=0) as log:
+        return subprocess.Popen(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=spec.cwd, start_new_session=True,
+                                preexec_fn=None if core_dumps else _no_core_dumps)
+
+
+class Supervisor:
+    def __init__(self, profile: Profile, spec: LaunchSpec, *, json_events: bool, foreground: bool,
+                 gpu_uuids: list[str] | None = None, overrides: list[str] | None = None):
+        self.profile, self.spec = profile, spec
+        self.json_events, self.foreground = json_events, foreground
+        self.seat = profile.name
+        self.run_dir = Path(spec.run_dir)
+        self.log_path = self.run_dir / "vllm.log"
+        self.t = profile.gates.timeouts
+        self.tp = profile.vllm.tensor_parallel_size
+        self.need = {m.text: (self.tp if m.ranks == "all" else int(m.ranks)) for m in profile.gates.markers}
+        self.t0 = time.time()
+        self.tracker = SeatTracker(self.tp, list(self.need), list(profile.gates.forbidden), start=self.t0)
+        self.display = Display(self.seat, self.tracker, json_events, self.t0)
+        self.proc: subprocess.Popen | None = None
+        self.st: SeatState | None = None
+        self.gpu_uuids = gpu_uuids or []
+        self.overrides = overrides or []
+        self._probe: threading.Thread | None = None
+        self._probe_result: dict[str, Any] | None = None
+        self._probe_error: JobFailed | None = None
+        self._probe_started = 0.0
+        self._last_state_poll = 0.0
+        self._saved: dict[str, Any] = {}
+
+    # -- state ----------------------------------------------------------------------------------
+    def _initial_state(self) -> SeatState:
+        s = self.spec
+        return SeatState(seat=self.seat, run_id=s.run_id, profile=self.profile.name,
+                         profile_digest=self.profile.digest(), runtime=s.runtime, container_name=s.container_name,
+                         argv=s.argv, env=s.env, host=s.host, port=s.port, served_name=s.served_name, tp=self.tp,
+                         gpu_ids=list(self.profile.gpus.ids), gpu_uuids=self.gpu_uuids, run_dir=str(self.run_dir),
+                         log_path=str(self.log_path), phase="launching", started_at=self.t0,
+                         supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides)
+
+    def _update(self, **changes: Any) -> bool:
+        """Write to the state unless `down` took the seat (then False)."""
+        st = state.update(self.seat, self.spec.run_id, **changes)
+        if st is None:
+            return False
+        self.st = st
+        return True
+
+    def _taken_over(self, now: float) -> bool:
+        if now - self._last_state_poll < STATE_POLL_S:
+            return False
+        self._last_state_poll = now
+        try:
+            cur = state.load(self.seat)
+        except Exception:  # noqa: BLE001 - a torn read is retried next poll
+            return False
+        return cur is None or cur.run_id != self.spec.run_id or cur.phase == "stopping"
+
+    def _sync_tracker_to_state(self) -> bool:
+        tr = self.tracker
+        facts = {"rank_pids": tr.rank_pids(), "engine_pid": tr.engine_pid, "dist_ids": sorted(tr.dist_ids),
+                 "dist_paths": sorted(tr.dist_paths), "kv_cache_tokens": tr.kv_tokens,
+                 "markers": {m: sorted(v) for m, v in tr.marker_ranks.items()}}
+        changed = {k: v for k, v in facts.items() if self._saved.get(k) != v}
+        if not changed:
+            return True
+        self._saved.update(changed)
+        return self._update(**changed)
+
+    # -- run ------------------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        self.st = self._initial_state()
+        state.save(self.st)
+        (self.run_dir / "run.json").write_text(json.dumps(
+            {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
+             "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
+             "log": str(self.log_path)}, indent=2))
+        with Interrupts() as intr:
+            try:
+                self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
+            except OSError as e:
+                state.remove(self.seat, self.spec.run_id)
+                return self._finish(Outcome(False, EXIT_FAILED, f"could not start {self.spec.argv[0]}: {e.strerror}",
+                                            None, 0.0))
+            pid = self.proc.pid
+            # Reap our child the moment it exits: a zombie would hold `down`'s and our own
+            # teardown's reap wait (Popen.poll() stays safe alongside a waiting thread).
+            threading.Thread(target=self.proc.wait, name="dsv4serve-reaper", daemon=True).start()
+            created = procs_start_time(pid)
+            if not self._update(pid=pid, pgid=pid, start_time=created, phase="starting"):
+                return self._taken_over_outcome(intr)
+            self.display.emit({"event": "spawn", "run_id": self.spec.run_id, "pid": pid, "pgid": pid,
+                               "log": str(self.log_path),
+                               "say": f"started run {self.spec.run_id}: pid {pid} (process group {pid}); "
+                                      f"log {self.log_path}"})
+            self.display.start()
+            try:
+                out = self._bring_up(intr)
+            finally:
+                self.display.stop(final=True)
+            if out.ok and self.foreground:
+                self._announce_ready(out)
+                return self._finish(self._attached(intr, out))
+            return self._finish(out)
+
+    def _bring_up(self, intr: Interrupts) -> Outcome:
+        tail = LogTail(self.log_path)
+        canary_done_at: float | None = None
+        while True:
+            now = time.time()
+            evs: list[dict[str, Any]] = []
+            for ln in tail.read():
+                evs += self.tracker.feed(ln, now)
+            if evs:
+                self.display.events(evs)
+            self.display.tick(now)
+            elapsed = now - self.t0
+            if intr.requested:
+                return self._fail(Outcome(False, EXIT_INTERRUPTED, "interrupted (Ctrl-C): the seat was not ready",
+                                          None, elapsed, interrupted=True), intr)
+            if self._taken_over(now):
+                return self._taken_over_outcome(intr)
+            if self.tracker.fatal:
+                return self._fail(self._from_fatal(elapsed), intr)
+            rc = self.proc.poll() if self.proc else None
+            if rc is not None:
+                for ln in tail.read():
+                    self.display.events(self.tracker.feed(ln, time.time()))
+                if self._taken_over(float("inf")):
+                    return self._taken_over_outcome(intr)
+                if self.tracker.fatal:
+                    return self._fail(self._from_fatal(elapsed), intr)
+                return self._fail(Outcome(False, EXIT_FAILED, f"vLLM exited with code {rc} before the seat was ready "
+                                          f"(in phase '{self.tracker.laggard().phase}')",
+                                          "see `dsv4serve logs` for its last lines", elapsed), intr)
+            dead = self._dead_rank()
+            if dead is not None:
+                return self._fail(Outcome(False, EXIT_FAILED, f"rank {dead[0]} (pid {dead[1]}) died while in phase "
+                                          f"'{self.tracker.ranks[dead[0]].phase}'",
+                                          f"see `dsv4serve logs --rank {dead[0]}`", elapsed), intr)
+            if not self._sync_tracker_to_state():
+                return self._taken_over_outcome(intr)
+            kv_problem = self._kv_problem(final=False)
+            if kv_problem:
+                return self._fail(Outcome(False, EXIT_FAILED, kv_problem[0], kv_problem[1], elapsed), intr)
+            if elapsed > self.t.total_s:
+                return self._fail(Outcome(False, EXIT_FAILED, f"bring-up exceeded the hard cap of {self.t.total_s:.0f} s "
+                                          f"({self._where()})", "raise gates.timeouts.total_s if this seat is just slow",
+                                          elapsed, stalled=True), intr)
+            if self._probe is None:
+                stalled = self.tracker.stalled_for(now)
+                if stalled > self.t.stall_s:
+                    lag = self.tracker.laggard()
+                    return self._fail(Outcome(
+                        False, EXIT_FAILED,
+                        f"no progress for {stalled:.0f} s (stall limit {self.t.stall_s:.0f} s): {lag.name} stopped in "
+                        f"phase '{PHASE_LABEL.get(lag.phase, lag.phase)}' (last line: {lag.last_line[-160:]!r})",
+                        "py-spy stacks are in the diagnostics when py-spy is installed; a hang at 100% GPU with no "
+                        "error is usually two kernels on two streams (seat-reference trap 3)", elapsed, stalled=True),
+                        intr)
+                if self.tracker.api_serving:
+                    self._start_probe()
+            else:
+                if self._probe_error is not None:
+                    # the rank that crashed under the canary says more than the HTTP error
+                    time.sleep(0.5)
+                    for ln in tail.read():
+                        self.display.events(self.tracker.feed(ln, time.time()))
+                    if self.tracker.fatal:
+                        return self._fail(self._from_fatal(elapsed), intr)
+                    e = self._probe_error
+                    return self._fail(Outcome(False, EXIT_FAILED, f"readiness: {e.message}", e.hint, elapsed), intr)
+                if self._probe_result is not None:
+                    if canary_done_at is None:
+                        canary_done_at = now
+                        self.display.http = f"canary ok ({self._probe_result.get('canary_tokens')} tokens)"
+                        self.display.emit({"event": "readiness", **self._probe_result,
+                                           "say": f"readiness: /health 200, /v1/models lists {self.spec.served_name}, "
+                                                  f"canary returned {self._probe_result.get('canary_tokens')} tokens"})
+                    missing = self._missing_markers()
+                    kv_problem = self._kv_problem(final=True)
+                    if not missing and not kv_problem:
+                        for rs in self.tracker.ranks.values():
+                            rs.advance("ready", time.time())
+                        return self._ready(Outcome(True, EXIT_OK, "ready", None, time.time() - self.t0,
+                                                   readiness=self._probe_result))
+                    if now - canary_done_at > MARKER_GRACE_S:
+                        reason, hint = missing or kv_problem  # type: ignore[misc]
+                        return self._fail(Outcome(False, EXIT_FAILED, reason, hint, elapsed), intr)
+                elif now - self._probe_started > self.t.ready_s + 30:
+                    return self._fail(Outcome(False, EXIT_FAILED, f"readiness did not finish within {self.t.ready_s:.0f} s",
+                                              None, elapsed), intr)
+            time.sleep(POLL_S)
+
+    # -- readiness probe --------------------------------------------------------------------------
+    def _start_probe(self) -> None:
+        self._probe_started = time.time()
+        self.display.http = "probing /health"
+        self.display.emit({"event": "http", "phase": "probing", "say": "API server serving: probing readiness"})
+        base, deadline = self.spec_base_url(), time.time() + self.t.ready_s
+
+        def probe() -> None:
+            try:
+                while not readiness.health(base, timeout=3.0):
+                    if time.time() > deadline:
+                        raise JobFailed(f"{base}/health did not answer 200 within {self.t.ready_s:.0f} s")
+                    time.sleep(0.5)
+                self.display.http = "canary"
+                ours = {p.pid for p in procs.run_processes(self.st)} if self.spec.runtime == "native" and self.st else None
+                self._probe_result = readiness.check(base, self.spec.served_name, self.profile.gates.canary,
+                                                     timeout=max(5.0, deadline - time.time()), port=self.spec.port,
+                                                     our_pids=ours)
+            except JobFailed as e:
+                self._probe_error = e
+            except Exception as e:  # noqa: BLE001 - any probe crash is a readiness failure, reported
+                self._probe_error = JobFailed(f"readiness probe crashed: {type(e).__name__}: {e}")
+
+        self._probe = threading.Thread(target=probe, name="dsv4serve-readiness", daemon=True)
+        self._probe.start()
+
+    def spec_base_url(self) -> str:
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "", "::") else self.spec.host
+        return f"http://{host}:{self.spec.port}"
+
+    # -- gates ----------------------------------------------------------------------------------
+    def _missing_markers(self) -> tuple[str, str] | None:
+        missing = self.tracker.missing_markers(self.need)
+        if not missing:
+            return None
+        parts = []
+        for text, ranks in missing.items():
+            have = sorted(self.tracker.marker_ranks.get(text, set()))
+            parts.append(f"marker '{text}' seen on {len(have)} of the {self.need[text]} ranks it needs "
+                         f"(ranks {','.join(map(str, have)) or 'none'}); missing on rank {', '.join(map(str, ranks))}")
+        return ("; ".join(parts), "the plugin or kernel did not come up on those ranks: "
+                f"`dsv4serve logs --rank {next(iter(missing.values()))[0]}`")
+
+    def _kv_problem(self, final: bool) -> tuple[str, str | None] | None:
+        want = self.profile.kv_min_tokens()
+        if not want:
+            return None
+        kv = self.tracker.kv_tokens
+        if kv is None:
+            return ("vLLM never reported its KV cache size ('KV cache size: N tokens')", None) if final else None
+        if kv < want:
+            return (f"KV cache holds {kv:,} tokens, below the {want:,} the profile needs (gates.kv_cache_min_tokens)",
+                    f"retry with --set vllm.max_model_len={kv}, or free memory on the seat")
+        return None
+
+    def _dead_rank(self) -> tuple[int, int] | None:
+        if self.spec.runtime != "native":
+            return None  # container pids are not in our namespace
+        for r, pid in self.tracker.rank_pids().items():
+            if not state.pid_alive(pid):
+                return r, pid
+        return None
+
+    def _where(self) -> str:
+        lag = self.tracker.laggard()
+        return f"{lag.name} in phase '{PHASE_LABEL.get(lag.phase, lag.phase)}'"
+
+    def _from_fatal(self, elapsed: float) -> Outcome:
+        f = self.tracker.fatal[0]
+        who = f"rank {f.rank}" if f.rank is not None else f.stream
+        return Outcome(False, EXIT_FAILED, f"{who}: {f.line}", f.hint, elapsed)
+
+    # -- endings --------------------------------------------------------------------------------
+    def _ready(self, out: Outcome) -> Outcome:
+        tr = self.tracker
+        ok = self._update(phase="ready", ready_at=time.time(), phase_detail=f"ready in {out.seconds:.0f} s",
+                          rank_pids=tr.rank_pids(), engine_pid=tr.engine_pid, kv_cache_tokens=tr.kv_tokens,
+                          markers={m: sorted(v) for m, v in tr.marker_ranks.items()},
+                          dist_ids=sorted(tr.dist_ids), dist_paths=sorted(tr.dist_paths),
+                          supervisor_pid=os.getpid() if self.foreground else None)
+        if not ok:
+            return Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` just as it became ready", None,
+                           out.seconds, taken_over=True)
+        state.save_last(self.seat, {"run_id": self.spec.run_id, "outcome": "ready", "seconds": round(out.seconds, 1),
+                                    "log": str(self.log_path), "run_dir": str(self.run_dir)})
+        if not self.foreground:
+            self._announce_ready(out)
+        return out
+
+    def _announce_ready(self, out: Outcome) -> None:
+        tr = self.tracker
+        marks = ", ".join(f"'{m}' on {len(r)}/{self.tp} ranks" for m, r in tr.marker_ranks.items()) or "none gated"
+        kv = f"{tr.kv_tokens:,} tokens" if tr.kv_tokens is not None else "not reported"
+        self.display.emit({"event": "ready", "seat": self.seat, "run_id": self.spec.run_id,
+                           "seconds": round(out.seconds, 1), "endpoint": f"{self.spec_base_url()}/v1",
+                           "model": self.spec.served_name, "pid": self.proc.pid if self.proc else None,
+                           "markers": {m: sorted(v) for m, v in tr.marker_ranks.items()},
+                           "kv_cache_tokens": tr.kv_tokens, "canary": out.readiness.get("canary"),
+                           "canary_tokens": out.readiness.get("canary_tokens")})
+        if not self.json_events:
+            console.print(f"[bold green]READY[/] seat {self.seat} in {out.seconds:.1f} s: {self.spec_base_url()}/v1 "
+                          f"model {self.spec.served_name}; markers {marks}; KV cache {kv}; canary "
+                          f"{out.readiness.get('canary_tokens')} tokens", highlight=False, soft_wrap=True)
+
+    def _taken_over_outcome(self, intr: Interrupts) -> Outcome:
+        """`down` owns the teardown now: reap our child so `down`'s reap wait can finish, write nothing."""
+        deadline = time.time() + 120
+        while self.proc is not None and self.proc.poll() is None and time.time() < deadline:
+            time.sleep(POLL_S)
+        return Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` before the seat was ready", None,
+                       time.time() - self.t0, taken_over=True)
+
+    def _fail(self, out: Outcome, intr: Interrupts) -> Outcome:
+        """Snapshot the processes, stop the seat (SIGKILL on a second Ctrl-C), write the bundle."""
+        from dsv4serve import diagnostics
+
+        st = self.st
+        snapshot_procs = [procs.describe(p) for p in procs.run_processes(st)] if st else []
+        # `down` may have caused this very failure (its SIGTERM makes the ranks raise): if it
+        # marked the seat first, the teardown and the story are its own.
+        if st is not None and state.claim_stop(self.seat, st.run_id, f"failed: {out.reason[:200]}") is None:
+            return self._taken_over_outcome(intr)
+        self.display.emit({"event": "stopping", "reason": out.reason, "say": f"failed: stopping the seat ({out.reason[:120]})"})
+        # Still starting: SIGTERM is swallowed, so the short grace (the SIGKILL does the work).
+        grace = min(self.t.shutdown_grace_s, stop.STARTUP_GRACE_S)
+        rep = stop.stop_run(st, grace, escalate=intr.escalate) if st else None
+        out.stop_report = rep
+        tr = self.tracker
+        out.diagnostics = str(diagnostics.bundle(
+            self.run_dir, self.log_path, reason=out.reason, hint=out.hint, snapshot=tr.snapshot(time.time()),
+            first_errors=tr.first_errors(),
+            launch={"argv": self.spec.argv, "env": self.spec.env, "endpoint": self.spec_base_url(),
+                    "runtime": self.spec.runtime, "profile": self.profile.name, "digest": self.profile.digest(),
+                    "overrides": self.overrides},
+            processes=snapshot_procs, gpu_ids=list(self.profile.gpus.ids),
+            stall_pids=[p["pid"] for p in snapshot_procs if not p.get("gone")] if out.stalled else None))
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if rep is None or rep["clean"]:
+            state.remove(self.seat, self.spec.run_id)
+        else:
+            self._force_update(phase="failed", phase_detail=f"{out.reason[:200]} (teardown left processes)")
+        state.save_last(self.seat, {"run_id": self.spec.run_id, "outcome": "failed", "reason": out.reason,
+                                    "hint": out.hint, "diagnostics": out.diagnostics, "log": str(self.log_path),
+                                    "run_dir": str(self.run_dir), "clean": bool(rep and rep["clean"])})
+        return out
+
+    def _force_update(self, **changes: Any) -> None:
+        st = state.load(self.seat)
+        if st is not None and st.run_id == self.spec.run_id:
+            state.save(st.model_copy(update=changes))
+
+    def _attached(self, intr: Interrupts, ready: Outcome) -> Outcome:
+        """--foreground: echo the log, watch for a crash, tear down on Ctrl-C (twice: SIGKILL)."""
+        tail = LogTail(self.log_path)
+        tail.skip_to_end()
+        n_fatal = len(self.tracker.fatal)
+        if not self.json_events:
+            console.print("attached: Ctrl-C stops the seat (a second Ctrl-C kills it at once)", highlight=False)
+        while True:
+            now = time.time()
+            for ln in tail.read():
+                evs = self.tracker.feed(ln, now)
+                if self.json_events:
+                    for e in evs:
+                        if e["event"] == "fatal":
+                            emit_json_line(e)
+                else:
+                    console.print(ln, highlight=False, markup=False, soft_wrap=True)
+            if intr.requested:
+                return self._stop_attached(intr, "stopped by Ctrl-C", EXIT_OK)
+            if self._taken_over(now):
+                out = self._taken_over_outcome(intr)
+                out.ok, out.code, out.reason = True, EXIT_OK, "stopped by `dsv4serve down`"
+                return out
+            if len(self.tracker.fatal) > n_fatal:
+                f = self.tracker.fatal[n_fatal]
+                return self._fail(Outcome(False, EXIT_FAILED, f"after ready: {f.stream}: {f.line}", f.hint,
+                                          now - self.t0), intr)
+            rc = self.proc.poll() if self.proc else None
+            if rc is not None:
+                return self._fail(Outcome(False, EXIT_FAILED, f"vLLM exited with code {rc} after the seat was ready",
+                                          None, now - self.t0), intr)
+            dead = self._dead_rank()
+            if dead is not None:
+                return self._fail(Outcome(False, EXIT_FAILED, f"rank {dead[0]} (pid {dead[1]}) died after the seat "
+                                          "was ready", f"see `dsv4serve logs --rank {dead[0]}`", now - self.t0), intr)
+            time.sleep(POLL_S)
+
+    def _stop_attached(self, intr: Interrupts, why: str, code: int) -> Outcome:
+        st = self.st
+        if st is None or state.claim_stop(self.seat, st.run_id, why) is None:
+            return self._taken_over_outcome(intr)
+        if not self.json_events:
+            console.print(f"stopping seat {self.seat} ({why}; grace {self.t.shutdown_grace_s:.0f} s)", highlight=False)
+        rep = stop.stop_run(st, self.t.shutdown_grace_s, escalate=intr.escalate)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if rep["clean"]:
+            state.remove(self.seat, st.run_id)
+        state.save_last(self.seat, {"run_id": st.run_id, "outcome": "stopped", "reason": why,
+                                    "log": str(self.log_path), "clean": rep["clean"]})
+        return Outcome(rep["clean"], code if rep["clean"] else EXIT_FAILED, why, None, time.time() - self.t0,
+                       stop_report=rep)
+
+    def _finish(self, out: Outcome) -> Outcome:
+        if out.ok or out.code == EXIT_OK:
+            if self.json_events and out.stop_report is not None:
+                emit_json_line({"event": "stopped", "reason": out.reason, "clean": out.stop_report["clean"]})
+            return out
+        report_failure(self.seat, self.tracker, out, self.json_events)
+        return out
+
+
+def report_failure(seat: str, tracker: SeatTracker, out: Outcome, json_events: bool) -> None:
+    first = tracker.first_errors()
+    rep = out.stop_report or {}
+    left = [p.get("pid") for p in rep.get("remaining", [])]
+    if json_events:
+        emit_json_line({"t": round(time.time(), 3), "event": "failed", "seat": seat, "reason": out.reason,
+                        "hint": out.hint, "first_errors": first, "diagnostics": out.diagnostics,
+                        "stopped_by_down": out.taken_over, "interrupted": out.interrupted,
+                        "clean": rep.get("clean"), "left_running": left})
+        return
+    err_console.print(f"[bold red]FAILED[/] seat {seat} after {out.seconds:.1f} s: {out.reason}", highlight=False,
+                      soft_wrap=True)
+    for who, line in first.items():
+        err_console.print(f"  first error on {who}: {line}", highlight=False, markup=False, soft_wrap=True)
+    if out.hint:
+        err_console.print(f"  hint: {out.hint}", highlight=False, markup=False, soft_wrap=True)
+    if out.stop_report is not None:
+        n = len(rep.get("signalled", []))
+        err_console.print(f"  stopped {n} processes ({len(rep.get('killed', []))} needed SIGKILL), removed "
+                          f"{len(rep.get('leftovers_removed', []))} leftovers; "
+                          + ("nothing left" if rep.get("clean") else f"LEFT RUNNING: {left}"),
+                          highlight=False, markup=False)
+    if out.diagnostics:
+        err_console.print(f"  diagnostics: {out.diagnostics}", highlight=False, markup=False, soft_wrap=True)
+
+
+def procs_start_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+__all__ = ["Outcome", "LogTail", "Interrupts", "Display", "Supervisor", "spawn", "report_failure",
+           "MARKER_GRACE_S", "EXIT_INTERRUPTED"]

@@ -1,0 +1,186 @@
+"""Shared fixtures. The e2e tests run real vLLM servers on the CPU (2 cores here), one at a time.
+
+Order (see `pytest_collection_modifyitems`): unit tests; then e2e tests that start and stop their own
+short-lived servers (`own_server`), so they never compete with the shared seat for the 2 cores;
+then every test on the one shared demo seat (`demo_seat`, started once through the real
+`dsv4serve up` CLI); last the `seat_last` tests, which end the shared seat.
+
+`demo_seat` gives `.base_url`, `.model` ("dsv4-demo"), `.max_model_len` (512), `.profile`
+("cpu-demo"), `.home` (its DSV4SERVE_HOME, also exported to os.environ so subprocess CLIs see it),
+`.port`, `.state` (the loaded SeatState), `.up_seconds`, `.up_stdout`, `.up_stderr`. Its teardown
+runs `dsv4serve down` and asserts nothing of the run is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+DSV4SERVE = [sys.executable, "-m", "dsv4serve"]
+FAKES = Path(__file__).parent / "fakes"
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        if item.get_closest_marker("seat_last"):
+            return 3
+        if "demo_seat" in getattr(item, "fixturenames", ()):
+            return 2
+        if item.get_closest_marker("own_server"):
+            return 1
+        return 0
+
+    items.sort(key=rank)  # stable: file order within each group
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "own_server: e2e test that starts (and stops) its own vLLM server")
+    config.addinivalue_line("markers", "seat_last: ends the shared demo seat; runs after every other test")
+
+
+def cli(*args: str, home: Path, timeout: float = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess, with its own DSV4SERVE_HOME."""
+    env = {**os.environ, "DSV4SERVE_HOME": str(home), **(env_extra or {})}
+    return subprocess.run([*DSV4SERVE, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+
+
+def group_processes(pgid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def tagged_processes(run_id: str) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("DSV4SERVE_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def run_leftovers(run_id: str, dist_ids: list[str]) -> list[str]:
+    """This run's vLLM files still in /dev/shm or /tmp."""
+    found = []
+    for did in dist_ids:
+        for d in ("/dev/shm", "/tmp"):
+            found += [str(p) for p in Path(d).glob(f"vllm_dist_{did}*")]
+    return found
+
+
+def assert_nothing_left(run_id: str, pgid: int | None, port: int | None = None, dist_ids: list[str] | None = None,
+                        timeout: float = 20) -> None:
+    """No process of the run by process group *and* by env tag, the port free, no leftovers."""
+    deadline = time.time() + timeout
+    while True:
+        left = set(tagged_processes(run_id)) | (set(group_processes(pgid)) if pgid else set())
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes of run {run_id} still alive: {sorted(left)}"
+    if port is not None:
+        from dsv4serve import ports
+
+        assert not ports.in_use("127.0.0.1", port), f"port {port} still bound"
+    if dist_ids:
+        assert not run_leftovers(run_id, dist_ids), run_leftovers(run_id, dist_ids)
+
+
+def dist_ids_of(log_path: str) -> list[str]:
+    from dsv4serve.ranklog import read_log
+
+    return sorted(read_log(log_path, 8, [], []).dist_ids)
+
+
+def load_state(home: Path, seat: str):
+    from dsv4serve import state
+
+    old = os.environ.get("DSV4SERVE_HOME")
+    os.environ["DSV4SERVE_HOME"] = str(home)
+    try:
+        return state.load(seat)
+    finally:
+        if old is None:
+            os.environ.pop("DSV4SERVE_HOME", None)
+        else:
+            os.environ["DSV4SERVE_HOME"] = old
+
+
+@dataclass
+class DemoSeat:
+    base_url: str
+    model: str
+    max_model_len: int
+    profile: str
+    home: Path
+    port: int
+    up_seconds: float
+    up_stdout: str
+    up_stderr: str
+    run_id: str = ""
+    pgid: int | None = None
+    log_path: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def state(self):
+        return load_state(self.home, self.profile)
+
+
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dsv4home")
+
+
+@pytest.fixture(scope="session")
+def demo_seat(demo_home: Path):
+    from dsv4serve import ports
+
+    old_home = os.environ.get("DSV4SERVE_HOME")
+    os.environ["DSV4SERVE_HOME"] = str(demo_home)  # subprocess CLIs of other tests see the seat
+    port = ports.free_port()
+    t0 = time.time()
+    r = cli("up", "--profile", "cpu-demo", "--set", f"vllm.port={port}", home=demo_home, timeout=400)
+    up_s = time.time() - t0
+    st = load_state(demo_home, "cpu-demo")
+    if r.returncode != 0:
+        cli("down", home=demo_home, timeout=120)
+        pytest.fail(f"the demo seat did not come up (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    seat = DemoSeat(base_url=f"http://127.0.0.1:{port}", model="dsv4-demo", max_model_len=512, profile="cpu-demo",
+                    home=demo_home, port=port, up_seconds=up_s, up_stdout=r.stdout, up_stderr=r.stderr,
+                    run_id=st.run_id, pgid=st.pgid, log_path=st.log_path)
+    try:
+        yield seat
+    finally:
+        try:
+            if load_state(demo_home, "cpu-demo") is not None:  # a seat_last test may have stopped it already
+                d = cli("down", "--json", home=demo_home, timeout=120)
+                assert d.returncode == 0 and json.loads(d.stdout)["clean"], d.stdout + d.stderr
+            assert_nothing_left(seat.run_id, seat.pgid, port, dist_ids_of(seat.log_path))
+        finally:
+            if old_home is None:
+                os.environ.pop("DSV4SERVE_HOME", None)
+            else:
+                os.environ["DSV4SERVE_HOME"] = old_home

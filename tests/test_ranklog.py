@@ -1,0 +1,198 @@
+"""Per-rank log parsing on lines captured from the real vLLM CPU server, and on the canon seat's
+lines as seat-reference.md quotes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsv4serve.ranklog import SeatTracker, parse_line
+
+REAL = Path(__file__).parent / "data" / "vllm-cpu-tp2-mtp.log"
+
+
+def feed_all(tr: SeatTracker, lines):
+    events = []
+    for i, ln in enumerate(lines):
+        events += tr.feed(ln, now=1000.0 + i)
+    return events
+
+
+def test_prefixes():
+    assert parse_line("(Worker_TP3 pid=42) INFO x").proc == "Worker_TP3"
+    assert parse_line("(EngineCore_DP0 pid=7) INFO x").pid == 7
+    p = parse_line("INFO:     Application startup complete.")
+    assert p.proc is None and p.text.startswith("INFO:")
+
+
+def test_real_tp2_log_gives_every_phase_marker_and_kv():
+    tr = SeatTracker(2, ["dsv4serve plugin ready"], [])
+    events = feed_all(tr, REAL.read_text().splitlines())
+    assert tr.marker_ranks["dsv4serve plugin ready"] == {0, 1}
+    assert tr.kv_tokens == 310688
+    assert tr.api_serving
+    assert not tr.fatal, tr.fatal
+    assert all(r.phase in ("graphs", "marker") for r in tr.ranks.values())
+    assert tr.ranks[0].pid and tr.ranks[1].pid and tr.ranks[0].pid != tr.ranks[1].pid
+    assert tr.ranks[0].shards == (1, 1)          # the unprefixed tqdm bar belongs to rank 0
+    assert tr.dist_ids                            # the run's /dev/shm + /tmp leftovers can be found
+    kinds = {e["event"] for e in events}
+    assert {"phase", "marker", "kv", "api", "shards"} <= kinds
+    assert tr.missing_markers() == {}
+
+
+def test_missing_marker_names_the_rank():
+    lines = [ln for ln in REAL.read_text().splitlines() if "plugin ready rank=1/2" not in ln]
+    tr = SeatTracker(2, ["dsv4serve plugin ready"], [])
+    feed_all(tr, lines)
+    assert tr.missing_markers() == {"dsv4serve plugin ready": [1]}
+
+
+SEAT = """(APIServer pid=100) INFO 09-04 [api_server.py] vLLM API server version 0.28.1rc1.dev337
+(VllmWorker-5 pid=205) INFO 09-04 [parallel_state.py] world_size=8 rank=5 local_rank=5 backend=nccl
+(Worker_TP5 pid=205) INFO 09-04 [gpu_model_runner.py] Starting to load model /data/DSV4...
+(Worker_TP0 pid=200) INFO 09-04 [gpu_model_runner.py] Starting to load model /data/DSV4...
+Loading safetensors checkpoint shards:  47% Completed | 24/51 [01:02<01:10,  2.6s/it]
+(Worker_TP0 pid=200) INFO 09-04 [exl3.py] EXL3 MCG trellis engaged for routed experts: bits=2 experts_local=256 hidden=4096 intermediate_local=256 fused_moe=exl3_moe
+(EngineCore pid=150) INFO 09-04 [kv_cache_utils.py] GPU KV cache size: 395,069 tokens
+""".splitlines()
+
+
+def test_seat_lines_tp8():
+    tr = SeatTracker(8, ["LNA2 MoE kernel ACTIVE"], ["LNA preflight FAILED", r"LNA2 declined: (?!rows=\d+ above the ceiling)"])
+    feed_all(tr, SEAT)
+    assert tr.kv_tokens == 395069
+    assert tr.ranks[5].phase == "kv_sized" and tr.ranks[5].pid == 205
+    assert tr.ranks[0].shards == (24, 51)
+    for r in range(8):
+        tr.feed(f"(Worker_TP{r} pid={200 + r}) WARNING 09-04 [exl3.py] F3 LNA2 MoE kernel ACTIVE (VLLM_EXL3_MOE_KERNEL=lna2)")
+    assert tr.marker_ranks["LNA2 MoE kernel ACTIVE"] == set(range(8))
+    # counted by distinct rank, not by lines
+    tr2 = SeatTracker(8, ["LNA2 MoE kernel ACTIVE"], [])
+    for _ in range(8):
+        tr2.feed("(Worker_TP0 pid=200) WARNING F3 LNA2 MoE kernel ACTIVE")
+    assert tr2.missing_markers()["LNA2 MoE kernel ACTIVE"] == [1, 2, 3, 4, 5, 6, 7]
+    # a prefill decline is fine, any other decline is forbidden
+    tr.feed("(Worker_TP3 pid=203) INFO LNA2 declined: rows=512 above the ceiling 32 (rank=3/8 layer=x)")
+    assert not tr.fatal
+    tr.feed("(Worker_TP3 pid=203) INFO LNA2 declined: lna2 not ready: rank=3/8 layer=x: no CUDA")
+    assert tr.fatal and tr.fatal[0].kind == "forbidden" and tr.fatal[0].stream == "rank3"
+
+
+def test_fatal_signatures_and_hints():
+    tr = SeatTracker(8, [], [])
+    tr.feed("(EngineCore pid=150) ERROR ValueError: To serve at least one request with the models's max seq len "
+            "(389120), (1.83 GiB KV cache is needed, which is larger than the available KV cache memory (1.37 GiB). "
+            "Based on the available memory, the estimated maximum model length is 263424.")
+    assert tr.fatal and "--set vllm.max_model_len=263424" in tr.fatal[0].hint
+    tr = SeatTracker(2, [], [])
+    tr.feed("(Worker_TP1 pid=9) ERROR Traceback (most recent call last):")
+    tr.feed('(Worker_TP1 pid=9) ERROR   File "x.py", line 1, in f')
+    tr.feed("(Worker_TP1 pid=9) ERROR RuntimeError: lna2 not ready: rank=1/2 layer=model.layers.1.mlp.experts: no CUDA")
+    f = [x for x in tr.fatal if x.kind == "traceback"][0]
+    assert f.stream == "rank1" and f.line.startswith("RuntimeError: lna2 not ready")
+    assert "kernel build" in f.hint
+    assert tr.ranks[1].first_error.startswith("RuntimeError")
+    tr.feed("(Worker_TP0 pid=8) ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert any(x.kind == "oom" for x in tr.fatal)
+    tr.feed("(EngineCore pid=7) ERROR Worker proc VllmWorker-1 died unexpectedly, shutting down executor.")
+    assert any(x.kind == "rank_died" for x in tr.fatal)
+
+
+def test_stall_and_laggard():
+    tr = SeatTracker(2, [], [], start=0.0)
+    tr.feed("(Worker_TP0 pid=1) INFO Starting to load model x", now=10.0)
+    assert tr.stalled_for(100.0) == 90.0
+    assert tr.laggard().name == "rank1"
+
+
+# --- faults captured from the real vLLM CPU server (vllm-cpu 0.32.0, the demo model) -----------
+# vllm-cpu-tp1-corrupt-safetensors.log: TP 1, model.safetensors truncated to 100 kB
+# vllm-cpu-tp1-kv-too-small.log:        TP 1, --kv-cache-memory-bytes 600000 (KV for 240 tokens < 512)
+# vllm-cpu-tp2-worker-killed.log:       TP 2, ready, then SIGKILL to Worker_TP1
+DATA = Path(__file__).parent / "data"
+
+
+def real(name: str, tp: int, markers=(), forbidden=()) -> SeatTracker:
+    tr = SeatTracker(tp, list(markers), list(forbidden), start=0.0)
+    feed_all(tr, (DATA / name).read_text().splitlines())
+    return tr
+
+
+def test_corrupt_safetensors_first_fatal_is_the_workers_last_traceback_line():
+    tr = real("vllm-cpu-tp1-corrupt-safetensors.log", 1)
+    first = tr.fatal[0]
+    assert first.kind == "traceback" and first.rank == 0 and first.stream == "rank0"
+    # vLLM logs the worker's traceback through its logger: header + prefix on every line
+    assert first.line == ("safetensors._safetensors_rust.SafetensorError: Error while deserializing header: "
+                          "incomplete metadata, file not fully covered")
+    assert "safetensors" in first.hint
+    assert tr.ranks[0].phase == "loading" and tr.ranks[0].shards == (0, 1)
+    assert tr.first_errors()["rank0"].startswith("safetensors._safetensors_rust.SafetensorError")
+    # the engine's and the API server's consequences come after the root cause
+    assert [f.stream for f in tr.fatal[:3]] == ["rank0", "engine", "api"]
+
+
+def test_kv_too_small_suggests_the_estimated_max_model_len():
+    tr = real("vllm-cpu-tp1-kv-too-small.log", 1)
+    first = tr.fatal[0]
+    assert first.stream == "engine" and first.line.startswith("ValueError: To serve at least one request")
+    assert tr.maxlen_hint == 240
+    assert first.hint == "the KV cache fits 240 tokens: retry with --set vllm.max_model_len=240"
+    assert tr.kv_tokens is None
+
+
+def test_worker_killed_is_blamed_on_its_rank():
+    tr = real("vllm-cpu-tp2-worker-killed.log", 2)
+    died = tr.fatal[0]
+    assert died.kind == "rank_died" and died.rank == 1 and died.stream == "engine"
+    assert "VllmWorker-1 died unexpectedly (exit code: -9)" in died.line
+    assert tr.kv_tokens == 310688 and tr.api_serving and tr.engine_ready  # it had been ready
+    assert tr.ranks[0].pid == 24278 and tr.ranks[1].pid == 24279
+
+
+def test_healthy_log_has_no_fatal_and_no_progress_from_heartbeats():
+    tr = real("vllm-cpu-tp2-mtp.log", 2, ["dsv4serve plugin ready"])
+    assert not tr.fatal
+    last = tr.last_progress
+    tr.feed('INFO:     127.0.0.1:33978 - "GET /health HTTP/1.1" 200 OK', now=5000.0)
+    tr.feed("(APIServer pid=26735) INFO 12-02 20:45:00 [loggers.py:335] Engine 000: Avg prompt throughput: 0.0 "
+            "tokens/s, Avg generation throughput: 0.0 tokens/s", now=5001.0)
+    tr.feed("(APIServer pid=26735) INFO 12-02 20:45:00 [utils.py:1] Waiting for 1 local, 0 remote core engine "
+            "proc(s) to start.", now=5002.0)
+    assert tr.last_progress == last  # heartbeats never reset the stall timer
+    tr.feed("(Worker_TP1 pid=26764) INFO 12-02 20:45:00 [x.py:1] something new", now=5003.0)
+    assert tr.last_progress == 5003.0
+
+
+def test_real_log_learns_pids_engine_and_rendezvous():
+    tr = real("vllm-cpu-tp2-mtp.log", 2, ["dsv4serve plugin ready"])
+    assert tr.engine_pid == 26755 and tr.api_pid == 26735
+    assert tr.dist_paths == {"/tmp/vllm_dist_5b74b3fd326b48d393772803daeb325d"}
+    # the unprefixed torch glog line of a worker pid is routed to that worker's rank
+    assert tr.route("W1202 20:44:29.440000 26763 torch/_library/triton.py:53] Triton not available") == "rank0"
+    assert tr.route("(Worker pid=26764) INFO x") == "rank1"
+    assert tr.route("INFO:     Application startup complete.") == "api"
+
+
+def test_forbidden_regex_must_compile():
+    import pytest
+
+    from dsv4serve.errors import ProfileError
+
+    with pytest.raises(ProfileError, match="not a valid regex"):
+        SeatTracker(2, [], ["LNA2 declined: (?!"])
+
+
+def test_seat_reference_lines_decline_and_untuned_and_kv():
+    forb = ["LNA preflight FAILED", r"LNA2 declined: (?!rows=\d+ above the ceiling)",
+            "untuned shape .* during CUDA graph capture"]
+    tr = SeatTracker(8, ["LNA2 MoE kernel ACTIVE"], forb)
+    tr.feed("(EngineCore_DP0 pid=150) INFO 09-04 12:00:01 [kv_cache_utils.py:1] GPU KV cache size: 395,069 tokens")
+    tr.feed("(EngineCore_DP0 pid=150) INFO 09-04 12:00:01 [gpu_worker.py:1] Available KV cache memory: 1.86 GiB")
+    assert tr.kv_tokens == 395069 and tr.kv_gib == 1.86 and not tr.fatal
+    tr.feed("(Worker_TP6 pid=206) WARNING 09-04 [exl3.py:9] [exl3_gemm] LNA-LAB: untuned shape m=16 k=4096 "
+            "during CUDA graph capture")
+    assert tr.fatal[-1].kind == "forbidden" and tr.fatal[-1].rank == 6
+    tr.feed("(Worker_TP2 pid=202) WARNING 09-04 [exl3.py:9] F3/F1 LNA preflight FAILED for model.layers.3 "
+            "(backend=lna2): pointer table -- the MoE will fall back to exllamav3")
+    assert tr.fatal[-1].kind == "forbidden" and tr.fatal[-1].stream == "rank2"

@@ -1,0 +1,131 @@
+"""Seat state: atomic files, the two locks, pid+start-time identity, and the stale-state paths of
+`status` and `down` (no server needed: the "seat" is a state file pointing at processes we own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dsv4serve import state
+from dsv4serve.errors import BadInput
+
+from .conftest import cli
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def make(seat: str = "cpu-demo", **kw) -> state.SeatState:
+    base = dict(seat=seat, run_id=f"{seat}-test-{os.getpid()}-{time.time_ns()}", profile=seat, profile_digest="x",
+                runtime="native", argv=["python"], env={}, host="127.0.0.1", port=1, served_name="m", tp=2,
+                run_dir="/nonexistent", log_path="/nonexistent/vllm.log", phase="ready")
+    base.update(kw)
+    return state.SeatState(**base)
+
+
+def test_save_load_is_atomic_and_leaves_no_temp_files(home):
+    st = make()
+    state.save(st)
+    assert state.load("cpu-demo") == st
+    files = sorted(p.name for p in state.seat_dir("cpu-demo").iterdir())
+    assert "state.json" in files and not [f for f in files if f.startswith(".state.json.")]
+
+
+def test_unreadable_state_is_one_line(home):
+    state.seat_dir("cpu-demo").mkdir(parents=True)
+    state.state_path("cpu-demo").write_text("{not json")
+    with pytest.raises(BadInput, match="is unreadable"):
+        state.load("cpu-demo")
+
+
+def test_update_refuses_a_stopping_or_foreign_state(home):
+    st = make()
+    state.save(st)
+    assert state.update("cpu-demo", st.run_id, phase_detail="x").phase_detail == "x"
+    assert state.update("cpu-demo", "another-run", phase_detail="y") is None
+    assert state.mark_stopping("cpu-demo", st.run_id, "down").phase == "stopping"
+    assert state.update("cpu-demo", st.run_id, phase="ready") is None  # `down` owns it now
+    assert state.load("cpu-demo").phase == "stopping"
+    assert not state.remove("cpu-demo", "another-run")  # never a newer run's state
+    assert state.remove("cpu-demo", st.run_id) and state.load("cpu-demo") is None
+
+
+def test_seat_lock_refuses_a_second_holder(home):
+    lk = state.acquire("cpu-demo", "up")
+    try:
+        with pytest.raises(BadInput, match="held by another dsv4serve"):
+            state.acquire("cpu-demo", "up")
+    finally:
+        lk.release()
+    state.acquire("cpu-demo", "up").release()
+
+
+def test_liveness_by_pid_and_start_time(home):
+    me = psutil.Process()
+    assert state.liveness(make(pid=me.pid, start_time=me.create_time())) == "alive"
+    assert state.liveness(make(pid=me.pid, start_time=me.create_time() - 1000)) == "reused"
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert state.liveness(make(pid=p.pid, start_time=time.time())) == "gone"
+
+
+def test_dead_ranks_and_find_running(home):
+    me = psutil.Process()
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    st = make(pid=me.pid, start_time=me.create_time(), rank_pids={0: me.pid, 1: p.pid})
+    assert state.dead_ranks(st) == [1]
+    state.save(st)
+    with pytest.raises(BadInput) as e:
+        state.find_running()
+    assert e.value.message == "no seat is running"  # a seat with a dead rank is not "running"
+    with pytest.raises(BadInput, match="^seat cpu-demo is not running$"):
+        state.find_running("cpu-demo")
+    state.save(st.model_copy(update={"rank_pids": {0: me.pid}}))
+    assert state.find_running().run_id == st.run_id
+
+
+def test_stale_state_with_a_reused_pid_status_says_so_and_down_touches_nothing(home):
+    """The state points at *this test's* pid and process group with a wrong start time, as if the
+    seat's pid had been reused: status must call it stale, and down must clear it without
+    signalling anything (a sibling in our process group must survive)."""
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # same pgid as us
+    try:
+        me = psutil.Process()
+        st = make(pid=me.pid, pgid=os.getpgid(0), start_time=me.create_time() - 3600,
+                  rank_pids={0: sibling.pid, 1: me.pid})
+        state.save(st)
+        r = cli("status", "--json", home=home, timeout=60)
+        assert r.returncode == 0, r.stderr
+        row = json.loads(r.stdout)[0]
+        assert row["phase"] == "stale" and row["stale"] and row["process"] == "reused"
+        assert f"pid {me.pid} now belongs to another process" in row["problem"]
+        r = cli("down", "--json", home=home, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rep = json.loads(r.stdout)
+        seat = rep["seats"][0]
+        assert rep["clean"] and seat["signalled"] == [] and seat["killed"] == []
+        assert seat["was"] == "reused" and "was not touched" in seat["note"]
+        assert sibling.poll() is None and psutil.pid_exists(me.pid)
+        assert state.load("cpu-demo") is None
+        r = cli("status", "--json", home=home, timeout=60)
+        assert json.loads(r.stdout)[0]["phase"] == "not running"
+    finally:
+        sibling.kill()
+        sibling.wait()
+
+
+def test_down_with_nothing_running_says_so(home):
+    r = cli("down", home=home, timeout=60)
+    assert r.returncode == 0 and "no seat is running: nothing to stop" in r.stdout
+    r = cli("down", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 0 and "seat cpu-demo is not running: nothing to stop" in r.stdout

@@ -1,0 +1,115 @@
+"""The Docker runtime's code paths, and the supervisor's stall and crash handling, cheaply.
+
+No Docker engine exists in CI, so `tests/fakes/docker` stands in for the Docker CLI: it records its
+argv and, for `run`, prints canned vLLM-style lines and serves a minimal OpenAI API (see its
+docstring). The real supervisor runs unchanged through the real `dsv4serve` CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+from dsv4serve import ports
+
+from .conftest import FAKES, assert_nothing_left, cli, json_lines
+
+
+@pytest.fixture()
+def fake(tmp_path):
+    home = tmp_path / "home"
+    ddir = tmp_path / "docker"
+    name = f"dsv4-fake-{secrets.token_hex(3)}"
+    port = ports.free_port()
+    prof = tmp_path / "fake-docker.yaml"
+    prof.write_text(f"""
+name: fake-docker
+extends: cpu-demo
+model: {{demo: false, path: {tmp_path / 'model'}, served_name: dsv4-demo}}
+runtime: {{kind: docker, image: "fake/vllm:test", container_name: {name}}}
+vllm: {{port: {port}}}
+gates:
+  timeouts: {{stall_s: 3, total_s: 60, ready_s: 20, shutdown_grace_s: 2}}
+""")
+    (tmp_path / "model").mkdir()
+    env = {"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "FAKE_DOCKER_DIR": str(ddir)}
+
+    class F:
+        pass
+
+    f = F()
+    f.home, f.dir, f.name, f.port, f.profile, f.env = home, ddir, name, port, str(prof), env
+
+    def run(*args, scenario="ok", timeout=120):
+        return cli(*args, home=home, timeout=timeout, env_extra={**env, "FAKE_DOCKER_SCENARIO": scenario})
+
+    def calls():
+        p = ddir / "calls.jsonl"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+    f.run, f.calls = run, calls
+    return f
+
+
+def test_docker_seat_up_json_events_status_and_down(fake):
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    events = json_lines(r.stdout)
+    assert all(isinstance(e, dict) and "event" in e for e in events)  # nothing but JSON lines on stdout
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "ready" and "spawn" in kinds and "readiness" in kinds
+    assert {e["rank"] for e in events if e["event"] == "marker"} == {0, 1}  # by distinct rank
+    assert next(e for e in events if e["event"] == "kv")["tokens"] == 4096
+    ready = events[-1]
+    assert ready["markers"] == {"dsv4serve plugin ready": [0, 1]} and ready["canary_tokens"] == 2
+    run_argv = next(c for c in fake.calls() if c[0] == "run")
+    assert run_argv[run_argv.index("--name") + 1] == fake.name
+    assert f"127.0.0.1:{fake.port}:8000" in run_argv
+    run_id = ready["run_id"]
+    assert f"DSV4SERVE_RUN_ID={run_id}" in run_argv  # the run tag travels into the container
+    st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+    assert st["phase"] == "ready" and st["runtime"] == "docker" and st["health"]
+    # a second up of the running seat is refused before anything starts
+    r2 = fake.run("up", "--profile", fake.profile, "--skip-checks")
+    assert r2.returncode == 2 and "already running" in r2.stderr
+    d = fake.run("down", "--profile", fake.profile, "--json")
+    assert d.returncode == 0, d.stdout + d.stderr
+    rep = json.loads(d.stdout)
+    assert rep["clean"]
+    docker_calls = [c[:2] for c in fake.calls() if c[0] in ("stop", "rm")]
+    assert docker_calls == [["stop", "-t"], ["rm", "-f"]]
+    stop_call = next(c for c in fake.calls() if c[0] == "stop")
+    assert stop_call == ["stop", "-t", "2", fake.name]  # the profile's grace
+    assert_nothing_left(run_id, st["pgid"], fake.port)
+
+
+def test_stall_names_the_rank_and_phase_and_tears_down(fake):
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", scenario="stall")
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr
+    assert "no progress for" in err and "stall limit 3 s" in err
+    assert "rank0 stopped in phase 'loading weights'" in err
+    diag = Path(err.split("diagnostics: ")[1].split()[0])
+    summary = json.loads((diag / "summary.json").read_text())
+    assert summary["reason"].startswith("no progress") and (diag / "vllm.log").is_file()
+    assert [c[:2] for c in fake.calls() if c[0] in ("stop", "rm")] == [["stop", "-t"], ["rm", "-f"]]
+    assert not (fake.dir / f"{fake.name}.json").exists()  # the container is gone
+    st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+    assert st["phase"] == "not running" and st["last_run"]["outcome"] == "failed"
+
+
+def test_rank_traceback_fails_fast_with_its_last_line(fake):
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--json", scenario="crash")
+    assert r.returncode == 1
+    failed = json_lines(r.stdout)[-1]
+    assert failed["event"] == "failed"
+    assert failed["reason"] == "rank 1: KeyError: 'model.layers.0.fake'"
+    assert failed["first_errors"] == {"rank1": "KeyError: 'model.layers.0.fake'"}
+    assert failed["clean"] and Path(failed["diagnostics"]).is_dir()
+    # the fake engine would have taken 30 s to exit: dsv4serve stopped it at the first fatal line
+    fatal = next(e for e in json_lines(r.stdout) if e["event"] == "fatal")
+    assert fatal["elapsed_s"] < 20
