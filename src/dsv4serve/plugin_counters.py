@@ -1,0 +1,163 @@
+"""Per-rank MoE call counters the vLLM plugin keeps, and their JSON file under the run directory.
+
+The MoE call path only bumps Python ints under a lock: no file I/O, no device work, so nothing
+here can sync the host or touch a CUDA graph being captured. A daemon thread writes the file
+every few seconds when something changed, and a final write (`"final": true`) is made on
+SIGTERM/SIGINT and at process exit. That keeps `check-seat` and `status` (which read
+`state.counters_path(run_dir, rank)`) at most one interval behind. The final write is best
+effort: on a process-group stop vLLM's engine SIGKILLs its workers moments after the SIGTERM,
+and a worker that loses that race keeps its last periodic file (`"final": false`).
+
+What the numbers mean: CUDA-graph replays do not re-enter Python, so a counter counts eager
+calls plus captured calls (each capture of a graph counts once, however often it is replayed).
+On a fully graphed decode the lna2 count therefore stops growing after warmup; it proves the
+kernel was wired and captured, and prefill (eager) keeps the incumbent count moving.
+
+File schema (one object per rank, written atomically)::
+
+    {"rank": int, "tp": int, "pid": int, "kernel": "lna2"|"incumbent"|"none", "layers": int,
+     "calls": {"lna2": int, "incumbent": int}, "declines": {reason: int},
+     "updated": float (epoch s), "final": bool}
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import multiprocessing.util
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dsv4serve.state import atomic_write, counters_path
+
+FLUSH_INTERVAL_S = 2.0  # check-seat waits 5 s for the counters to move: stay well inside that
+MAX_DECLINE_KEYS = 64  # a runaway reason text must not grow the file without bound
+OTHER_DECLINES = "other reasons (past the reason limit)"
+
+
+class Counters:
+    """Thread-safe counters for one worker process (one TP rank)."""
+
+    def __init__(self, run_dir: str | Path | None, rank: int, tp: int, kernel: str,
+                 interval_s: float = FLUSH_INTERVAL_S) -> None:
+        self.path: Path | None = counters_path(run_dir, rank) if run_dir else None
+        self.rank, self.tp, self.kernel = rank, tp, kernel
+        self.layers = 0
+        self.calls: dict[str, int] = {"lna2": 0, "incumbent": 0}
+        self.declines: dict[str, int] = {}
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._dirty = True
+        self._final = False
+        self._written_final = False
+        self._write_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.write_errors = 0
+
+    # -- the hot path: ints only ---------------------------------------------------------------
+    def call(self, kind: str) -> None:
+        with self._lock:
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self._dirty = True
+
+    def decline(self, reason: str) -> None:
+        with self._lock:
+            if reason not in self.declines and len(self.declines) >= MAX_DECLINE_KEYS:
+                reason = OTHER_DECLINES
+            self.declines[reason] = self.declines.get(reason, 0) + 1
+            self._dirty = True
+
+    def set_layers(self, n: int) -> None:
+        with self._lock:
+            self.layers = n
+            self._dirty = True
+
+    # -- the file ------------------------------------------------------------------------------
+    def snapshot(self, final: bool = False) -> dict[str, Any]:
+        with self._lock:
+            return {"rank": self.rank, "tp": self.tp, "pid": os.getpid(), "kernel": self.kernel,
+                    "layers": self.layers, "calls": dict(self.calls), "declines": dict(self.declines),
+                    "updated": time.time(), "final": final}
+
+    def write(self, final: bool = False) -> bool:
+        """Write the file now (atomically); False when there is no run dir or the write failed."""
+        if self.path is None:
+            return False
+        # Serialised, and nothing overwrites the final file: the flusher thread may be mid-write
+        # when close() runs.
+        with self._write_lock:
+            if self._written_final:
+                return False
+            with self._lock:
+                self._dirty = False
+            try:
+                atomic_write(self.path, json.dumps(self.snapshot(final), sort_keys=True) + "\n")
+            except OSError:
+                # The run dir vanished or the disk is full: counting goes on, the next write
+                # retries. The missing or stale file is what check-seat then reports.
+                self.write_errors += 1
+                with self._lock:
+                    self._dirty = True
+                return False
+            self._written_final = final
+            return True
+
+    def flush_if_dirty(self) -> None:
+        if self._dirty and not self._final:
+            self.write()
+
+    def start(self, handle_signals: bool = True) -> None:
+        """Write once now, then every interval from a daemon thread; write final at exit (and,
+        with handle_signals, on SIGTERM/SIGINT before the handler that was there)."""
+        self.write()
+        if self._thread is None and self.path is not None:
+            self._thread = threading.Thread(target=self._run, name="dsv4serve-counters", daemon=True)
+            self._thread.start()
+            # atexit covers interpreters that exit normally (spawned workers end in sys.exit);
+            # multiprocessing's own finalizers cover forked children, which end in os._exit
+            # after running them. close() is idempotent, so both may fire.
+            atexit.register(self.close)
+            multiprocessing.util.Finalize(None, self.close, exitpriority=100)
+            if handle_signals:
+                self._chain_signals()
+
+    def _chain_signals(self) -> None:
+        """Write the final file on SIGTERM/SIGINT, then run whatever handler was there.
+
+        vLLM's workers turn SIGTERM into SystemExit, but on a process-group stop the engine
+        SIGKILLs its workers right after, so exit hooks alone rarely get to run. Writing first
+        (a few ms) usually wins that race; the previous handler then behaves as before.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal only works there; the exit hooks still apply
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            prev = signal.getsignal(sig)
+
+            def handler(signum: int, frame: Any, prev: Any = prev) -> None:
+                self.close()
+                if callable(prev):
+                    prev(signum, frame)
+                elif prev == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                return
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush_if_dirty()
+
+    def close(self) -> None:
+        if self._final:
+            return
+        self._final = True
+        self._stop.set()
+        self.write(final=True)

@@ -1,0 +1,468 @@
+"""moe_dispatch on the CPU: the lna2 dispatch policy, strict levels, markers and counters.
+
+vllm-exl3 cannot be installed here (it needs CUDA) and the lna2 extension needs a GPU, so two
+stand-ins carry these tests; the real pair ran on the H200 (kernels/lna2/NOTES.md).
+
+* ``Exl3MoEMethod`` below is a stand-in for vllm-exl3's quant method: it has the same class name
+  under a ``vllm_exl3`` module (how the dispatch recognises it) and its apply is the incumbent,
+  computed with the project's fp64 reference.
+* ``FakeExt`` is a stand-in for the compiled lna2 module with the real API. It refuses anything
+  the real kernel refuses (flat ids, non-int32 ids, non-fp32 weights, scratch not zeroed, pointer
+  tables that do not name each expert's slices), so a test that passes here exercised the real
+  calling convention, and computes the output with the same reference.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsv4serve import moe_dispatch as md
+from dsv4serve.lna2 import reference as ref
+from dsv4serve.lna2.policy import variant_for
+from dsv4serve.plugin_counters import Counters
+
+E, H, I, TOP_K = 4, 128, 128, 2
+CEILING = 24
+
+
+def make_layer(K: int = 2, codebook: str = "mcg", seed: int = 0, n_experts: int = E) -> tuple[torch.nn.Module, ref.ExpertLayer]:
+    """A vllm-exl3-shaped routed-expert layer (exl3-reference §4.4) from a random ExpertLayer."""
+    el = ref.random_expert_layer(n_experts, H, I, K, codebook, seed=seed)
+    m = torch.nn.Module()
+    p = lambda t: torch.nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
+    m.w13_trellis = p(torch.stack([el.gate_trellis, el.up_trellis], dim=1))
+    m.w13_suh = p(torch.stack([el.gate_suh, el.up_suh], dim=1))
+    m.w13_svh = p(torch.stack([el.gate_svh, el.up_svh], dim=1))
+    m.w2_trellis = p(el.down_trellis)
+    m.w2_suh = p(el.down_suh)
+    m.w2_svh = p(el.down_svh)
+    marker = ref.codebook_marker(codebook)
+    for cb, value in (("mcg", ref.MCG_MARKER), ("mul1", ref.MUL1_MARKER)):
+        on = cb == codebook and marker is not None
+        m.register_buffer(f"w13_{cb}", torch.full((n_experts, 2, 1), value if on else 0, dtype=torch.int32))
+        m.register_buffer(f"w2_{cb}", torch.full((n_experts, 1), value if on else 0, dtype=torch.int32))
+    m.top_k = TOP_K
+    m.swiglu_limit = 10.0
+    return m, el
+
+
+def layer_view(m: torch.nn.Module, K: int, codebook: str) -> ref.ExpertLayer:
+    return ref.ExpertLayer(gate_trellis=m.w13_trellis[:, 0], gate_suh=m.w13_suh[:, 0], gate_svh=m.w13_svh[:, 0],
+                           up_trellis=m.w13_trellis[:, 1], up_suh=m.w13_suh[:, 1], up_svh=m.w13_svh[:, 1],
+                           down_trellis=m.w2_trellis, down_suh=m.w2_suh, down_svh=m.w2_svh,
+                           K=K, codebook=codebook, hidden=H, inter=I)
+
+
+def incumbent(layer, x, topk_weights, topk_ids) -> torch.Tensor:
+    K = layer.w13_trellis.shape[-1] // 16
+    cb = "mcg" if bool((layer.w13_mcg != 0).any()) else "mul1"
+    rows = x.numel() // x.shape[-1]
+    out = ref.moe_reference(x.reshape(rows, H).float(), layer_view(layer, K, cb), topk_ids.reshape(rows, TOP_K),
+                            topk_weights.reshape(rows, TOP_K).float(), swiglu_limit=layer.swiglu_limit)
+    return out.to(x.dtype).view(x.shape)
+
+
+class Exl3MoEMethod:
+    """Stand-in for vllm_exl3's Exl3MoEMethod (not installable here): the incumbent apply."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply(self, layer, x, topk_weights, topk_ids, *rest, **kw):
+        self.calls += 1
+        return incumbent(layer, x, topk_weights, topk_ids)
+
+
+Exl3MoEMethod.__module__ = "vllm_exl3.layers.moe"
+
+
+class UnquantizedFusedMoEMethod:
+    """Stand-in for vLLM's unquantised method (what the CPU demo seat really has)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply(self, layer, x, topk_weights, topk_ids, *rest, **kw):
+        self.calls += 1
+        return torch.zeros_like(x)
+
+
+class FakeExt:
+    """Stand-in for the compiled lna2 extension (needs a GPU), with the real module's API."""
+
+    def __init__(self, layers: list[tuple[torch.nn.Module, ref.ExpertLayer]], ceiling: int = CEILING,
+                 fail: Exception | None = None) -> None:
+        self.layers = layers
+        self.ceiling = ceiling
+        self.fail = fail
+        self.seen: list[dict] = []
+
+    def lna2_moe_max_rows(self) -> int:
+        return self.ceiling
+
+    def lna2_moe_scratch_bytes(self, hidden: int, inter: int) -> int:
+        return 4096
+
+    def lna2_moe_info(self, bits: int, codebook: int, hidden: int, inter: int) -> dict:
+        return {"scratch_bytes": 8192, "max_top_k": 8, "max_experts": 256}
+
+    def lna2_build_id(self) -> str:
+        return "fake-0"
+
+    def _which(self, gate_trellis: torch.Tensor) -> torch.nn.Module:
+        for m, _ in self.layers:
+            want = [m.w13_trellis[e, 0].data_ptr() for e in range(m.w13_trellis.shape[0])]
+            if gate_trellis.tolist() == want:
+                return m
+        raise RuntimeError("pointer table names no known layer")
+
+    def lna2_moe_decode(self, x, out, gt, gs, gv, ut, us, uv, dt, ds, dv, ids, weights, bits, limit, scratch,
+                        inter, codebook, variant):
+        if self.fail is not None:
+            raise self.fail
+        m = self._which(gt)
+        e = m.w13_trellis.shape[0]
+        tables = {"gt": (gt, m.w13_trellis, 0), "gs": (gs, m.w13_suh, 0), "gv": (gv, m.w13_svh, 0),
+                  "ut": (ut, m.w13_trellis, 1), "us": (us, m.w13_suh, 1), "uv": (uv, m.w13_svh, 1),
+                  "dt": (dt, m.w2_trellis, None), "ds": (ds, m.w2_suh, None), "dv": (dv, m.w2_svh, None)}
+        for name, (tab, src, slot) in tables.items():
+            assert tab.dtype == torch.int64 and tab.shape == (e,), name
+            want = [(src[i, slot] if slot is not None else src[i]).data_ptr() for i in range(e)]
+            assert tab.tolist() == want, f"table {name} does not point at each expert's slice"
+        assert ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(), "ids must be [rows, top_k] int32"
+        assert weights.dtype == torch.float32 and weights.shape == ids.shape
+        assert x.dim() == 2 and out.shape == x.shape and x.is_contiguous()
+        assert int(scratch.count_nonzero()) == 0, "scratch must be zeroed"
+        assert inter == I and bits == m.w13_trellis.shape[-1] // 16 and codebook in (1, 2)
+        assert limit > 0
+        self.seen.append({"rows": x.shape[0], "variant": variant, "ids_shape": tuple(ids.shape)})
+        cb = "mcg" if codebook == 1 else "mul1"
+        lim = None if limit >= md.NO_CLAMP else limit
+        y = ref.moe_reference(x.float(), layer_view(m, bits, cb), ids.long(), weights, swiglu_limit=lim)
+        out.copy_(y.to(out.dtype))
+
+
+class Harness:
+    def __init__(self, kernel: str = "lna2", strict: int = 0, n_layers: int = 2, ext: object | None = "fake",
+                 tmp_path=None, method_cls=Exl3MoEMethod, **ext_kw) -> None:
+        self.env = md.PluginEnv(run_id="t1", run_dir=str(tmp_path) if tmp_path else None, kernel=kernel, strict=strict)
+        self.layers = []
+        for i in range(n_layers):
+            m, el = make_layer(seed=i)
+            m.quant_method = method_cls()
+            self.layers.append((f"model.layers.{i + 1}.mlp.experts", m, el))
+        self.lines: list[str] = []
+        self.counters = Counters(self.env.run_dir, 0, 1, kernel)
+        if ext == "fake":
+            self.ext = FakeExt([(m, el) for _, m, el in self.layers], **ext_kw)
+        else:
+            self.ext = ext
+
+        def loader():
+            if self.ext is None:
+                raise RuntimeError("extension not built (x.so missing): run `dsv4serve kernel build`")
+            return self.ext
+
+        self.rt = md.Runtime(self.env, 0, 1, emit=self.lines.append, counters=self.counters, ext_loader=loader,
+                             require_cuda=False, capturing=lambda: False)
+
+    def prepare(self, draft: bool = False):
+        return self.rt.prepare([(n, m) for n, m, _ in self.layers], draft=draft)
+
+    def call(self, i: int, rows: int, flat_ids: bool = False, seed: int = 0):
+        _, m, _ = self.layers[i]
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(rows, H, generator=g) * 0.5).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(rows)]).to(torch.int64)
+        w = torch.rand(rows, TOP_K, generator=g)
+        if flat_ids:
+            ids = ids.reshape(-1)
+        out = m.quant_method.apply(m, x, w, ids)
+        return out, incumbent(m, x, w, ids)
+
+    def grep(self, text: str) -> list[str]:
+        return [ln for ln in self.lines if text in ln]
+
+
+# --- env ------------------------------------------------------------------------------------------
+
+
+def test_env_inert_without_run_id():
+    assert md.read_env({"VLLM_EXL3_MOE_KERNEL": "lna2"}) is None
+
+
+def test_env_maps_and_validates():
+    e = md.read_env({"DSV4SERVE_RUN_ID": "r", "VLLM_EXL3_MOE_KERNEL": "lna2", "VLLM_EXL3_MOE_STRICT": "1"})
+    assert (e.kernel, e.strict) == ("lna2", 1)
+    assert md.read_env({"DSV4SERVE_RUN_ID": "r", "VLLM_EXL3_MOE_KERNEL": "exllamav3"}).kernel == "incumbent"
+    assert md.read_env({"DSV4SERVE_RUN_ID": "r", "DSV4SERVE_MOE_KERNEL": "none",
+                        "VLLM_EXL3_MOE_KERNEL": "lna2"}).kernel == "none"
+    for bad in ({"VLLM_EXL3_MOE_KERNEL": "lna3"}, {"DSV4SERVE_MOE_KERNEL": "fast"}, {"VLLM_EXL3_MOE_STRICT": "3"}):
+        with pytest.raises(md.PluginConfigError):
+            md.read_env({"DSV4SERVE_RUN_ID": "r", **bad})
+
+
+# --- the lna2 path --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 16, 24])
+def test_lna2_serves_decode_rows_with_the_incumbents_result(rows, tmp_path):
+    h = Harness(tmp_path=tmp_path)
+    s = h.prepare()
+    assert s.lna2_layers == 2 and not s.not_ready
+    out, want = h.call(0, rows)
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
+    assert h.ext.seen == [{"rows": rows, "variant": variant_for(rows), "ids_shape": (rows, TOP_K)}]
+    assert h.layers[0][1].quant_method.calls == 0  # the incumbent did not run
+    assert h.counters.calls == {"lna2": 1, "incumbent": 0}
+
+
+def test_variant_follows_the_policy():
+    h = Harness()
+    h.prepare()
+    for rows in (1, 2, 3, 8):
+        h.call(0, rows)
+    assert [s["variant"] for s in h.ext.seen] == [1, 1, 0, 0]
+
+
+def test_flat_ids_are_reshaped(tmp_path):
+    h = Harness()
+    h.prepare()
+    out, want = h.call(1, 3, flat_ids=True)
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
+    assert h.ext.seen[0]["ids_shape"] == (3, TOP_K)
+
+
+def test_active_marker_once_per_process():
+    h = Harness()
+    h.prepare()
+    for i in range(4):
+        h.call(i % 2, 1, seed=i)
+    active = h.grep("LNA2 MoE kernel ACTIVE")
+    assert active == ["LNA2 MoE kernel ACTIVE rank=0/1 layers=2 bits=2 ext=fake-0"]
+    assert h.counters.calls["lna2"] == 4
+
+
+def test_counters_file(tmp_path):
+    h = Harness(tmp_path=tmp_path)
+    h.prepare()
+    h.call(0, 1)
+    h.call(0, 30)  # prefill: the incumbent
+    assert h.counters.write()
+    doc = json.loads((tmp_path / "counters-rank0.json").read_text())
+    assert doc["calls"] == {"lna2": 1, "incumbent": 1} and doc["kernel"] == "lna2" and doc["layers"] == 2
+    assert doc["declines"] == {f"rows above the ceiling {CEILING}": 1} and doc["final"] is False
+    h.counters.close()
+    assert json.loads((tmp_path / "counters-rank0.json").read_text())["final"] is True
+    h.call(0, 1)
+    h.counters.write()  # nothing overwrites the final file
+    assert json.loads((tmp_path / "counters-rank0.json").read_text())["calls"]["lna2"] == 1
+
+
+# --- shape declines --------------------------------------------------------------------------------
+
+
+def test_rows_above_ceiling_go_to_incumbent_logged_once_strict0():
+    h = Harness(strict=0)
+    h.prepare()
+    for seed in range(3):
+        out, want = h.call(0, CEILING + 1, seed=seed)
+        torch.testing.assert_close(out, want)
+    assert h.layers[0][1].quant_method.calls == 3 and not h.ext.seen
+    declined = h.grep("LNA2 declined")
+    assert len(declined) == 1 and f"rows={CEILING + 1} above the ceiling {CEILING}" in declined[0]
+    assert h.counters.declines == {f"rows above the ceiling {CEILING}": 3}
+    assert h.counters.calls == {"lna2": 0, "incumbent": 3}
+
+
+def test_strict1_shape_decline_only_logs():
+    h = Harness(strict=1)
+    h.prepare()
+    h.call(0, 100)
+    assert h.counters.calls["incumbent"] == 1 and len(h.grep("LNA2 declined")) == 1
+
+
+def test_strict2_shape_decline_raises():
+    h = Harness(strict=2)
+    h.prepare()
+    with pytest.raises(md.Lna2DispatchError, match=r"rows=25 above the ceiling 24.*STRICT=2"):
+        h.call(0, 25)
+    h.call(0, 24)  # at the ceiling: lna2
+    assert h.counters.calls == {"lna2": 1, "incumbent": 0}
+
+
+def test_canon_forbidden_regex_lets_shape_declines_through_only():
+    import re
+
+    from dsv4serve.profile import load_profile
+
+    forbidden = [re.compile(p) for p in load_profile("8x16gb-380k").gates.forbidden]
+    h = Harness(strict=0, ext=None)
+    h.prepare()
+    h2 = Harness(strict=0)
+    h2.prepare()
+    h2.call(0, 99)
+    shape_line = h2.grep("LNA2 declined")[0]
+    not_ready_line = h.grep("LNA2 declined")[0]
+    assert not any(p.search(shape_line) for p in forbidden), shape_line
+    assert any(p.search(not_ready_line) for p in forbidden), not_ready_line
+
+
+# --- not ready --------------------------------------------------------------------------------------
+
+
+def test_missing_extension_strict0_declines_once_and_counts():
+    h = Harness(strict=0, ext=None)
+    s = h.prepare()
+    assert s.lna2_layers == 0 and len(s.not_ready) == 1
+    (line,) = h.grep("LNA2 declined")
+    assert "lna2 not ready: rank=0/1 layer=model.layers.1.mlp.experts (+1 more layers)" in line
+    assert "extension not built" in line and "VLLM_EXL3_MOE_STRICT=0" in line
+    out, want = h.call(0, 1)
+    torch.testing.assert_close(out, want)
+    assert h.rt.effective_kernel == "incumbent"
+    assert h.counters.calls == {"lna2": 0, "incumbent": 1}
+    assert list(h.counters.declines) == [next(iter(h.counters.declines))]
+    assert next(iter(h.counters.declines)).startswith("not ready: lna2 extension: extension not built")
+    # the draft model's layers decline for the same reason: not logged twice
+    draft, _ = make_layer(seed=9)
+    draft.quant_method = Exl3MoEMethod()
+    h.rt.prepare([("draft.mlp.experts", draft)], draft=True)
+    assert len(h.grep("LNA2 declined")) == 1
+
+
+def test_missing_extension_strict1_fails_at_load_before_wrapping():
+    h = Harness(strict=1, ext=None)
+    with pytest.raises(md.Lna2NotReadyError, match=r"^lna2 not ready: rank=0/1 layer=model.layers.1.mlp.experts: "
+                                                   r"lna2 extension: extension not built"):
+        h.prepare()
+    assert h.grep("dsv4serve plugin FAILED lna2 not ready")
+    assert not hasattr(h.layers[0][1].quant_method, "_dsv4serve_state")  # nothing wrapped
+
+
+def test_non_exl3_method_strict1_names_the_method():
+    h = Harness(strict=1, method_cls=UnquantizedFusedMoEMethod)
+    with pytest.raises(md.Lna2NotReadyError, match="UnquantizedFusedMoEMethod is not vllm-exl3's Exl3MoEMethod"):
+        h.prepare()
+
+
+def test_no_moe_layers_is_not_ready_for_lna2():
+    h = Harness(strict=1, n_layers=0)
+    with pytest.raises(md.Lna2NotReadyError, match="no FusedMoE layers"):
+        h.prepare()
+    h0 = Harness(strict=1, n_layers=0)
+    h0.prepare(draft=True)  # a draft without MoE layers is fine
+
+
+@pytest.mark.parametrize("breakage, reason", [
+    (lambda m: m.w13_mul1.fill_(ref.MUL1_MARKER), "both mcg and mul1"),
+    (lambda m: m.w13_mcg.zero_(), "neither mcg nor mul1"),
+    (lambda m: m.w2_mcg.fill_(7), "holds 7"),
+    (lambda m: setattr(m, "w2_suh", torch.nn.Parameter(m.w2_suh.data.float(), requires_grad=False)), "w2_suh is torch.float32"),
+    (lambda m: setattr(m, "top_k", 9), "top_k 9 outside 1..8"),
+    (lambda m: setattr(m, "w13_svh", None), "missing parameter w13_svh"),
+])
+def test_contract_violations_are_named(breakage, reason):
+    m, _ = make_layer()
+    breakage(m)
+    with pytest.raises(md.ContractError, match=reason):
+        md.validate_layer(m, Exl3MoEMethod(), require_cuda=False)
+
+
+def test_k4_is_refused():
+    m, _ = make_layer(K=4)
+    with pytest.raises(md.ContractError, match="K=4"):
+        md.validate_layer(m, Exl3MoEMethod(), require_cuda=False)
+
+
+def test_cpu_tensors_refused_when_cuda_required():
+    m, _ = make_layer()
+    with pytest.raises(md.ContractError, match="not a CUDA device"):
+        md.validate_layer(m, Exl3MoEMethod(), require_cuda=True)
+
+
+def test_mul1_and_k3_layers_validate():
+    m, _ = make_layer(K=3, codebook="mul1")
+    g = md.validate_layer(m, Exl3MoEMethod(), require_cuda=False)
+    assert (g.bits, g.codebook, g.codebook_name, g.n_experts, g.hidden, g.inter) == (3, 2, "mul1", E, H, I)
+    assert g.swiglu_limit == 10.0
+
+
+# --- dispatch errors ----------------------------------------------------------------------------------
+
+
+def test_dispatch_error_strict0_falls_back_loudly():
+    h = Harness(strict=0, fail=RuntimeError("CUDA error: misaligned address"))
+    h.prepare()
+    out, want = h.call(0, 1)
+    torch.testing.assert_close(out, want)
+    h.call(0, 1, seed=1)
+    (line,) = h.grep("LNA2 dispatch failed; falling back")
+    assert "misaligned address" in line
+    assert h.counters.declines == {"dispatch error: RuntimeError": 2}
+    assert not h.grep("ACTIVE")
+
+
+def test_dispatch_error_strict1_raises():
+    h = Harness(strict=1, fail=RuntimeError("CUDA error: misaligned address"))
+    h.prepare()
+    with pytest.raises(md.Lna2DispatchError, match="lna2 dispatch failed: rank=0/1 layer=.*misaligned"):
+        h.call(0, 1)
+
+
+# --- other kernels ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", ["incumbent", "none"])
+def test_other_kernels_only_count(kernel):
+    h = Harness(kernel=kernel, strict=2)
+    s = h.prepare()
+    assert s.lna2_layers == 0 and not s.not_ready
+    out, want = h.call(0, 1)
+    torch.testing.assert_close(out, want)
+    assert not h.ext.seen and h.counters.calls == {"lna2": 0, "incumbent": 1}
+    assert not h.grep("LNA2")
+
+
+def test_prepare_is_idempotent_and_class_untouched():
+    h = Harness()
+    h.prepare()
+    again = h.prepare()
+    assert again.layers == [] and len(h.rt.states) == 2
+    assert "apply" not in vars(Exl3MoEMethod()) and Exl3MoEMethod.apply is not h.layers[0][1].quant_method.apply
+
+
+# --- tables and scratch -------------------------------------------------------------------------------
+
+
+def test_pointer_tables_name_each_slice():
+    m, _ = make_layer()
+    g = md.validate_layer(m, Exl3MoEMethod(), require_cuda=False)
+    t = md.pointer_tables(m, g)
+    assert list(t) == list(md.TABLES)
+    assert t["up_trellis"].tolist() == [m.w13_trellis[e, 1].data_ptr() for e in range(E)]
+    assert t["down_svh"].tolist() == [m.w2_svh[e].data_ptr() for e in range(E)]
+
+
+def test_scratch_zeroed_shared_and_never_made_during_capture():
+    capturing = [False]
+    pool = md.ScratchPool(capturing=lambda: capturing[0])
+    a = pool.ensure(torch.device("cpu"), 100)
+    assert int(a.count_nonzero()) == 0 and pool.ensure(torch.device("cpu"), 50) is a
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="before graph capture"):
+        pool.ensure(torch.device("cpu"), 1000)
+    assert pool.ensure(torch.device("cpu"), 100) is a  # no growth needed: fine while capturing
+    capturing[0] = False
+    b = pool.ensure(torch.device("cpu"), 1000)
+    assert b is not a and pool.bytes_resident() == 1100  # the old one stays alive
+
+
+def test_layers_share_one_scratch_sized_for_the_largest():
+    h = Harness()
+    h.prepare()
+    s = h.rt.scratch.get(torch.device("cpu"))
+    assert s is not None and s.numel() == 8192
