@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "1,0").split(",")]
+VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "2,3,0,1").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 
 
@@ -209,14 +209,14 @@ def cmd_parity(args):
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
     res = {"cases": [], "fail": 0}
-    ms = [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 20, 23, 24, 31, 32]
+    ms = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 20, 23, 24, 31, 32]
     if args.quick:
-        ms = [1, 4, 16, 24]
+        ms = [1, 4, 9, 16, 24]  # 9: an expert with more rows than one v2 group (8)
     route_profiles = ["unique", "hot", "zipf", "dup", "edge"]
     combos = [(2, "mcg"), (3, "mcg"), (2, "mul1"), (3, "mul1")]
     out_dtypes = [torch.float32, torch.bfloat16, torch.float16]
     for K, cb in combos:
-        for I in ([256] if args.quick else [256, 2048]):
+        for I in [256, 2048]:
             from dsv4serve.lna2.reference import random_expert_layer
 
             t0 = time.time()
@@ -225,7 +225,7 @@ def cmd_parity(args):
                  layer.down_trellis, layer.down_suh, layer.down_svh]
             lna = Lna2Layer(W, K, cb, I, dev)
             dense = DenseCache(layer)
-            case_ms = ms if I == 256 else [1, 8, 16, 24]
+            case_ms = ms if I == 256 else ([1, 8] if args.quick else [1, 8, 16, 24])
             idx = 0
             for m in case_ms:
                 for rp in route_profiles if I == 256 else ["unique", "hot"]:
@@ -263,7 +263,9 @@ def cmd_parity(args):
                 f"{max(c['worst_rel'] for c in res['cases'] if c['K'] == K and c['cb'] == cb and c['I'] == I):.2e}"
                 f" ({time.time() - t0:.1f} s)")
             # CUDA graph: capture at m, replay with fresh inputs copied into the static buffers
-            for m in ([4, 16] if args.quick else [1, 4, 16, 24]):
+            for m, gvar in [(m_, v_) for m_ in ([4, 16] if args.quick else [1, 4, 16, 24]) for v_ in VARIANTS[:2]]:
+                if I != 256 and m != 4:
+                    continue
                 gen.manual_seed(777 + m)
                 xs = torch.zeros((m, H), dtype=torch.float16, device=dev)
                 ids_s = torch.zeros((m, TOPK), dtype=torch.int32, device=dev)
@@ -272,12 +274,12 @@ def cmd_parity(args):
                 xs.copy_(torch.randn((m, H), device=dev, generator=gen))
                 ids_s.copy_(routes("unique", m, gen, dev))
                 w_s.copy_(torch.rand((m, TOPK), device=dev, generator=gen))
-                lna.run(xs, ids_s, w_s, o_s, VARIANTS[0])  # warm, outside capture
+                lna.run(xs, ids_s, w_s, o_s, gvar)  # warm, outside capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(g):
-                        lna.run(xs, ids_s, w_s, o_s, VARIANTS[0])
+                        lna.run(xs, ids_s, w_s, o_s, gvar)
                     worst = 0.0
                     for rep_i in range(8):
                         xs.copy_(torch.randn((m, H), device=dev, generator=gen))
@@ -287,10 +289,11 @@ def cmd_parity(args):
                         g.replay()
                         torch.cuda.synchronize()
                         worst = max(worst, max(row_rel(o_s, dense.moe(xs, ids_s.long(), w_s))))
-                    gcase = {"K": K, "cb": cb, "I": I, "m": m, "graph_replays": 8, "worst_rel": worst,
-                             "ok": worst <= 2e-3}
+                    gcase = {"variant": gvar, "K": K, "cb": cb, "I": I, "m": m, "graph_replays": 8,
+                             "worst_rel": worst, "ok": worst <= 2e-3}
                 except Exception as e:  # noqa: BLE001
-                    gcase = {"K": K, "cb": cb, "I": I, "m": m, "graph_error": repr(e)[-500:], "ok": False}
+                    gcase = {"variant": gvar, "K": K, "cb": cb, "I": I, "m": m, "graph_error": repr(e)[-500:],
+                             "ok": False}
                 res.setdefault("graph", []).append(gcase)
                 if not gcase["ok"]:
                     res["fail"] += 1
@@ -467,6 +470,8 @@ def cmd_bench(args):
         ext, pkgdir = load_exl3_ext()
         log(f"exllamav3 ext ({inc_name}) from {pkgdir} in {time.time() - t0:.1f} s")
     lna = lna2_mod()
+    if hasattr(lna, "lna2_set_tuning"):
+        lna.lna2_set_tuning(4, 0, 6)  # v2 defaults: 4 stages, as many CTAs as fit, 1.5 items per CTA
     gen = torch.Generator(device=dev)
     # read bandwidth, measured in this process: torch.sum over ~4 GiB viewed as fp32
     big = torch.empty(2**31 - 2**20, dtype=torch.half, device=dev).normal_()
@@ -617,13 +622,57 @@ def cmd_bench(args):
     dump(f"bench_{inc_name}.json", result)
 
 
+def cmd_sweep(args):
+    """v2 tuning grid (stages, CTAs per SM, gate/up item target) at a few shapes, cold medians, one
+    process; the defaults in lna2_v2.cu are read off this table (kernels/lna2/NOTES.md)."""
+    import torch
+
+    dev = torch.device("cuda:0")
+    gen = torch.Generator(device=dev)
+    lna = lna2_mod()
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
+    configs = [(4, 0, 6), (3, 0, 6), (6, 0, 6), (4, 2, 6), (4, 0, 3), (4, 0, 12), (6, 2, 12)]
+    res = {"variant": args.variant, "configs": configs, "rows": []}
+    for shape, ms in (("tp8", (1, 4, 8, 16)), ("tp1", (1, 8))):
+        I = SHAPES[shape]
+        W = make_weights(I, 2, dev, gen)
+        L = Lna2Layer(W, 2, "mcg", I, dev)
+        for m in ms:
+            x, sel, rw = make_routing(m, 2, I, dev, gen)
+            ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
+            out = torch.empty((m, H), dtype=torch.float32, device=dev)
+            row = {"shape": shape, "m": m}
+            samples = {c: [] for c in configs}
+            for _ in range(3):
+                for cfg in configs:
+                    lna.lna2_set_tuning(*cfg)
+                    L.run(x, ids32, w32, out, args.variant)
+                    torch.cuda.synchronize()
+                    ss = [torch.cuda.Event(enable_timing=True) for _ in range(10)]
+                    ee = [torch.cuda.Event(enable_timing=True) for _ in range(10)]
+                    torch.cuda._sleep(int(20e6))
+                    for i in range(10):
+                        flush.fill_(i)
+                        ss[i].record(); L.run(x, ids32, w32, out, args.variant); ee[i].record()
+                    torch.cuda.synchronize()
+                    samples[cfg] += [a.elapsed_time(b) * 1e3 for a, b in zip(ss, ee)]
+            for cfg in configs:
+                row["s%d_c%d_i%d" % cfg] = float(statistics.median(samples[cfg]))
+            res["rows"].append(row)
+            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("s")))
+            dump("sweep.json", res)
+        del L, W
+        torch.cuda.empty_cache()
+    lna.lna2_set_tuning(4, 0, 6)
+
+
 def cmd_profile(args):
     """A few launches for ncu: tp8 K2 m=1 and m=16, tp1 K2 m=8 (3 of each; profile the third)."""
     import torch
 
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
-    variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "1"))
+    variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "2"))
     for shape, ms in (("tp8", (1, 16)), ("tp1", (8,))):
         I = SHAPES[shape]
         W = make_weights(I, 2, dev, gen)
@@ -668,56 +717,53 @@ def cmd_reconstruct(args):
 def cmd_merge(args):
     """Bench JSONs -> the results file NOTES.md and a checker read. Runs anywhere (no GPU).
 
-    exl3_moe_us is exllamav3 1.4.5's kernel timed in the same process as lna2. exl3_moe_165_us is
-    1.6.5's best path at that row count (coop for m <= 8, exl3_moe + gather above): from a same-process
-    run when --bench165 is given, else from --doc165 (the shared measurement on the same H200 kind,
-    same seeds and method), and the file says which.
+    Each incumbent ran in its own process (1.4.5 and 1.6.5 both name their extension
+    exllamav3_ext), with lna2 alternated against it in that same process. exl3_moe_us is 1.4.5's
+    exl3_moe as vllm-exl3 calls it; exl3_moe_165_us is 1.6.5's own path at that row count (coop up to
+    8 rows, exl3_moe + gather above). lna2_us is the variant dsv4serve.lna2.policy picks for the row
+    count, and of its two same-process medians the slower one; ratio = min(incumbents) / lna2_us.
     """
-    b145 = json.loads(Path(args.bench145).read_text())
-    rows = []
-    src165 = None
-    if args.bench165:
-        b165 = json.loads(Path(args.bench165).read_text())
-        inc165 = {(r["shape"], r["K"], r["m"]): r.get("inc_cold_us") for r in b165["rows"] if "error" not in r}
-        src165 = "same-process bench (lna2_device.py bench --incumbent 165)"
-    elif args.doc165:
-        doc = json.loads(Path(args.doc165).read_text())
-        inc165 = {(r["shape"], r["K"], r["m"]): (r["coop_cold_us"] if r["m"] <= 8 else r["fdet_cold_us"])
-                  for r in doc["rows"]}
-        src165 = f"{Path(args.doc165).name}: shared/tools/bench_exl3_moe_165.py on an H200 of this kind, same seeds"
-    else:
-        inc165 = {}
-    for r in b145["rows"]:
-        if "error" in r:
-            continue
-        key = (r["shape"], r["K"], r["m"])
-        v165 = inc165.get(key)
-        best = min(v for v in (r.get("inc_cold_us"), v165) if v is not None)
-        # lna2_us is the variant dsv4serve.lna2.policy picks for this row count, not the faster
-        # of the two after the fact
-        from dsv4serve.lna2.policy import variant_for
+    from dsv4serve.lna2.policy import variant_for
 
-        pick = f"lna2_v{variant_for(r['m'])}"
-        lna2_us = r.get(f"{pick}_cold_us", r["lna2_us"])
-        r["lna2_us"] = lna2_us
-        r["lna2_best_variant"] = pick
-        best = min(v for v in (r.get("inc_cold_us"), v165) if v is not None)
-        rows.append({"shape": r["shape"], "K": r["K"], "m": r["m"], "codebook": r["codebook"], "U": r["U"],
-                     "lna2_us": round(r["lna2_us"], 2), "lna2_variant": r["lna2_best_variant"],
-                     "lna2_v0_us": round(r.get("lna2_v0_cold_us", float("nan")), 2),
-                     "lna2_v1_us": round(r.get("lna2_v1_cold_us", float("nan")), 2),
-                     "exl3_moe_us": round(r["inc_cold_us"], 2), "exl3_moe_165_us": None if v165 is None else round(v165, 2),
-                     "floor_us": round(r["floor_us"], 3), "ratio": round(best / r["lna2_us"], 3),
-                     "ratio_vs_145": round(r["inc_cold_us"] / r["lna2_us"], 3),
-                     "lna2_rel_err": r.get(f"{r['lna2_best_variant']}_rel_err"),
-                     "lna2_warm_us": round(r.get(f"{r['lna2_best_variant']}_warm_us", float("nan")), 2),
-                     "lna2_wholeop_us": round(r.get("lna2_wholeop_cold_us", float("nan")), 2),
-                     "exl3_moe_wholeop_us": round(r.get("inc_wholeop_cold_us", float("nan")), 2)})
+    runs = {"145": json.loads(Path(args.bench145).read_text())}
+    if args.bench165:
+        runs["165"] = json.loads(Path(args.bench165).read_text())
+    by = {tag: {(r["shape"], r["K"], r["m"]): r for r in run["rows"] if "error" not in r} for tag, run in runs.items()}
+    rows = []
+    for key, r145 in by["145"].items():
+        r165 = by.get("165", {}).get(key)
+        pick = variant_for(r145["m"])
+        col = f"lna2_v{pick}_cold_us"
+        mine = [r[col] for r in (r145, r165) if r is not None and col in r]
+        if not mine:
+            continue
+        lna2_us = max(mine)
+        v165 = r165.get("inc_cold_us") if r165 else None
+        best_inc = min(v for v in (r145.get("inc_cold_us"), v165) if v is not None)
+        variants = {k[len("lna2_"):-len("_cold_us")]: round(v, 2) for k, v in r145.items()
+                    if k.startswith("lna2_v") and k.endswith("_cold_us")}
+        rows.append({"shape": key[0], "K": key[1], "m": key[2], "codebook": r145["codebook"], "U": r145["U"],
+                     "lna2_us": round(lna2_us, 2), "lna2_variant": f"v{pick}", "lna2_variants_145run": variants,
+                     "exl3_moe_us": round(r145["inc_cold_us"], 2),
+                     "exl3_moe_165_us": None if v165 is None else round(v165, 2),
+                     "exl3_moe_165_path": r165.get("inc_path") if r165 else None,
+                     "floor_us": round(r145["floor_us"], 3), "ratio": round(best_inc / lna2_us, 3),
+                     "ratio_vs_145": round(r145["inc_cold_us"] / r145[col], 3),
+                     "ratio_vs_165": None if v165 is None else round(v165 / r165[col], 3),
+                     "lna2_rel_err": r145.get(f"lna2_v{pick}_rel_err"),
+                     "exl3_moe_rel_err": r145.get("inc_rel_err"),
+                     "exl3_moe_165_rel_err": r165.get("inc_rel_err") if r165 else None,
+                     "lna2_warm_us": round(r145.get(f"lna2_v{pick}_warm_us", float("nan")), 2),
+                     "lna2_wholeop_us": round(r145.get("lna2_wholeop_cold_us", float("nan")), 2),
+                     "exl3_moe_wholeop_us": round(r145.get("inc_wholeop_cold_us", float("nan")), 2),
+                     "exl3_moe_165_wholeop_us": round(r165["inc_wholeop_cold_us"], 2) if r165 else None})
     commit = args.commit or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                            capture_output=True, text=True).stdout.strip()
+    b145 = runs["145"]
     doc = {"device": b145["device"], "commit": commit, "date": args.date or _dt.date.today().isoformat(),
            "read_bw_gbs": round(b145["read_bw_gbs"], 1), "lna2_build": b145.get("lna2_build"),
-           "exl3_moe_165_source": src165, "method": b145.get("method"), "rows": rows}
+           "exl3_moe_165_source": "same-process bench (lna2_device.py bench --incumbent 165)" if "165" in runs
+           else None, "method": b145.get("method"), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     log(f"wrote {args.out}: {len(rows)} rows")
@@ -736,19 +782,20 @@ def main():
     b.add_argument("--shapes", default="tp8,tp1")
     b.add_argument("--ks", default="2,3")
     b.add_argument("--ms", default="1,2,4,8,16,24")
-    b.add_argument("--variants", default="1,0")
+    b.add_argument("--variants", default="2,3,0,1")
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--variant", type=int, default=2)
     r = sub.add_parser("reconstruct")
     r.add_argument("--tag", default="145")
     mg = sub.add_parser("merge")
     mg.add_argument("--bench145", required=True)
     mg.add_argument("--bench165")
-    mg.add_argument("--doc165")
     mg.add_argument("--out", required=True)
     mg.add_argument("--commit")
     mg.add_argument("--date")
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
-     "reconstruct": cmd_reconstruct, "profile": cmd_profile}[args.cmd](args)
+     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -28,22 +29,24 @@ void check_table(const torch::Tensor& t, const char* name, int64_t n_experts, co
 }
 
 struct GridKey {
-    int device, bits, codebook, variant;
+    int device, bits, codebook, variant, ucap;  // ucap: v2's pointer cache (0 for v0/v1)
     bool operator<(const GridKey& o) const {
-        return std::tie(device, bits, codebook, variant) < std::tie(o.device, o.bits, o.codebook, o.variant);
+        return std::tie(device, bits, codebook, variant, ucap) <
+               std::tie(o.device, o.bits, o.codebook, o.variant, o.ucap);
     }
 };
 
 std::mutex g_mu;
 std::map<GridKey, std::pair<int, int>> g_grid;  // -> (blocks_per_sm, num_sms)
 
-std::pair<int, int> grid_for(int device, int bits, int codebook, int variant) {
+std::pair<int, int> grid_for(int device, int bits, int codebook, int variant, int n_experts, int m, int top_k) {
     std::lock_guard<std::mutex> lk(g_mu);
-    GridKey k{device, bits, codebook, variant};
+    const int ucap = variant >= 2 ? std::min(n_experts, m * top_k) : 0;
+    GridKey k{device, bits, codebook, variant, ucap};
     auto it = g_grid.find(k);
     if (it != g_grid.end()) return it->second;
     int bps = 0, sms = 0;
-    cudaError_t err = lna2::occupancy(bits, codebook, variant, device, &bps, &sms);
+    cudaError_t err = lna2::occupancy(bits, codebook, variant, device, n_experts, m, top_k, &bps, &sms);
     TORCH_CHECK(err == cudaSuccess, "lna2: occupancy query failed: ", cudaGetErrorString(err),
                 " (is the extension built for this GPU's architecture?)");
     TORCH_CHECK(bps >= 1, "lna2: the kernel cannot be resident on this GPU (0 blocks per SM)");
@@ -63,7 +66,7 @@ int dtype_code(torch::ScalarType t, bool allow_f32) {
 int64_t lna2_moe_scratch_bytes(int64_t hidden, int64_t intermediate) {
     TORCH_CHECK_VALUE(hidden > 0 && hidden % 128 == 0, "hidden must be a positive multiple of 128");
     TORCH_CHECK_VALUE(intermediate > 0 && intermediate % 128 == 0, "intermediate must be a positive multiple of 128");
-    return static_cast<int64_t>(lna2::make_layout(hidden, intermediate).total);
+    return static_cast<int64_t>(lna2::scratch_bytes(static_cast<int>(hidden), static_cast<int>(intermediate)));
 }
 
 int64_t lna2_moe_max_rows() { return lna2::MAX_ROWS; }
@@ -107,16 +110,24 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
                "routing_weights must be a contiguous fp32 [m, top_k] tensor");
     LNA2_CHECK(bits == 2 || bits == 3, "bits must be 2 or 3, got ", bits);
     LNA2_CHECK(codebook == lna2::CB_MCG || codebook == lna2::CB_MUL1, "codebook must be 1 (mcg) or 2 (mul1)");
+    LNA2_CHECK(variant >= 0 && variant <= 3, "variant must be 0..3 (see lna2_api.h), got ", variant);
     LNA2_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0, "swiglu_limit must be finite and > 0");
-    const auto layout = lna2::make_layout(hidden, intermediate);
+    const size_t need = lna2::scratch_bytes(static_cast<int>(hidden), static_cast<int>(intermediate));
     LNA2_CHECK(scratch.device() == dev && scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous() &&
-                   static_cast<size_t>(scratch.numel()) >= layout.total,
-               "scratch must be a contiguous uint8 CUDA tensor of >= ", layout.total,
+                   static_cast<size_t>(scratch.numel()) >= need,
+               "scratch must be a contiguous uint8 CUDA tensor of >= ", need,
                " bytes (lna2_moe_scratch_bytes), zeroed once before first use");
+    if (variant >= 2) {
+        // v2 reads x with 16-byte loads and keeps 16-byte aligned fp32 rows in the scratch
+        LNA2_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned for variant ",
+                   variant, " (pass a fresh contiguous tensor)");
+        LNA2_CHECK(reinterpret_cast<uintptr_t>(scratch.data_ptr()) % 256 == 0, "scratch must be 256-byte aligned");
+    }
 
     const c10::cuda::CUDAGuard guard(dev);
     const auto [bps, sms] = grid_for(dev.index(), static_cast<int>(bits), static_cast<int>(codebook),
-                                     static_cast<int>(variant));
+                                     static_cast<int>(variant), static_cast<int>(n_experts), static_cast<int>(m),
+                                     static_cast<int>(top_k));
     lna2::Args a{};
     a.x = x.data_ptr();
     a.out = out.data_ptr();
@@ -143,14 +154,16 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
 std::vector<int64_t> lna2_moe_prepare(int64_t bits, int64_t codebook, int64_t variant) {
     int dev = 0;
     TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "lna2_moe_prepare: no CUDA device");
-    const auto [bps, sms] = grid_for(dev, static_cast<int>(bits), static_cast<int>(codebook), static_cast<int>(variant));
+    // v2's residency depends on the call's rows (its pointer cache); report the seat's worst case
+    const auto [bps, sms] = grid_for(dev, static_cast<int>(bits), static_cast<int>(codebook), static_cast<int>(variant),
+                                     lna2::MAX_EXPERTS, lna2::MAX_ROWS, 6);
     return {sms, bps, static_cast<int64_t>(bps) * sms};
 }
 
 std::map<std::string, int64_t> lna2_moe_info(int64_t bits, int64_t codebook, int64_t hidden, int64_t intermediate) {
     int dev = 0;
     TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "lna2_moe_info: no CUDA device");
-    const auto [bps, sms] = grid_for(dev, static_cast<int>(bits), static_cast<int>(codebook), 0);
+    const auto [bps, sms] = grid_for(dev, static_cast<int>(bits), static_cast<int>(codebook), 0, 0, 0, 0);
     return {
         {"sms", sms},
         {"blocks_per_sm", bps},
@@ -164,12 +177,20 @@ std::map<std::string, int64_t> lna2_moe_info(int64_t bits, int64_t codebook, int
         {"partial_slots", lna2::PART_CAP},
         {"max_k_split", lna2::KSPLIT_MAX},
         {"scratch_bytes", lna2_moe_scratch_bytes(hidden, intermediate)},
-        {"ctrl_bytes", static_cast<int64_t>(lna2::make_layout(hidden, intermediate).ctrl_bytes)},
+        {"ctrl_bytes", static_cast<int64_t>(lna2::CTRL_BYTES)},
         {"concurrent_streams", 1},
     };
 }
 
 std::string lna2_build_id() { return lna2::build_id(); }
+
+// Benchmarks only: v2 pipeline stages, resident CTAs per SM (0: as many as fit), and the gate/up
+// item target. Process-wide; the cached grids are recomputed.
+void lna2_set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t items_x4) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    lna2::set_tuning(static_cast<int>(stages), static_cast<int>(ctas_per_sm), static_cast<int>(items_x4));
+    g_grid.clear();
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "lna2: EXL3 routed-expert MoE decode kernel (dsv4serve)";
@@ -188,4 +209,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("hidden") = kDefaultHidden,
           py::arg("intermediate") = kDefaultInter);
     m.def("lna2_build_id", &lna2_build_id);
+    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 stages, CTAs per SM, item target (0 = keep)",
+          py::arg("stages") = 0, py::arg("ctas_per_sm") = -1, py::arg("items_x4") = 0);
 }

@@ -34,8 +34,11 @@ enum DType : int { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 
 // Byte offsets inside the caller's scratch. The control words must be zero before the first
 // launch (allocate with zeros); every launch returns them to zero before it ends. The control
-// region has the same place and size for every geometry, so one scratch can serve layers of
-// different shapes one after another; concurrent launches need separate scratches.
+// region has the same place and size for every geometry and every kernel variant, so one scratch
+// can serve layers of different shapes and variants one after another; concurrent launches need
+// separate scratches.
+constexpr size_t CTRL_BYTES = 72 * 1024;     // >= either variant family's control words (asserted below)
+
 struct Layout {
     int ib;            // 128-wide blocks of the expert intermediate (gate/up output, down input)
     int cb;            // 128-wide blocks of the hidden size (down output)
@@ -59,13 +62,53 @@ inline __host__ __device__ Layout make_layout(int hidden, int inter) {
     L.arr = off;   off += size_t(MAX_PAIRS) * MAX_IB * sizeof(int);
     L.ready = off; off += size_t(MAX_PAIRS) * sizeof(int);
     L.done = off;  off += size_t(MAX_CB) * sizeof(int);
-    off = align_up(off, 256);
-    L.ctrl_bytes = off;
+    L.ctrl_bytes = CTRL_BYTES;
+    off = CTRL_BYTES;
     L.part = off;  off = align_up(off + size_t(PART_CAP) * 2 * inter * sizeof(float), 256);
     L.act = off;   off = align_up(off + size_t(MAX_PAIRS) * inter * 2, 256);
     L.y = off;     off = align_up(off + size_t(MAX_PAIRS) * hidden * sizeof(float), 256);
     L.total = off;
     return L;
+}
+
+// v2 (ticket-scheduled) scratch. Control words: the ticket counter and per-group / per-block
+// arrival counters, each returned to zero by its last user within the launch.
+constexpr int V2_PART_CAP = 1024;            // partial-sum slots: entries x k-splits
+struct LayoutV2 {
+    size_t ticket;     // int32: next dynamic ticket
+    size_t arr;        // int32 [MAX_PAIRS * MAX_IB]: gate/up items arrived per (group, block)
+    size_t ready;      // int32 [MAX_PAIRS]: activation blocks ready per group
+    size_t ack;        // int32 [MAX_PAIRS]: down items that have seen their group ready
+    size_t done;       // int32 [MAX_CB]: down items arrived per output block
+    size_t part;       // fp32 [V2_PART_CAP][2][I]: gate/up partial sums
+    size_t act;        // u32 [MAX_PAIRS][I/16][32][2]: down input of each group, in MMA B-fragment order
+    size_t y;          // fp32 [MAX_PAIRS][H]: down output per entry (before routing weights)
+    size_t total;
+};
+
+inline __host__ __device__ LayoutV2 make_layout_v2(int hidden, int inter) {
+    LayoutV2 L{};
+    size_t off = 0;
+    L.ticket = off; off += 64 * sizeof(int);
+    L.arr = off;    off += size_t(MAX_PAIRS) * MAX_IB * sizeof(int);
+    L.ready = off;  off += size_t(MAX_PAIRS) * sizeof(int);
+    L.ack = off;    off += size_t(MAX_PAIRS) * sizeof(int);
+    L.done = off;   off += size_t(MAX_CB) * sizeof(int);
+    off = CTRL_BYTES;
+    L.part = off;   off = align_up(off + size_t(V2_PART_CAP) * 2 * inter * sizeof(float), 256);
+    L.act = off;    off = align_up(off + size_t(MAX_PAIRS) * inter * 16, 256);
+    L.y = off;      off = align_up(off + size_t(MAX_PAIRS) * hidden * sizeof(float), 256);
+    L.total = off;
+    return L;
+}
+
+static_assert((64 + MAX_PAIRS * MAX_IB + 2 * MAX_PAIRS + MAX_CB) * sizeof(int) <= CTRL_BYTES,
+              "control words must fit the shared control region");
+
+// Bytes a scratch needs to serve every variant at this geometry.
+inline size_t scratch_bytes(int hidden, int inter) {
+    const size_t a = make_layout(hidden, inter).total, b = make_layout_v2(hidden, inter).total;
+    return a > b ? a : b;
 }
 
 struct Args {
@@ -76,14 +119,28 @@ struct Args {
     const float* weights;       // [m, top_k] routing weights, routed scaling already applied
     uint8_t* scratch;
     int m, top_k, n_experts, hidden, inter, bits, codebook, x_dtype, out_dtype;
-    int variant;                // 0: register-streamed kernel, 1: cp.async-pipelined kernel
-    int stages;                 // set by launch(): v1 pipeline depth
+    int variant;                // 0: register-streamed, 1: cp.async-pipelined, 2: v2, 3: v2 without the
+                                // MCG exact-sum MMA (see lna2_v2.cu)
+    int stages;                 // set by launch(): pipeline depth (v1, v2)
+    int items_x4;               // v2: aim for at least grid * items_x4 / 4 gate/up items (set by launch())
+    uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
 };
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).
-cudaError_t occupancy(int bits, int codebook, int variant, int device, int* blocks_per_sm, int* num_sms);
+// `n_experts`, `m` and `top_k` size v2's shared memory (its pointer cache); v0/v1 ignore them.
+cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
+                      int* blocks_per_sm, int* num_sms);
 cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
+
+// Process-wide v2 tuning for benchmarks (0 keeps the default): pipeline stages, resident CTAs per
+// SM, and the gate/up item target (grid * items_x4 / 4).
+void set_tuning(int stages, int ctas_per_sm, int items_x4);
+
+// v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2 and 3 to them.
+cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_experts, int m, int top_k,
+                         int* blocks_per_sm, int* num_sms);
+cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
 const char* build_id();
 
 }  // namespace lna2

@@ -14,8 +14,8 @@ from dsv4serve.errors import BadInput, JobFailed
 from dsv4serve.resources import kernels_dir
 
 MODULE = "dsv4serve_lna2"
-SOURCES = ("bindings.cpp", "lna2_moe.cu")
-HEADERS = ("lna2_api.h",)
+SOURCES = ("bindings.cpp", "lna2_moe.cu", "lna2_v2.cu")
+HEADERS = ("lna2_api.h", "lna2_common.cuh")
 
 
 def source_digest(src_dir: Path | None = None) -> str:

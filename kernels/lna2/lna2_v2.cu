@@ -1,0 +1,827 @@
+// lna2 v2: routed-expert MoE decode for EXL3 weights, one plain (non-cooperative) launch per layer.
+//
+// Why this shape (kernels/lna2/NOTES.md has the measurements behind each point):
+//  * The decode of trellis states is the arithmetic that cannot be skipped, so each tile costs as
+//    few issue slots as possible: the EXL3 tile order is exactly the m16n8k16 *A* fragment of the
+//    transposed product out^T = W^T x^T, so one decoded tile is one MMA for up to 8 rows (the rows
+//    are the MMA's N), with no wasted 16-row padding. States are pulled out of the lane's window
+//    with shift/multiply forms that the compiler can put on the integer-multiply pipe, next to the
+//    ALU ops of the codebook.
+//  * MCG "exact sum": an MCG weight is lo + hi of two fp16 halves. Instead of adding them (and
+//    packing pairs) per weight, the lop3 output (lo, hi) goes into the MMA as two k-elements, and
+//    the input x_k is duplicated into both; the tensor core then sums x*lo + x*hi in fp32. That
+//    drops 12 instructions per tile and computes the weight more exactly than the format's own
+//    fp16 rounding of lo + hi (by at most half an fp16 ulp of the weight).
+//  * Work is handed out by tickets in a fixed global order: gate/up items (group, 128-column block,
+//    k-range) first, then down items (group, 128-column block of the output). A down item waits
+//    only for gate/up items, whose tickets are lower and so already held by running CTAs: the wait
+//    cannot deadlock whatever the residency, and no cooperative launch is needed.
+//  * Trellis tiles stream through a cp.async ring completed on mbarriers, so a CTA prefetches the
+//    next item (also a down item's weights before its activation exists) while it computes.
+//  * Every sum has a fixed order (k-split partials, warps, top-k slots): bitwise repeatable.
+//    Counters are returned to zero by their last user, so the next launch needs no host work.
+
+#include "lna2_api.h"
+#include "lna2_common.cuh"
+
+#ifndef LNA2_V2_MIN_BLOCKS
+#define LNA2_V2_MIN_BLOCKS 3
+#endif
+
+namespace lna2 {
+namespace {
+
+constexpr int GR = 8;              // rows per group: the MMA's N
+constexpr int KSUB = 4;            // gate/up: warps per projection, splitting an item's k-range
+constexpr int KCI_MAX = 16;        // k-tiles per chunk (one rotation of the input)
+constexpr int RED_FLOATS = 4096;   // reduction buffer; aliases the B-fragment buffer
+constexpr int RAW_STRIDE = KCI_MAX * 16 + 8;  // halves per staged raw input row
+constexpr int XS_BYTES = RED_FLOATS * 4;      // >= 2 proj x KCI_MAX k-tiles x 32 lanes x 8 B
+static_assert(2 * KCI_MAX * 32 * 8 <= XS_BYTES, "B fragments fit the buffer");
+static_assert(THREADS == 256 && WARPS == 8, "the item shapes assume 8 warps");
+
+struct Plan {
+    uint32_t mask[MAX_EXPERTS];   // rows routed to each expert
+    int16_t rbase[MAX_EXPERTS];   // first entry of each expert (entries sorted by expert, row)
+    int16_t ubase[MAX_EXPERTS];   // compact index of each used expert
+    uint8_t gexp[MAX_PAIRS];      // group -> expert
+    uint8_t gnr[MAX_PAIRS];       // group -> rows (1..8)
+    int16_t gent[MAX_PAIRS];      // group -> first entry
+    uint8_t grows[MAX_PAIRS][GR]; // group -> its rows
+    int16_t rid[MAX_PAIRS];       // routes [m, top_k]: expert id, or -1 when out of range
+    float rw[MAX_PAIRS];          // routing weights [m, top_k]
+    int wsum[3][WARPS];
+    int ng, gr;
+    int q;                        // ticket handoff from thread 0
+    int flag;
+};
+
+// Dynamic shared memory, laid out the same way on host and device.
+struct Dyn {
+    int ring, xs, raw, ptr, bar, total;
+};
+
+__host__ __device__ inline int ring_row_bytes(int bits) { return 256 * bits; }  // 8 tiles of one k-tile row
+
+__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
+    Dyn d{};
+    int off = 0;
+    d.ring = off; off += stages * WARPS * ring_row_bytes(bits);
+    d.xs = off;   off += XS_BYTES;
+    d.raw = off;  off += GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;
+    off = (off + 15) & ~15;
+    d.ptr = off;  off += ucap * 9 * 8;
+    off = (off + 15) & ~15;
+    d.bar = off;  off += stages * 8;
+    d.total = (off + 15) & ~15;
+    return d;
+}
+
+__host__ __device__ inline int ucap_for(int n_experts, int m, int top_k) {
+    const int p = m * top_k;
+    return p < n_experts ? p : n_experts;
+}
+
+// ------------------------------------------------------------------------------------------------
+// small helpers
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// The barrier's phase completes once every thread's cp.async copies issued before this have landed.
+__device__ __forceinline__ void mbar_arrive_cp(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// Spins are bounded: a protocol bug traps (a launch error the caller sees) instead of hanging the GPU.
+constexpr unsigned SPIN_LIMIT = 1u << 26;
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    const uint32_t addr = smem_u32(bar);
+    uint32_t done = 0;
+    for (unsigned spin = 0;; spin++) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(addr), "r"(parity)
+            : "memory");
+        if (done) return;
+        if (spin > SPIN_LIMIT) __trap();
+    }
+}
+
+__device__ __forceinline__ uint2 ldcg2(const uint32_t* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
+
+// The 8 16-bit states of this lane's positions in one tile, from the two words holding its window.
+// A state is moved to the top half by a multiply and shifted down, or cut out with one ALU op where
+// it sits byte-aligned. The multipliers come from kernel parameters (Args::kmul), which ptxas cannot
+// see through: with literal constants it turns every multiply into shift + mask on the ALU pipe,
+// which the codebook's lop3 already loads; this way the work is split across the ALU and the
+// integer-multiply pipe (kernels/lna2/NOTES.md, "decode instruction mix").
+template <int K>
+__device__ __forceinline__ void states8(uint32_t wa, uint32_t wb, int sh, const Args& a, uint32_t (&s)[8]) {
+    if constexpr (K == 2) {
+        const uint32_t W = __funnelshift_l(wb, wa, sh);  // state j: bits [14-2j, 30-2j)
+        s[0] = __umulhi(W * a.kmul[0], a.kmul[7]);       // both on the multiply pipe
+#pragma unroll
+        for (int j = 1; j < 7; j++)
+            if (j != 3) s[j] = (W * a.kmul[j]) >> 16;
+        s[3] = __byte_perm(W, 0u, 0x4421);               // bits [8, 24)
+        s[7] = W & 0xffffu;
+    } else {
+        const uint32_t hi = __funnelshift_l(wb, wa, sh);  // stream bits [b0, b0+32)
+        const uint32_t lo = wb << sh;                     // stream bits [b0+32, b0+37) on top
+        const uint32_t F = __funnelshift_l(lo, hi, 18);   // stream bits [b0+18, b0+50)
+        s[0] = hi >> 16;
+        s[1] = __umulhi(hi * a.kmul[1], a.kmul[7]);
+        s[2] = __umulhi(hi * a.kmul[2], a.kmul[7]);
+#pragma unroll
+        for (int j = 3; j < 6; j++) s[j] = (hi * a.kmul[j]) >> 16;
+        s[6] = F >> 16;
+        s[7] = (F * a.kmul[6]) >> 16;
+    }
+}
+
+// One decoded tile x one B fragment: acc[n][row] += W^T[n][k] x^T[k][row] for this tile's 16 n.
+// Lane (g, t) holds positions j = 0..7 of the tile: W[2t][g], W[2t+1][g], W[2t+8][g], W[2t+9][g]
+// and the same four rows of column g+8 (exl3-reference §1.2) -- the A fragment of W^T.
+template <int CB, bool DUP>
+__device__ __forceinline__ void tile_mma_t(const uint32_t (&s)[8], const uint32_t (&b)[4], float (&acc)[4]) {
+    if constexpr (CB == CB_MCG && DUP) {
+        uint32_t L[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) L[j] = lop3_mcg(s[j] * MCG_MULT);
+        // virtual k pair (2t, 2t+1) <- real k 2t, (2t+8, 2t+9) <- real k 2t+1 (b[0], b[1] duplicate them)
+        mma16816(acc, L[0], L[4], L[1], L[5], b[0], b[1]);
+        mma16816(acc, L[2], L[6], L[3], L[7], b[2], b[3]);
+    } else {
+        const uint32_t a0 = decode_pair<CB>(s[0], s[1]);
+        const uint32_t a1 = decode_pair<CB>(s[4], s[5]);
+        const uint32_t a2 = decode_pair<CB>(s[2], s[3]);
+        const uint32_t a3 = decode_pair<CB>(s[6], s[7]);
+        mma16816(acc, a0, a1, a2, a3, b[0], b[1]);
+    }
+}
+
+// B fragment registers for one k-tile from the stored pair (x[2t], x[2t+1]), (x[2t+8], x[2t+9]).
+template <int CB, bool DUP>
+__device__ __forceinline__ void b_frag(uint2 v, uint32_t (&b)[4]) {
+    if constexpr (CB == CB_MCG && DUP) {
+        b[0] = prmt(v.x, v.x, 0x1010);  // (x[2t], x[2t])
+        b[1] = prmt(v.x, v.x, 0x3232);  // (x[2t+1], x[2t+1])
+        b[2] = prmt(v.y, v.y, 0x1010);
+        b[3] = prmt(v.y, v.y, 0x3232);
+    } else {
+        b[0] = v.x;
+        b[1] = v.y;
+        b[2] = b[3] = 0;
+    }
+}
+
+// A warp's share of one ring stage: 8 consecutive n-tiles of one k-tile row.
+template <int K, int CB, bool DUP>
+__device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)[4], int w0i, int w1i, int sh,
+                                        const Args& a, float (&acc)[8][4]) {
+    constexpr int WPT = 8 * K;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        uint32_t s[8];
+        states8<K>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
+        tile_mma_t<CB, DUP>(s, b, acc[nt]);
+    }
+}
+
+// Where a value of B-fragment order goes: element kk (0..15) of a k-tile for row j.
+// Lane L of a Hadamard warp holds kk = 4(L%4) .. 4(L%4)+3 of its k-tile L/4; it writes two words.
+__device__ __forceinline__ void store_frag_pairs(uint32_t* tile_base, int j, int lane, const float (&v)[4]) {
+    const int q = lane & 3, t0 = 2 * (q & 1), sl = q >> 1;
+    const uint2 p = pack4_half(v);
+    tile_base[(4 * j + t0) * 2 + sl] = p.x;
+    tile_base[(4 * j + t0 + 1) * 2 + sl] = p.y;
+}
+
+// ------------------------------------------------------------------------------------------------
+// work items
+
+enum Kind : int { IT_NONE = 0, IT_GU = 1, IT_DN = 2, IT_ZERO = 3 };
+
+struct Cfg {
+    int N1, N2, N;          // gate/up items, down items, all items
+    int KS, R, KCI, KW;     // k-splits, chunks per item, k-tiles per chunk, k-tiles per warp per chunk
+    int n_ib, n_cb, KWd;    // 128-blocks of I and H; down k-tiles per warp
+};
+
+struct Item {
+    int kind, g, blk, kc, nst;  // blk: ib for gate/up, cb for down and zero items
+};
+
+__device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng) {
+    Item it{IT_NONE, 0, 0, 0, 0};
+    if (t >= c.N) return it;
+    if (ng == 0) {
+        it.kind = IT_ZERO;
+        it.blk = t;
+        return it;
+    }
+    if (t < c.N1) {
+        const int per_g = c.n_ib * c.KS;
+        it.kind = IT_GU;
+        it.g = t / per_g;
+        const int r = t - it.g * per_g;
+        it.blk = r / c.KS;
+        it.kc = r - it.blk * c.KS;
+        it.nst = c.R * c.KW;
+    } else {
+        const int d = t - c.N1;
+        it.kind = IT_DN;
+        it.g = d / c.n_cb;
+        it.blk = d - it.g * c.n_cb;
+        it.nst = c.KWd;
+    }
+    return it;
+}
+
+// ------------------------------------------------------------------------------------------------
+// route plan: every CTA builds the same one; groups of <= 8 rows of one expert
+
+__device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    s.mask[t] = 0;
+    __syncthreads();
+    const int pairs = a.m * a.top_k;
+    for (int p = t; p < pairs; p += THREADS) {
+        const int e = a.expert_ids[p];
+        const bool ok = e >= 0 && e < a.n_experts;
+        s.rid[p] = static_cast<int16_t>(ok ? e : -1);
+        s.rw[p] = a.weights[p];
+        if (ok) atomicOr(&s.mask[e], 1u << (p / a.top_k));
+    }
+    __syncthreads();
+    const int c = t < a.n_experts ? __popc(s.mask[t]) : 0;
+    const int used = c > 0;
+    // the used experts' pointers are in flight while the scans run
+    const void* mine[9];
+#pragma unroll
+    for (int i = 0; i < 9; i++) mine[i] = used ? reinterpret_cast<const void*>(__ldg(a.tables[i] + t)) : nullptr;
+    const int ng = (c + GR - 1) / GR;
+    int v[3] = {c, ng, used};
+    int incl[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int x = v[i];
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int y = __shfl_up_sync(FULL, x, d);
+            if (lane >= d) x += y;
+        }
+        incl[i] = x;
+        if (lane == 31) s.wsum[i][warp] = x;
+    }
+    __syncthreads();
+    int excl[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int before = 0;
+        for (int w = 0; w < warp; w++) before += s.wsum[i][w];
+        excl[i] = before + incl[i] - v[i];
+    }
+    s.rbase[t] = static_cast<int16_t>(excl[0]);
+    s.ubase[t] = static_cast<int16_t>(excl[2]);
+    if (t == THREADS - 1) {
+        s.gr = excl[0] + c;
+        s.ng = excl[1] + ng;
+    }
+    if (used) {
+#pragma unroll
+        for (int i = 0; i < 9; i++) ptr[excl[2] * 9 + i] = mine[i];
+        for (int i = 0; i < ng; i++) {
+            const int g = excl[1] + i;
+            s.gexp[g] = static_cast<uint8_t>(t);
+            s.gent[g] = static_cast<int16_t>(excl[0] + GR * i);
+            s.gnr[g] = static_cast<uint8_t>(min(GR, c - GR * i));
+        }
+        uint32_t mk = s.mask[t];
+        for (int j = 0; mk; j++) {
+            const int r = __ffs(mk) - 1;
+            mk &= mk - 1;
+            s.grows[excl[1] + j / GR][j % GR] = static_cast<uint8_t>(r);
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
+    Cfg c{};
+    c.n_ib = a.inter / 128;
+    c.n_cb = a.hidden / 128;
+    c.KWd = c.n_ib;  // (I/16) k-tiles over 8 warps
+    const int kt = a.hidden / 16;
+    const int target = max(1, G * a.items_x4 / 4);
+    c.KCI = (kt % 16 == 0) ? 16 : 8;
+    if (c.KCI == 16 && ng * c.n_ib * (kt / 16) < target) c.KCI = 8;  // finer items when few groups
+    const int nchunk = kt / c.KCI;
+    int ks = nchunk;
+    while (ks % 2 == 0 && (ng * c.n_ib * (ks / 2) >= target || ks * gr > V2_PART_CAP)) ks /= 2;
+    if (ks * gr > V2_PART_CAP) ks = 1;  // an odd chunk count that cannot be halved
+    c.KS = ks;
+    c.R = nchunk / ks;
+    c.KW = c.KCI / KSUB;
+    c.N1 = ng * c.n_ib * c.KS;
+    c.N2 = ng * c.n_cb;
+    c.N = ng ? c.N1 + c.N2 : c.n_cb;
+    return c;
+}
+
+// ------------------------------------------------------------------------------------------------
+// the kernel
+
+template <int K, int CB, bool DUP>
+struct V2Kernel {
+    static constexpr int WPT = 8 * K;
+    static constexpr int ROW = 256 * K;  // bytes of 8 tiles
+
+    const Args& a;
+    const LayoutV2 L;
+    Plan& s;
+    uint8_t* dyn;
+    Dyn D;
+    const void** ptr;
+    uint64_t* bar;
+    int S;
+    Cfg c;
+    int G;
+    // producer / consumer state (uniform across the CTA)
+    Item cur, nxt;
+    int base_cur, base_nxt, issued, q;
+    // next chunk to rotate, loaded ahead into registers
+    uint4 rx;
+    uint32_t rs;
+
+    __device__ V2Kernel(const Args& a_, Plan& s_, uint8_t* dyn_)
+        : a(a_), L(make_layout_v2(a_.hidden, a_.inter)), s(s_), dyn(dyn_) {}
+
+    __device__ const void* P(int g, int i) const { return ptr[s.ubase[s.gexp[g]] * 9 + i]; }
+
+    // ---- producer: trellis stages into the ring
+    __device__ void copy_stage(const Item& it, int st, int slot) {
+        uint8_t* dst = dyn + D.ring + slot * (WARPS * ROW);
+        constexpr int PIECES = ROW / 16;
+        for (int p = threadIdx.x; p < WARPS * PIECES; p += THREADS) {
+            const int w = p / PIECES, off = p - w * PIECES;
+            const char* src;
+            if (it.kind == IT_GU) {
+                const int ch = st / c.KW, sub = st - ch * c.KW;
+                const int kt = (it.kc * c.R + ch) * c.KCI + (w >> 1) * c.KW + sub;
+                const char* tr = reinterpret_cast<const char*>(P(it.g, (w & 1) ? 3 : 0));
+                src = tr + (size_t(kt) * (a.inter / 16) + it.blk * 8) * WPT * 4;
+            } else {
+                const int kt = w * c.KWd + st;
+                const char* tr = reinterpret_cast<const char*>(P(it.g, 6));
+                src = tr + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * WPT * 4;
+            }
+            cp16(dst + w * ROW + off * 16, src + off * 16);
+        }
+        mbar_arrive_cp(bar + slot);
+    }
+
+    __device__ void issue_due() {
+        const int limit = min(q + S - 1, base_nxt + nxt.nst - 1);
+        while (issued <= limit) {
+            if (issued < base_nxt) copy_stage(cur, issued - base_cur, issued % S);
+            else copy_stage(nxt, issued - base_nxt, issued % S);
+            issued++;
+        }
+    }
+
+    // One consumer step: everyone is done with the previous stage, refill, wait for this one.
+    __device__ const uint32_t* step() {
+        __syncthreads();
+        issue_due();
+        mbar_wait(bar + q % S, (q / S) & 1);
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(dyn + D.ring + (q % S) * (WARPS * ROW)) +
+                              (threadIdx.x >> 5) * (ROW / 4);
+        q++;
+        return row;
+    }
+
+    // ---- raw inputs of one gate/up chunk, loaded into registers ahead of use
+    __device__ void load_raw(const Item& it, int ch) {
+        if (it.kind != IT_GU) return;
+        const int t = threadIdx.x;
+        const int cols = c.KCI * 16;
+        const int k0 = (it.kc * c.R + ch) * cols;
+        const int j = t >> 5, piece = t & 31;
+        if (j < s.gnr[it.g] && piece * 8 < cols) {
+            const int row = s.grows[it.g][j];
+            rx = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) + size_t(row) * a.hidden +
+                                                      k0 + piece * 8));
+        }
+        const int proj = t >> 7, idx = t & 127;
+        if (idx * 2 < cols)
+            rs = __ldg(reinterpret_cast<const uint32_t*>(reinterpret_cast<const __half*>(P(it.g, proj ? 4 : 1)) + k0) +
+                       idx);
+    }
+
+    __device__ void store_raw(const Item& it) {
+        const int t = threadIdx.x;
+        const int cols = c.KCI * 16;
+        __half* rawx = reinterpret_cast<__half*>(dyn + D.raw);
+        __half* raws = rawx + GR * RAW_STRIDE;
+        const int j = t >> 5, piece = t & 31;
+        if (j < s.gnr[it.g] && piece * 8 < cols) *reinterpret_cast<uint4*>(rawx + j * RAW_STRIDE + piece * 8) = rx;
+        const int proj = t >> 7, idx = t & 127;
+        if (idx * 2 < cols) *reinterpret_cast<uint32_t*>(raws + proj * KCI_MAX * 16 + idx * 2) = rs;
+    }
+
+    // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words.
+    __device__ void rotate(const Item& it) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int rows = s.gnr[it.g];
+        const int nblk = c.KCI / 8;
+        const uint8_t* rawx = dyn + D.raw;
+        const uint8_t* raws = rawx + GR * RAW_STRIDE * 2;
+        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
+        for (int task = warp; task < 2 * rows * nblk; task += WARPS) {
+            const int proj = task & 1, rest = task >> 1;
+            const int j = rest % rows, blk = rest / rows;
+            const int k = blk * 128 + 4 * lane;
+            float v[4], sc[4];
+            load4_raw(rawx + (j * RAW_STRIDE + k) * 2, a.x_dtype, v);
+            load4_raw(raws + (proj * KCI_MAX * 16 + k) * 2, DT_F16, sc);
+#pragma unroll
+            for (int i = 0; i < 4; i++) v[i] *= sc[i];
+            fwht128(v, lane);
+#pragma unroll
+            for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
+            store_frag_pairs(xs + (proj * KCI_MAX + blk * 8 + (lane >> 2)) * 64, j, lane, v);
+        }
+    }
+
+    // ---- gate/up item: partial GEMV over its k-range for both projections, 8 n-tiles each
+    __device__ void run_gu(const Item& it) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int proj = warp & 1, ksub = warp >> 1;
+        int w0i, w1i, sh;
+        lane_window<K>(lane, w0i, w1i, sh);
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
+        for (int ch = 0; ch < c.R; ch++) {
+            __syncthreads();  // the previous chunk's MMAs and rotation are done with xs and raw
+            store_raw(it);
+            __syncthreads();
+            if (ch + 1 < c.R) load_raw(it, ch + 1);
+            else load_raw(nxt, 0);
+            rotate(it);
+            for (int sub = 0; sub < c.KW; sub++) {
+                const uint32_t* row = step();  // its barrier also publishes the rotation
+                uint32_t b[4];
+                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * KCI_MAX + ksub * c.KW + sub) * 32 + lane) * 2),
+                                b);
+                mma_row<K, CB, DUP>(row, b, w0i, w1i, sh, a, acc);
+            }
+        }
+        epilogue_gu(it, acc);
+    }
+
+    // acc[nt] of lane (g, t): (n = 16nt + g, rows 2t, 2t+1) and (n = 16nt + g + 8, rows 2t, 2t+1).
+    __device__ void write_red(float* red, int rc, const float (&acc)[8][4]) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int g = lane >> 2, t = lane & 3;
+        const int rr = 2 * t - 4 * rc;
+        if (rr < 0 || rr >= 4) return;
+        float* w = red + warp * 512;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const int n = nt * 16 + g;
+            w[rr * 128 + n] = acc[nt][0];
+            w[(rr + 1) * 128 + n] = acc[nt][1];
+            w[rr * 128 + n + 8] = acc[nt][2];
+            w[(rr + 1) * 128 + n + 8] = acc[nt][3];
+        }
+    }
+
+    __device__ bool arrive(int* counter, int last_old) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const int old = atomicAdd(counter, 1);
+            const int last = old == last_old;
+            if (last) {
+                *counter = 0;  // its last user: nobody else touches it in this launch
+                __threadfence();
+            }
+            s.flag = last;
+        }
+        __syncthreads();
+        return s.flag;
+    }
+
+    __device__ void epilogue_gu(const Item& it, const float (&acc)[8][4]) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int rows = s.gnr[it.g], ent0 = s.gent[it.g];
+        float* red = reinterpret_cast<float*>(dyn + D.xs);
+        float* part = reinterpret_cast<float*>(a.scratch + L.part);
+        for (int rc = 0; rc * 4 < rows; rc++) {
+            __syncthreads();
+            write_red(red, rc, acc);
+            __syncthreads();
+            const int proj = warp & 1, rr = warp >> 1, r = rc * 4 + rr;
+            if (r < rows) {
+                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                for (int ks = 0; ks < KSUB; ks++) {
+                    const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
+                    v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
+                }
+                *reinterpret_cast<float4*>(part + (size_t(it.kc * s.gr + ent0 + r) * 2 + proj) * a.inter +
+                                           it.blk * 128 + 4 * lane) = v;
+            }
+        }
+        int* arr = reinterpret_cast<int*>(a.scratch + L.arr) + it.g * MAX_IB + it.blk;
+        if (arrive(arr, c.KS - 1)) finish(it);
+    }
+
+    // The last gate/up item of (group, block): sum the k-split partials in a fixed order, rotate
+    // back (Hadamard, svh), DeepSeek-V4's clamped SwiGLU, times down suh, Hadamard into the down
+    // input, stored in B-fragment order; then publish the block.
+    __device__ void finish(const Item& it) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int rows = s.gnr[it.g], ent0 = s.gent[it.g];
+        const int col = it.blk * 128 + 4 * lane;
+        float sg[4], su[4], sd[4];
+        load4_half(reinterpret_cast<const __half*>(P(it.g, 2)) + col, sg);
+        load4_half(reinterpret_cast<const __half*>(P(it.g, 5)) + col, su);
+        load4_half(reinterpret_cast<const __half*>(P(it.g, 7)) + col, sd);
+        const int wpr = rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;  // warps sharing a row's k-splits
+        const int j = warp / wpr, sub = warp % wpr;
+        const float* part = reinterpret_cast<const float*>(a.scratch + L.part);
+        float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
+        if (j < rows) {
+            for (int kc = sub; kc < c.KS; kc += wpr) {
+                const float* p = part + size_t((kc * s.gr + ent0 + j) * 2) * a.inter + col;
+                const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
+                const float4 y = __ldcg(reinterpret_cast<const float4*>(p + a.inter));
+                gv[0] += x.x; gv[1] += x.y; gv[2] += x.z; gv[3] += x.w;
+                uv[0] += y.x; uv[1] += y.y; uv[2] += y.z; uv[3] += y.w;
+            }
+        }
+        float* red = reinterpret_cast<float*>(dyn + D.xs);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            red[(warp * 2 + 0) * 128 + 4 * lane + i] = gv[i];
+            red[(warp * 2 + 1) * 128 + 4 * lane + i] = uv[i];
+        }
+        __syncthreads();
+        if (sub == 0 && j < rows) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float gs = 0.f, us = 0.f;
+                for (int w = 0; w < wpr; w++) {
+                    gs += red[((warp + w) * 2 + 0) * 128 + 4 * lane + i];
+                    us += red[((warp + w) * 2 + 1) * 128 + 4 * lane + i];
+                }
+                gv[i] = gs;
+                uv[i] = us;
+            }
+            fwht128(gv, lane);
+            fwht128(uv, lane);
+            const float lim = a.swiglu_limit;
+            float av[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float gg = fminf(gv[i] * RSQRT128 * sg[i], lim);
+                const float uu = fminf(fmaxf(uv[i] * RSQRT128 * su[i], -lim), lim);
+                const float silu = gg / (1.f + __expf(-gg));
+                av[i] = silu * uu * sd[i];
+            }
+            fwht128(av, lane);
+#pragma unroll
+            for (int i = 0; i < 4; i++) av[i] *= RSQRT128;
+            uint32_t* act = reinterpret_cast<uint32_t*>(a.scratch + L.act) + size_t(it.g) * (a.inter / 16) * 64;
+            store_frag_pairs(act + (it.blk * 8 + (lane >> 2)) * 64, j, lane, av);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(reinterpret_cast<int*>(a.scratch + L.ready) + it.g, 1);
+        }
+    }
+
+    // ---- down item: the group's activation x down weights for one 128-column block of the output
+    __device__ void run_dn(const Item& it) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        int w0i, w1i, sh;
+        lane_window<K>(lane, w0i, w1i, sh);
+        uint2 svh_raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(it.g, 8)) +
+                                                            it.blk * 128 + 4 * lane));
+        load_raw(nxt, 0);  // a gate/up item that follows gets its inputs now
+        int* ready = reinterpret_cast<int*>(a.scratch + L.ready) + it.g;
+        int ack_old = 0;
+        if (threadIdx.x == 0) {
+            for (unsigned spin = 0; ld_acquire(ready) < c.n_ib; spin++) {
+                if (spin > SPIN_LIMIT) __trap();
+                __nanosleep(40);
+            }
+            ack_old = atomicAdd(reinterpret_cast<int*>(a.scratch + L.ack) + it.g, 1);  // consumed at the end
+        }
+        __syncthreads();
+        const uint32_t* act = reinterpret_cast<const uint32_t*>(a.scratch + L.act) +
+                              size_t(it.g) * (a.inter / 16) * 64 + lane * 2;
+        const int kt0 = warp * c.KWd;
+        uint2 bq0 = ldcg2(act + kt0 * 64), bq1 = make_uint2(0u, 0u);
+        if (c.KWd > 1) bq1 = ldcg2(act + (kt0 + 1) * 64);
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        for (int st = 0; st < c.KWd; st++) {
+            const uint32_t* row = step();
+            uint32_t b[4];
+            b_frag<CB, DUP>(bq0, b);
+            bq0 = bq1;
+            if (st + 2 < c.KWd) bq1 = ldcg2(act + (kt0 + st + 2) * 64);
+            mma_row<K, CB, DUP>(row, b, w0i, w1i, sh, a, acc);
+        }
+        epilogue_dn(it, acc, svh_raw);
+        if (threadIdx.x == 0 && ack_old == c.n_cb - 1) {
+            // every down item of this group has seen it ready: return the group's words to zero
+            *ready = 0;
+            reinterpret_cast<int*>(a.scratch + L.ack)[it.g] = 0;
+        }
+    }
+
+    __device__ void epilogue_dn(const Item& it, const float (&acc)[8][4], uint2 svh_raw) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int rows = s.gnr[it.g], ent0 = s.gent[it.g];
+        float* red = reinterpret_cast<float*>(dyn + D.xs);
+        float* y = reinterpret_cast<float*>(a.scratch + L.y);
+        const float2 s01 = __half22float2(u2h(svh_raw.x)), s23 = __half22float2(u2h(svh_raw.y));
+        const float svh[4] = {s01.x, s01.y, s23.x, s23.y};
+        for (int rc = 0; rc * 4 < rows; rc++) {
+            __syncthreads();
+            write_red(red, rc, acc);
+            __syncthreads();
+            const int r = rc * 4 + warp;
+            if (warp < 4 && r < rows) {
+                float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int w = 0; w < WARPS; w++) {
+                    const float4 x = *reinterpret_cast<const float4*>(red + w * 512 + warp * 128 + 4 * lane);
+                    v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+                }
+                fwht128(v, lane);
+                *reinterpret_cast<float4*>(y + size_t(ent0 + r) * a.hidden + it.blk * 128 + 4 * lane) =
+                    make_float4(v[0] * RSQRT128 * svh[0], v[1] * RSQRT128 * svh[1], v[2] * RSQRT128 * svh[2],
+                                v[3] * RSQRT128 * svh[3]);
+            }
+        }
+        int* done = reinterpret_cast<int*>(a.scratch + L.done) + it.blk;
+        if (arrive(done, s.ng - 1)) gather_cols(a, y, s, it.blk);
+    }
+
+    // ---- the whole launch
+    // Tickets are claimed from a global counter, never derived from blockIdx: a claimed ticket is
+    // then always held by a running CTA, which is what makes a down item's wait safe with any
+    // residency (its gate/up items have lower tickets, held by CTAs whose current item never waits).
+    // A CTA holds its current and next ticket (for prefetch) and has the one after in flight.
+    // Once it will claim no more, it counts itself retired; the last to retire zeroes the counters.
+    __device__ void run() {
+        const int t = threadIdx.x;
+        G = gridDim.x;
+        S = a.stages;
+        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k));
+        ptr = reinterpret_cast<const void**>(dyn + D.ptr);
+        bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
+        int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
+        int* retired = ticket + 1;
+        int pending = 0, first = 0, ret_old = -1;
+        if (t == 0) {  // in flight while the plan is built
+            first = atomicAdd(ticket, 1);
+            pending = atomicAdd(ticket, 1);
+        }
+        if (t < S) mbar_init(bar + t, THREADS);
+        build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
+        const int ng = s.ng;
+        c = make_cfg(a, ng, s.gr, G);
+        if (t == 0) {
+            s.q = first;
+            s.flag = pending;
+        }
+        __syncthreads();
+        cur = item_of(s.q, c, ng);
+        nxt = cur.kind == IT_NONE ? Item{IT_NONE, 0, 0, 0, 0} : item_of(s.flag, c, ng);
+        bool done_claiming = false;
+        if (nxt.kind == IT_NONE) {
+            done_claiming = true;
+            if (t == 0) ret_old = atomicAdd(retired, 1);
+        } else if (t == 0) {
+            pending = atomicAdd(ticket, 1);
+        }
+        base_cur = 0;
+        base_nxt = cur.nst;
+        issued = 0;
+        q = 0;
+        load_raw(cur, 0);
+        while (cur.kind != IT_NONE) {
+            if (cur.kind == IT_GU) run_gu(cur);
+            else if (cur.kind == IT_DN) run_dn(cur);
+            else gather_cols(a, reinterpret_cast<const float*>(a.scratch + L.y), s, cur.blk);
+            __syncthreads();
+            if (t == 0) s.q = done_claiming ? c.N : pending;
+            __syncthreads();
+            cur = nxt;
+            base_cur = base_nxt;
+            nxt = cur.kind == IT_NONE ? Item{IT_NONE, 0, 0, 0, 0} : item_of(s.q, c, ng);
+            base_nxt = base_cur + cur.nst;
+            if (!done_claiming) {
+                if (nxt.kind == IT_NONE) {
+                    done_claiming = true;
+                    if (t == 0) ret_old = atomicAdd(retired, 1);
+                } else if (t == 0) {
+                    pending = atomicAdd(ticket, 1);
+                }
+            }
+        }
+        if (t == 0 && ret_old == G - 1) {  // every claim of this launch has been made
+            *ticket = 0;
+            *retired = 0;
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
+};
+
+template <int K, int CB, bool DUP>
+__global__ void __launch_bounds__(THREADS, LNA2_V2_MIN_BLOCKS) moe_decode_v2(const __grid_constant__ Args a) {
+    __shared__ Plan s;
+    extern __shared__ __align__(16) uint8_t dyn[];
+    V2Kernel<K, CB, DUP> k(a, s, dyn);
+    k.run();
+}
+
+using KernelFn = void (*)(Args);
+
+KernelFn pick_v2(int bits, int codebook, bool dup) {
+    if (codebook == CB_MCG) {
+        if (dup) return bits == 2 ? moe_decode_v2<2, CB_MCG, true> : moe_decode_v2<3, CB_MCG, true>;
+        return bits == 2 ? moe_decode_v2<2, CB_MCG, false> : moe_decode_v2<3, CB_MCG, false>;
+    }
+    if (codebook == CB_MUL1) return bits == 2 ? moe_decode_v2<2, CB_MUL1, false> : moe_decode_v2<3, CB_MUL1, false>;
+    return nullptr;
+}
+
+struct Tuning {
+    int stages = 4, ctas_per_sm = 0, items_x4 = 6;
+};
+Tuning g_tuning;
+
+}  // namespace
+
+void set_tuning(int stages, int ctas_per_sm, int items_x4) {
+    if (stages > 0) g_tuning.stages = stages < 2 ? 2 : (stages > 8 ? 8 : stages);
+    if (ctas_per_sm >= 0) g_tuning.ctas_per_sm = ctas_per_sm;
+    if (items_x4 > 0) g_tuning.items_x4 = items_x4;
+}
+
+static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
+    return dyn_layout(bits, g_tuning.stages, ucap_for(n_experts, m, top_k)).total;
+}
+
+cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_experts, int m, int top_k,
+                         int* blocks_per_sm, int* num_sms) {
+    KernelFn fn = pick_v2(bits, codebook, dup);
+    if (!fn) return cudaErrorInvalidValue;
+    cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    const int dyn = v2_dyn_bytes(bits, n_experts, m, top_k);
+    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (err != cudaSuccess) return err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
+    if (err == cudaSuccess && g_tuning.ctas_per_sm > 0 && *blocks_per_sm > g_tuning.ctas_per_sm)
+        *blocks_per_sm = g_tuning.ctas_per_sm;
+    return err;
+}
+
+cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
+    KernelFn fn = pick_v2(a_in.bits, a_in.codebook, a_in.variant != 3);
+    if (!fn) return cudaErrorInvalidValue;
+    Args a = a_in;
+    a.stages = g_tuning.stages;
+    a.items_x4 = g_tuning.items_x4;
+    // shift multipliers for states8 (see there); kmul[7] = 2^16 moves the top half down
+    for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
+    a.kmul[7] = 1u << 16;
+    const int dyn = v2_dyn_bytes(a.bits, a.n_experts, a.m, a.top_k);
+    cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (err != cudaSuccess) return err;
+    fn<<<grid, THREADS, dyn, stream>>>(a);
+    return cudaGetLastError();
+}
+
+}  // namespace lna2

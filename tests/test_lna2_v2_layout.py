@@ -1,0 +1,321 @@
+"""The index and fragment math of lna2's v2 kernel, checked on the CPU against the fp64 reference.
+
+This is a model, not the CUDA kernel: numpy follows ``kernels/lna2/lna2_v2.cu`` lane by lane with
+the kernel's own formulas -- the window words each lane reads, ``states8`` (including the
+multiplier forms of the state extraction), the A fragment of W^T built from the EXL3 tile order,
+the B fragment (x or the activation, with the MCG exact-sum duplication), an emulated
+``mma.sync.m16n8k16``, the reduction of C fragments, the B-fragment-order stores of the rotated
+input and of the activation, the ring's k-tile rows per warp, the k-split items and the gather --
+and the result must match ``moe_reference``. What it cannot cover (scheduling, barriers, memory
+ordering, the hardware MMA itself) is covered by the parity run on the GPU (scripts/lna2_device.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4serve.lna2.reference import moe_reference, random_expert_layer
+
+MCG_MULT, MUL1_MULT = 0xCBAC1FED, 0x83DCD12D
+M32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# per-lane arithmetic, as lna2_v2.cu / lna2_common.cuh do it
+
+
+def lane_window(K, lane):
+    if K == 2:
+        w0 = ((lane + 31) >> 1) & 15
+        return w0, (w0 + 1) & 15, 0 if lane & 1 else 16
+    b0 = 24 * lane + 755
+    w0 = (b0 >> 5) % 24
+    return w0, (w0 + 1) % 24, b0 & 31
+
+
+def funnel_l(lo, hi, n):
+    """__funnelshift_l(lo, hi, n): the high word of (hi:lo) << (n & 31)."""
+    n &= 31
+    return ((((hi << 32) | lo) << n) >> 32) & M32
+
+
+def kmul(K):
+    mul = [1 << (2 + 2 * j) if K == 2 else (1 << (3 * j) if j < 6 else 8) for j in range(7)]
+    return mul + [1 << 16]
+
+
+def states8(K, wa, wb, sh):
+    km = kmul(K)
+    if K == 2:
+        W = funnel_l(wb, wa, sh)
+        s = [0] * 8
+        s[0] = (((W * km[0]) & M32) * km[7]) >> 32  # __umulhi
+        for j in (1, 2, 4, 5, 6):
+            s[j] = ((W * km[j]) & M32) >> 16
+        s[3] = (W >> 8) & 0xFFFF  # __byte_perm(W, 0, 0x4421)
+        s[7] = W & 0xFFFF
+        return s
+    hi = funnel_l(wb, wa, sh)
+    lo = (wb << sh) & M32
+    F = funnel_l(lo, hi, 18)
+    s = [hi >> 16]
+    s += [(((hi * km[j]) & M32) * km[7]) >> 32 for j in (1, 2)]
+    s += [((hi * km[j]) & M32) >> 16 for j in (3, 4, 5)]
+    s += [F >> 16, ((F * km[6]) & M32) >> 16]
+    return s
+
+
+def h16(bits):
+    return float(np.array([bits & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
+def f16bits(v):
+    return int(np.array([v], dtype=np.float16).view(np.uint16)[0])
+
+
+def lop3_mcg(x):
+    return (x & 0x8FFF8FFF) ^ 0x3B603B60
+
+
+def value(cb, s):
+    """One weight, bit-exact to the format (fp16)."""
+    if cb == "mcg":
+        x = lop3_mcg((s * MCG_MULT) & M32)
+        return float(np.float16(np.float32(h16(x)) + np.float32(h16(x >> 16))))
+    x = (s * MUL1_MULT) & M32
+    h = 0x6400 + sum((x >> (8 * i)) & 0xFF for i in range(4))
+    return float(np.float16(np.float32(h16(h)) * np.float32(h16(0x1EEE)) + np.float32(h16(0xC931))))
+
+
+def pair(lo_v, hi_v):
+    return f16bits(lo_v) | (f16bits(hi_v) << 16)
+
+
+def a_frag(cb, dup, s):
+    """Registers fed to the MMA for one tile: dup -> two (a0..a3) sets, else one."""
+    if cb == "mcg" and dup:
+        L = [lop3_mcg((x * MCG_MULT) & M32) for x in s]
+        return [(L[0], L[4], L[1], L[5]), (L[2], L[6], L[3], L[7])]
+    v = [value(cb, x) for x in s]
+    return [(pair(v[0], v[1]), pair(v[4], v[5]), pair(v[2], v[3]), pair(v[6], v[7]))]
+
+
+def b_regs(cb, dup, v):
+    """b_frag(): from the stored pair (x[2t], x[2t+1]), (x[2t+8], x[2t+9])."""
+    x, y = v
+    if cb == "mcg" and dup:
+        d = lambda u, hi: ((u >> 16) * 0x10001 if hi else (u & 0xFFFF) * 0x10001)  # noqa: E731
+        return [(d(x, 0), d(x, 1)), (d(y, 0), d(y, 1))]
+    return [(x, y)]
+
+
+def mma(A_regs, B_regs, C):
+    """mma.sync.m16n8k16 f32.f16.f16.f32 on per-lane registers: A_regs[32][4], B_regs[32][2], C [32][4]."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    Cm = np.zeros((16, 8))
+    for ln in range(32):
+        g, t = ln >> 2, ln & 3
+        a0, a1, a2, a3 = A_regs[ln]
+        A[g, 2 * t], A[g, 2 * t + 1] = h16(a0), h16(a0 >> 16)
+        A[g + 8, 2 * t], A[g + 8, 2 * t + 1] = h16(a1), h16(a1 >> 16)
+        A[g, 2 * t + 8], A[g, 2 * t + 9] = h16(a2), h16(a2 >> 16)
+        A[g + 8, 2 * t + 8], A[g + 8, 2 * t + 9] = h16(a3), h16(a3 >> 16)
+        b0, b1 = B_regs[ln]
+        B[2 * t, g], B[2 * t + 1, g] = h16(b0), h16(b0 >> 16)
+        B[2 * t + 8, g], B[2 * t + 9, g] = h16(b1), h16(b1 >> 16)
+        Cm[g, 2 * t], Cm[g, 2 * t + 1], Cm[g + 8, 2 * t], Cm[g + 8, 2 * t + 1] = C[ln]
+    D = A @ B + Cm
+    return [[D[ln >> 2, 2 * (ln & 3)], D[ln >> 2, 2 * (ln & 3) + 1], D[(ln >> 2) + 8, 2 * (ln & 3)],
+             D[(ln >> 2) + 8, 2 * (ln & 3) + 1]] for ln in range(32)]
+
+
+def fwht128(v):
+    v = np.array(v, dtype=np.float64)
+    h = 1
+    while h < 128:
+        v = v.reshape(-1, 2, h)
+        v = np.stack([v[:, 0] + v[:, 1], v[:, 0] - v[:, 1]], axis=1).reshape(-1)
+        h *= 2
+    return v
+
+
+def store_frag_pairs(tile, j, lane, vals):
+    """tile: uint32 [32 lanes][2]; lane of a Hadamard warp holds kk = 4(lane%4)..+3 of its k-tile."""
+    q = lane & 3
+    t0, sl = 2 * (q & 1), q >> 1
+    tile[4 * j + t0][sl] = pair(vals[0], vals[1])
+    tile[4 * j + t0 + 1][sl] = pair(vals[2], vals[3])
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch, item by item
+
+
+def model_v2(x, ids, w, layer, cb, dup, G=8, items_x4=6, limit=10.0):
+    K, H, I = layer.K, layer.hidden, layer.inter
+    m, top_k = ids.shape
+    n_e = layer.gate_trellis.shape[0]
+    words = {name: getattr(layer, name + "_trellis").contiguous().view(torch.int32).numpy().astype(np.int64) & M32
+             for name in ("gate", "up", "down")}
+    suh = {n: getattr(layer, n + "_suh").double().numpy() for n in ("gate", "up", "down")}
+    svh = {n: getattr(layer, n + "_svh").double().numpy() for n in ("gate", "up", "down")}
+    # plan: entries sorted by (expert, row); groups of <= 8 rows of one expert
+    mask = [0] * n_e
+    for p in range(m * top_k):
+        e = int(ids.view(-1)[p])
+        if 0 <= e < n_e:
+            mask[e] |= 1 << (p // top_k)
+    rbase, groups, gr = [0] * n_e, [], 0
+    for e in range(n_e):
+        rows = [r for r in range(32) if mask[e] >> r & 1]
+        rbase[e] = gr
+        for i in range(0, len(rows), 8):
+            groups.append((e, gr + i, rows[i:i + 8]))
+        gr += len(rows)
+    ng = len(groups)
+    # make_cfg
+    n_ib, n_cb, kt = I // 128, H // 128, H // 16
+    KWd = n_ib
+    target = max(1, G * items_x4 // 4)
+    KCI = 16 if kt % 16 == 0 else 8
+    if KCI == 16 and ng * n_ib * (kt // 16) < target:
+        KCI = 8
+    nchunk = kt // KCI
+    ks = nchunk
+    while ks % 2 == 0 and (ng * n_ib * (ks // 2) >= target or ks * gr > 1024):
+        ks //= 2
+    KS, R, KW = ks, nchunk // ks, KCI // 4
+    ntn_gu, ntn_dn, WPT = I // 16, H // 16, 8 * K
+    part = np.zeros((KS, gr, 2, I))
+    act = np.zeros((ng, I // 16, 32, 2), dtype=np.int64)
+    y = np.zeros((gr, H))
+    xh = x.numpy()
+
+    def tile_words(proj, e, kt_, nt_):
+        ntn = ntn_dn if proj == "down" else ntn_gu
+        return words[proj][e].reshape(-1)[(kt_ * ntn + nt_) * WPT:(kt_ * ntn + nt_ + 1) * WPT]
+
+    def mma_row(proj, e, kt_, nt0, b_of_lane, acc):
+        """One warp's ring row: 8 tiles of k-tile kt_, n-tiles nt0..nt0+7."""
+        for nt in range(8):
+            tw = tile_words(proj, e, kt_, nt0 + nt)
+            afr = []
+            for ln in range(32):
+                w0, w1, sh = lane_window(K, ln)
+                afr.append(a_frag(cb, dup, states8(K, int(tw[w0]), int(tw[w1]), sh)))
+            bfr = [b_regs(cb, dup, b_of_lane(ln)) for ln in range(32)]
+            for h in range(len(afr[0])):
+                acc[nt] = mma([afr[ln][h] for ln in range(32)], [bfr[ln][h] for ln in range(32)], acc[nt])
+
+    def red_rows(acc, rows):
+        """write_red + the sums: C fragment -> [rows][128] of one warp."""
+        out = np.zeros((8, 128))
+        for nt in range(8):
+            for ln in range(32):
+                g, t = ln >> 2, ln & 3
+                for i, (dn, dr) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                    out[2 * t + dr, nt * 16 + g + dn] = acc[nt][ln][i]
+        return out[:rows]
+
+    for gi, (e, ent0, rws) in enumerate(groups):
+        rows = len(rws)
+        # gate/up items (ib, kc) and their chunks
+        for ib in range(n_ib):
+            for kc in range(KS):
+                accs = {wp: [[[0.0] * 4 for _ in range(32)] for _ in range(8)] for wp in range(8)}
+                for ch in range(R):
+                    cols = KCI * 16
+                    k0 = (kc * R + ch) * cols
+                    xs = np.zeros((2, 16, 32, 2), dtype=np.int64)
+                    for proj_i, proj in enumerate(("gate", "up")):
+                        for j in range(rows):
+                            for blk in range(cols // 128):
+                                v = xh[rws[j], k0 + blk * 128:k0 + blk * 128 + 128].astype(np.float64)
+                                v = v * suh[proj][e, k0 + blk * 128:k0 + blk * 128 + 128]
+                                v = fwht128(v) / np.sqrt(128)
+                                for ln in range(32):
+                                    store_frag_pairs(xs[proj_i, blk * 8 + (ln >> 2)], j, ln, v[4 * ln:4 * ln + 4])
+                    for sub in range(KW):
+                        for wp in range(8):
+                            proj_i, ksub = wp & 1, wp >> 1
+                            kt_ = (kc * R + ch) * KCI + ksub * KW + sub
+                            kl = ksub * KW + sub
+                            mma_row(("gate", "up")[proj_i], e, kt_, ib * 8,
+                                    lambda ln, pi=proj_i, kl=kl: (int(xs[pi, kl, ln, 0]), int(xs[pi, kl, ln, 1])),
+                                    accs[wp])
+                for proj_i in range(2):
+                    tot = sum(red_rows(accs[2 * ks_ + proj_i], rows) for ks_ in range(4))
+                    part[kc, ent0:ent0 + rows, proj_i, ib * 128:ib * 128 + 128] = tot
+            # finisher for (group, ib)
+            col = slice(ib * 128, ib * 128 + 128)
+            for j in range(rows):
+                gv = fwht128(part[:, ent0 + j, 0, col].sum(0)) / np.sqrt(128) * svh["gate"][e, col]
+                uv = fwht128(part[:, ent0 + j, 1, col].sum(0)) / np.sqrt(128) * svh["up"][e, col]
+                gg = np.minimum(gv, limit)
+                uu = np.clip(uv, -limit, limit)
+                av = gg / (1 + np.exp(-gg)) * uu * suh["down"][e, col]
+                av = fwht128(av) / np.sqrt(128)
+                for ln in range(32):
+                    store_frag_pairs(act[gi, ib * 8 + (ln >> 2)], j, ln, av[4 * ln:4 * ln + 4])
+        # down items (cb)
+        for cbk in range(n_cb):
+            tot = np.zeros((rows, 128))
+            for wp in range(8):
+                acc = [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
+                for st in range(KWd):
+                    kt_ = wp * KWd + st
+                    mma_row("down", e, kt_, cbk * 8, lambda ln, kt_=kt_: (int(act[gi, kt_, ln, 0]),
+                                                                         int(act[gi, kt_, ln, 1])), acc)
+                tot += red_rows(acc, rows)
+            for j in range(rows):
+                y[ent0 + j, cbk * 128:cbk * 128 + 128] = fwht128(tot[j]) / np.sqrt(128) * \
+                    svh["down"][e, cbk * 128:cbk * 128 + 128]
+    # gather: slots in order
+    out = np.zeros((m, H))
+    for r in range(m):
+        for s_ in range(top_k):
+            e = int(ids[r, s_])
+            if 0 <= e < n_e:
+                ent = rbase[e] + bin(mask[e] & ((1 << r) - 1)).count("1")
+                out[r] += float(w[r, s_]) * y[ent]
+    return out, {"KS": KS, "R": R, "KCI": KCI, "groups": ng}
+
+
+@pytest.mark.parametrize("K, cb, dup", [(2, "mcg", True), (3, "mcg", True), (2, "mcg", False), (3, "mul1", False)])
+def test_v2_dataflow_matches_reference(K, cb, dup):
+    H, I, E, top_k = 256, 256, 12, 3
+    layer = random_expert_layer(E, H, I, K, cb, seed=11 + K)
+    gen = torch.Generator().manual_seed(5 + K)
+    m = 10
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(m)])
+    ids[:9, 0] = 4  # expert 4 has 9 rows: two groups (8 + 1)
+    ids[ids[:, 1] == 4, 1] = 5
+    ids[ids[:, 2] == 4, 2] = 6
+    ids[3, 2] = E + 3  # an out-of-range id contributes nothing
+    w = torch.softmax(torch.randn(m, top_k, generator=gen), -1) * 1.5
+    x = torch.randn(m, H, generator=gen).half()
+    got, cfg = model_v2(x, ids, w, layer, cb, dup, G=4)
+    ref_ids = ids.clone()
+    ref_w = w.clone()
+    ref_w[ref_ids >= E] = 0.0
+    ref_ids[ref_ids >= E] = 0
+    ref = moe_reference(x, layer, ref_ids, ref_w).numpy()
+    rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cfg["groups"] > len(torch.unique(ids[ids < E]))  # the 9-row expert really split
+    assert rel.max() < 2e-3, (rel, cfg)
+
+
+def test_v2_k_split_items_cover_k_once():
+    """With many CTAs the gate/up k-range is split into items of one chunk each (KS > 1, R = 1)."""
+    layer = random_expert_layer(4, 512, 128, 2, "mcg", seed=3)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.tensor([[0, 1], [2, 1]])
+    w = torch.rand(2, 2, generator=gen)
+    x = torch.randn(2, 512, generator=gen).half()
+    got, cfg = model_v2(x, ids, w, layer, "mcg", True, G=64)
+    assert cfg["KS"] > 1 and cfg["KCI"] == 8
+    ref = moe_reference(x, layer, ids, w).numpy()
+    assert (np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max() < 2e-3
