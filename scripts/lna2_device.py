@@ -70,9 +70,9 @@ class Lna2Layer:
         self.scratch = torch.zeros(ext.lna2_moe_scratch_bytes(H, I), dtype=torch.uint8, device=dev)
         self.ext = ext
 
-    def run(self, x, ids32, w32, out, variant=0):
+    def run(self, x, ids32, w32, out, variant=0, trace=None):
         self.ext.lna2_moe_decode(x, out, *self.P, ids32, w32, self.K, L_SWIGLU, self.scratch, self.I,
-                                 1 if self.cb == "mcg" else 2, variant)
+                                 1 if self.cb == "mcg" else 2, variant, trace)
         return out
 
     def poison(self):
@@ -631,7 +631,7 @@ def cmd_sweep(args):
     gen = torch.Generator(device=dev)
     lna = lna2_mod()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
-    configs = [(4, 0, 6), (3, 0, 6), (6, 0, 6), (4, 2, 6), (4, 0, 3), (4, 0, 12), (6, 2, 12)]
+    configs = [(4, 0, 6), (4, 2, 6), (4, 0, 3), (4, 0, 12), (4, 2, 12), (4, 0, 24)]
     res = {"variant": args.variant, "configs": configs, "rows": []}
     for shape, ms in (("tp8", (1, 4, 8, 16)), ("tp1", (1, 8))):
         I = SHAPES[shape]
@@ -659,11 +659,54 @@ def cmd_sweep(args):
             for cfg in configs:
                 row["s%d_c%d_i%d" % cfg] = float(statistics.median(samples[cfg]))
             res["rows"].append(row)
-            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("s")))
+            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("s") and k != "shape"))
             dump("sweep.json", res)
         del L, W
         torch.cuda.empty_cache()
     lna.lna2_set_tuning(4, 0, 6)
+
+
+EVENTS = ["start", "plan", "item", "stage0", "mma", "arrived", "finished", "ready", "gathered", "exit", "next"]
+
+
+def cmd_trace(args):
+    """Per-CTA event timelines of v2 (globaltimer ns) at a few shapes, for NOTES.md's breakdown."""
+    import torch
+
+    dev = torch.device("cuda:0")
+    gen = torch.Generator(device=dev)
+    lna = lna2_mod()
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
+    res = []
+    for shape, ms in (("tp8", (1, 8)), ("tp1", (1, 8))):
+        I = SHAPES[shape]
+        W = make_weights(I, 2, dev, gen)
+        L = Lna2Layer(W, 2, "mcg", I, dev)
+        grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
+        for m in ms:
+            x, sel, rw = make_routing(m, 2, I, dev, gen)
+            ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
+            out = torch.empty((m, H), dtype=torch.float32, device=dev)
+            for _ in range(3):
+                L.run(x, ids32, w32, out, args.variant)
+            for rep in range(3):
+                tr = torch.zeros(grid * 64 * 2, dtype=torch.int64, device=dev)
+                flush.fill_(rep)
+                L.run(x, ids32, w32, out, args.variant, tr)
+                torch.cuda.synchronize()
+                t = tr.view(-1, 64, 2).cpu()
+                ctas = []
+                t0 = min(int(v) for v in t[:, 0, 0].tolist() if v > 0)
+                for cta in range(t.shape[0]):
+                    evs = [(int(ns) - t0, int(code) & 255, (int(code) >> 8) - 1) for ns, code in t[cta].tolist() if ns > 0]
+                    if evs:
+                        ctas.append(evs)
+                res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
+                end = max(e[0] for c in ctas for e in c)
+                log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
+            dump("trace.json", {"events": EVENTS, "runs": res})
+        del L, W
+        torch.cuda.empty_cache()
 
 
 def cmd_profile(args):
@@ -785,6 +828,8 @@ def main():
     b.add_argument("--variants", default="2,3,0,1")
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=2)
+    tr = sub.add_parser("trace")
+    tr.add_argument("--variant", type=int, default=2)
     r = sub.add_parser("reconstruct")
     r.add_argument("--tag", default="145")
     mg = sub.add_parser("merge")
@@ -795,7 +840,7 @@ def main():
     mg.add_argument("--date")
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
-     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep}[args.cmd](args)
+     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "trace": cmd_trace}[args.cmd](args)
 
 
 if __name__ == "__main__":

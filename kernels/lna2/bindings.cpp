@@ -76,7 +76,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
                               torch::Tensor up_svh, torch::Tensor down_trellis, torch::Tensor down_suh,
                               torch::Tensor down_svh, torch::Tensor expert_ids, torch::Tensor routing_weights,
                               int64_t bits, double swiglu_limit, torch::Tensor scratch, int64_t intermediate,
-                              int64_t codebook, int64_t variant) {
+                              int64_t codebook, int64_t variant, c10::optional<torch::Tensor> trace) {
     LNA2_CHECK(x.is_cuda(), "x must be a CUDA tensor");
     const auto dev = x.device();
     const int xdt = dtype_code(x.scalar_type(), false);
@@ -146,6 +146,14 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     a.out_dtype = odt;
     a.variant = static_cast<int>(variant);
     a.swiglu_limit = static_cast<float>(swiglu_limit);
+    a.trace = nullptr;
+    if (trace.has_value() && trace->defined()) {
+        LNA2_CHECK(variant >= 2, "trace is recorded by variants 2 and 3 only");
+        LNA2_CHECK(trace->device() == dev && trace->scalar_type() == torch::kInt64 && trace->is_contiguous() &&
+                       trace->numel() >= int64_t(bps) * sms * lna2::TRACE_EVENTS * 2,
+                   "trace must be a contiguous int64 CUDA tensor of >= grid x ", lna2::TRACE_EVENTS, " x 2 elements");
+        a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+    }
     cudaError_t err = lna2::launch(a, bps * sms, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "lna2_moe_decode: launch failed: ", cudaGetErrorString(err));
     return out;
@@ -199,7 +207,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("up_trellis"), py::arg("up_suh"), py::arg("up_svh"), py::arg("down_trellis"), py::arg("down_suh"),
           py::arg("down_svh"), py::arg("expert_ids"), py::arg("routing_weights"), py::arg("bits"),
           py::arg("swiglu_limit"), py::arg("scratch"), py::arg("intermediate") = kDefaultInter,
-          py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("variant") = 0);
+          py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("variant") = 0,
+          py::arg("trace") = py::none());
     m.def("lna2_moe_scratch_bytes", &lna2_moe_scratch_bytes, py::arg("hidden") = kDefaultHidden,
           py::arg("intermediate") = kDefaultInter);
     m.def("lna2_moe_max_rows", &lna2_moe_max_rows);

@@ -74,6 +74,7 @@ inline __host__ __device__ Layout make_layout(int hidden, int inter) {
 // v2 (ticket-scheduled) scratch. Control words: the ticket counter and per-group / per-block
 // arrival counters, each returned to zero by its last user within the launch.
 constexpr int V2_PART_CAP = 1024;            // partial-sum slots: entries x k-splits
+constexpr int V2_DOWN_SPLITS = 4;            // most k-splits of a down item (one fp32 y row each)
 struct LayoutV2 {
     size_t ticket;     // int32: next dynamic ticket
     size_t arr;        // int32 [MAX_PAIRS * MAX_IB]: gate/up items arrived per (group, block)
@@ -82,7 +83,7 @@ struct LayoutV2 {
     size_t done;       // int32 [MAX_CB]: down items arrived per output block
     size_t part;       // fp32 [V2_PART_CAP][2][I]: gate/up partial sums
     size_t act;        // u32 [MAX_PAIRS][I/16][32][2]: down input of each group, in MMA B-fragment order
-    size_t y;          // fp32 [MAX_PAIRS][H]: down output per entry (before routing weights)
+    size_t y;          // fp32 [V2_DOWN_SPLITS][MAX_PAIRS][H]: down output per k-split and entry
     size_t total;
 };
 
@@ -97,7 +98,7 @@ inline __host__ __device__ LayoutV2 make_layout_v2(int hidden, int inter) {
     off = CTRL_BYTES;
     L.part = off;   off = align_up(off + size_t(V2_PART_CAP) * 2 * inter * sizeof(float), 256);
     L.act = off;    off = align_up(off + size_t(MAX_PAIRS) * inter * 16, 256);
-    L.y = off;      off = align_up(off + size_t(MAX_PAIRS) * hidden * sizeof(float), 256);
+    L.y = off;      off = align_up(off + size_t(V2_DOWN_SPLITS) * MAX_PAIRS * hidden * sizeof(float), 256);
     L.total = off;
     return L;
 }
@@ -125,7 +126,10 @@ struct Args {
     int items_x4;               // v2: aim for at least grid * items_x4 / 4 gate/up items (set by launch())
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
+    unsigned long long* trace;  // v2, optional: per-CTA event timeline (TRACE_EVENTS x {ns, ticket<<8|event})
 };
+
+constexpr int TRACE_EVENTS = 64;  // per CTA
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).
 // `n_experts`, `m` and `top_k` size v2's shared memory (its pointer cache); v0/v1 ignore them.

@@ -162,30 +162,36 @@ __device__ __forceinline__ void cp_wait(int pending) {
 }
 
 // Output columns [128 cb, 128 cb + 128) of every row: the routing-weighted sum of the row's top-k
-// slots in slot order (no atomics: bitwise repeatable). `y` holds one fp32 row per routed entry.
+// slots in slot order (no atomics: bitwise repeatable). `y` holds one fp32 row per routed entry;
+// with a k-split down projection it holds `nsplit` such partials `split_stride` floats apart, and
+// an entry's output is their sum in split order.
 template <class Plan>
-__device__ void gather_cols(const Args& a, const float* y, const Plan& s, int cb) {
+__device__ void gather_cols(const Args& a, const float* y, const Plan& s, int cb, int nsplit = 1,
+                            size_t split_stride = 0) {
     for (int idx = threadIdx.x; idx < a.m * 32; idx += THREADS) {
         const int r = idx >> 5, c = cb * 128 + 4 * (idx & 31);
-        // all slots' loads are issued together; the sum itself runs in slot order
-        float4 v[MAX_TOPK];
-        float w[MAX_TOPK];
-#pragma unroll
-        for (int slot = 0; slot < MAX_TOPK; slot++) {
-            const int e = slot < a.top_k ? s.rid[r * a.top_k + slot] : -1;
-            w[slot] = e >= 0 ? s.rw[r * a.top_k + slot] : 0.f;
-            v[slot] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (e >= 0) {
-                const int ent = s.rbase[e] + __popc(s.mask[e] & ((1u << r) - 1u));
-                v[slot] = __ldcg(reinterpret_cast<const float4*>(y + size_t(ent) * a.hidden + c));
-            }
-        }
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k = 0; k < nsplit; k++) {
+            const float* yk = y + k * split_stride;
+            // all slots' loads are issued together; the sum itself runs in slot order
+            float4 v[MAX_TOPK];
+            float w[MAX_TOPK];
 #pragma unroll
-        for (int slot = 0; slot < MAX_TOPK; slot++) {
-            if (slot < a.top_k && w[slot] != 0.f) {
-                acc.x += w[slot] * v[slot].x; acc.y += w[slot] * v[slot].y;
-                acc.z += w[slot] * v[slot].z; acc.w += w[slot] * v[slot].w;
+            for (int slot = 0; slot < MAX_TOPK; slot++) {
+                const int e = slot < a.top_k ? s.rid[r * a.top_k + slot] : -1;
+                w[slot] = e >= 0 ? s.rw[r * a.top_k + slot] : 0.f;
+                v[slot] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (e >= 0) {
+                    const int ent = s.rbase[e] + __popc(s.mask[e] & ((1u << r) - 1u));
+                    v[slot] = __ldcg(reinterpret_cast<const float4*>(yk + size_t(ent) * a.hidden + c));
+                }
+            }
+#pragma unroll
+            for (int slot = 0; slot < MAX_TOPK; slot++) {
+                if (slot < a.top_k && w[slot] != 0.f) {
+                    acc.x += w[slot] * v[slot].x; acc.y += w[slot] * v[slot].y;
+                    acc.z += w[slot] * v[slot].z; acc.w += w[slot] * v[slot].w;
+                }
             }
         }
         const size_t o = size_t(r) * a.hidden + c;

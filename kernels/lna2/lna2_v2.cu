@@ -212,37 +212,43 @@ enum Kind : int { IT_NONE = 0, IT_GU = 1, IT_DN = 2, IT_ZERO = 3 };
 
 struct Cfg {
     int N1, N2, N;          // gate/up items, down items, all items
-    int KS, R, KCI, KW;     // k-splits, chunks per item, k-tiles per chunk, k-tiles per warp per chunk
-    int n_ib, n_cb, KWd;    // 128-blocks of I and H; down k-tiles per warp
+    int KS, R, KCI, kws;    // gate/up: k-splits, chunks per item, k-tiles per chunk, log2 k-tiles per warp per chunk
+    int n_ib, n_cb;         // 128-blocks of I and H
+    int KSd, KWd;           // down: k-splits, k-tiles per warp per item
 };
 
 struct Item {
-    int kind, g, blk, kc, nst;  // blk: ib for gate/up, cb for down and zero items
+    int kind, g, u, blk, kc, nst;  // u: the expert's compact index (pointer cache row); blk: ib for
+                                   // gate/up, cb for down/zero; kc: the item's k-split
 };
 
-__device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng) {
-    Item it{IT_NONE, 0, 0, 0, 0};
+template <class Pl>
+__device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s) {
+    Item it{IT_NONE, 0, 0, 0, 0, 0};
     if (t >= c.N) return it;
     if (ng == 0) {
         it.kind = IT_ZERO;
         it.blk = t;
         return it;
     }
-    if (t < c.N1) {
+    if (t < c.N1) {  // (group, ib, kc), kc fastest: the k-splits of one block run side by side
         const int per_g = c.n_ib * c.KS;
         it.kind = IT_GU;
         it.g = t / per_g;
         const int r = t - it.g * per_g;
         it.blk = r / c.KS;
         it.kc = r - it.blk * c.KS;
-        it.nst = c.R * c.KW;
-    } else {
-        const int d = t - c.N1;
+        it.nst = c.R << c.kws;
+    } else {  // (group, cb, k-split)
+        const int d = t - c.N1, per_g = c.n_cb * c.KSd;
         it.kind = IT_DN;
-        it.g = d / c.n_cb;
-        it.blk = d - it.g * c.n_cb;
+        it.g = d / per_g;
+        const int r = d - it.g * per_g;
+        it.blk = r / c.KSd;
+        it.kc = r - it.blk * c.KSd;
         it.nst = c.KWd;
     }
+    it.u = s.ubase[s.gexp[it.g]];
     return it;
 }
 
@@ -319,20 +325,26 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     Cfg c{};
     c.n_ib = a.inter / 128;
     c.n_cb = a.hidden / 128;
-    c.KWd = c.n_ib;  // (I/16) k-tiles over 8 warps
     const int kt = a.hidden / 16;
     const int target = max(1, G * a.items_x4 / 4);
     c.KCI = (kt % 16 == 0) ? 16 : 8;
     if (c.KCI == 16 && ng * c.n_ib * (kt / 16) < target) c.KCI = 8;  // finer items when few groups
+    c.kws = c.KCI == 16 ? 2 : 1;
     const int nchunk = kt / c.KCI;
     int ks = nchunk;
     while (ks % 2 == 0 && (ng * c.n_ib * (ks / 2) >= target || ks * gr > V2_PART_CAP)) ks /= 2;
     if (ks * gr > V2_PART_CAP) ks = 1;  // an odd chunk count that cannot be halved
     c.KS = ks;
     c.R = nchunk / ks;
-    c.KW = c.KCI / KSUB;
+    // down: split k (each split writes its own y partial) while items are few and each warp keeps
+    // at least two k-tiles
+    int ksd = 1;
+    while (ksd < V2_DOWN_SPLITS && ng * c.n_cb * ksd < target && c.n_ib % (2 * ksd) == 0 && c.n_ib / (2 * ksd) >= 2)
+        ksd *= 2;
+    c.KSd = ksd;
+    c.KWd = c.n_ib / ksd;  // (I/16)/KSd k-tiles over 8 warps
     c.N1 = ng * c.n_ib * c.KS;
-    c.N2 = ng * c.n_cb;
+    c.N2 = ng * c.n_cb * c.KSd;
     c.N = ng ? c.N1 + c.N2 : c.n_cb;
     return c;
 }
@@ -340,10 +352,19 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
 // ------------------------------------------------------------------------------------------------
 // the kernel
 
+constexpr int S = 4;  // ring stages (a power of two: slot and phase are bit fields of the stage index)
+
+enum Event : int {  // trace events (Args::trace); the ticket rides in the upper bits
+    EV_START = 0, EV_PLAN = 1, EV_ITEM = 2, EV_STAGE0 = 3, EV_MMA = 4, EV_ARRIVED = 5, EV_FINISHED = 6,
+    EV_READY = 7, EV_GATHERED = 8, EV_EXIT = 9, EV_NEXT = 10
+};
+
 template <int K, int CB, bool DUP>
 struct V2Kernel {
-    static constexpr int WPT = 8 * K;
-    static constexpr int ROW = 256 * K;  // bytes of 8 tiles
+    static constexpr int WPT = 8 * K;     // 32-bit words per tile
+    static constexpr int TILE = 32 * K;   // bytes per tile
+    static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
+    static constexpr int PIECES = ROW / 16;
 
     const Args& a;
     const LayoutV2 L;
@@ -352,13 +373,18 @@ struct V2Kernel {
     Dyn D;
     const void** ptr;
     uint64_t* bar;
-    int S;
     Cfg c;
-    int G;
-    // producer / consumer state (uniform across the CTA)
+    int G, ng;
+    // scheduling state, the same in every thread of the CTA
     Item cur, nxt;
-    int base_cur, base_nxt, issued, q;
-    // next chunk to rotate, loaded ahead into registers
+    int nxt_state;      // 0: claimed, result not yet published; 1: published in s.q; 2: known
+    bool done_claiming; // this CTA will claim no more tickets
+    bool raw_ready;     // rx/rs hold chunk 0 of the next gate/up item to run
+    bool regs_free;     // rx/rs may be overwritten (the current item needs no more raw chunks)
+    int base_cur, issued, q;
+    // thread 0 only
+    int pending, ret_old, nev;
+    // the next chunk's raw inputs, loaded ahead into registers
     uint4 rx;
     uint32_t rs;
 
@@ -367,22 +393,30 @@ struct V2Kernel {
 
     __device__ const void* P(int g, int i) const { return ptr[s.ubase[s.gexp[g]] * 9 + i]; }
 
-    // ---- producer: trellis stages into the ring
+    __device__ void trace(int ev, int ticket) {
+        if (a.trace == nullptr || threadIdx.x != 0 || nev >= TRACE_EVENTS) return;
+        unsigned long long ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        unsigned long long* tr = a.trace + (size_t(blockIdx.x) * TRACE_EVENTS + nev) * 2;
+        tr[0] = ns;
+        tr[1] = (static_cast<unsigned long long>(ticket + 1) << 8) | unsigned(ev);
+        nev++;
+    }
+
+    // ---- producer: trellis rows into the ring (row w of a stage is warp w's)
     __device__ void copy_stage(const Item& it, int st, int slot) {
         uint8_t* dst = dyn + D.ring + slot * (WARPS * ROW);
-        constexpr int PIECES = ROW / 16;
         for (int p = threadIdx.x; p < WARPS * PIECES; p += THREADS) {
             const int w = p / PIECES, off = p - w * PIECES;
             const char* src;
             if (it.kind == IT_GU) {
-                const int ch = st / c.KW, sub = st - ch * c.KW;
-                const int kt = (it.kc * c.R + ch) * c.KCI + (w >> 1) * c.KW + sub;
-                const char* tr = reinterpret_cast<const char*>(P(it.g, (w & 1) ? 3 : 0));
-                src = tr + (size_t(kt) * (a.inter / 16) + it.blk * 8) * WPT * 4;
+                const int kw = 1 << c.kws;
+                const int kt = (it.kc * c.R + (st >> c.kws)) * c.KCI + (w >> 1) * kw + (st & (kw - 1));
+                src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
+                      (size_t(kt) * (a.inter / 16) + it.blk * 8) * TILE;
             } else {
-                const int kt = w * c.KWd + st;
-                const char* tr = reinterpret_cast<const char*>(P(it.g, 6));
-                src = tr + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * WPT * 4;
+                const int kt = (it.kc * WARPS + w) * c.KWd + st;
+                src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * TILE;
             }
             cp16(dst + w * ROW + off * 16, src + off * 16);
         }
@@ -390,20 +424,42 @@ struct V2Kernel {
     }
 
     __device__ void issue_due() {
-        const int limit = min(q + S - 1, base_nxt + nxt.nst - 1);
-        while (issued <= limit) {
-            if (issued < base_nxt) copy_stage(cur, issued - base_cur, issued % S);
-            else copy_stage(nxt, issued - base_nxt, issued % S);
-            issued++;
+        const int base_nxt = base_cur + cur.nst;
+        const int horizon = (nxt_state == 2 ? base_nxt + nxt.nst : base_nxt) - 1;
+        const int limit = min(q + S - 1, horizon);
+        for (; issued <= limit; issued++) {
+            if (issued < base_nxt) copy_stage(cur, issued - base_cur, issued & (S - 1));
+            else copy_stage(nxt, issued - base_nxt, issued & (S - 1));
         }
     }
 
-    // One consumer step: everyone is done with the previous stage, refill, wait for this one.
+    // The next ticket's number is in s.q (published before the last barrier): learn it.
+    __device__ void learn_next() {
+        nxt = item_of(s.q, c, ng, s);
+        nxt_state = 2;
+        trace(EV_NEXT, s.q);
+        if (nxt.kind == IT_NONE) {
+            done_claiming = true;
+            if (threadIdx.x == 0) ret_old = atomicAdd(reinterpret_cast<int*>(a.scratch + L.ticket) + 1, 1);
+        } else if (nxt.kind == IT_GU && regs_free && !raw_ready) {
+            load_raw(nxt, 0);
+            raw_ready = true;
+        }
+    }
+
+    // One consumer step: everyone is done with the previous stage; refill; wait for this one.
+    // The claim for the item after the current one is published here (thread 0 may wait for its
+    // atomic, behind the stage wait anyway) and read at the next step.
     __device__ const uint32_t* step() {
         __syncthreads();
+        if (nxt_state == 1) learn_next();
         issue_due();
-        mbar_wait(bar + q % S, (q / S) & 1);
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(dyn + D.ring + (q % S) * (WARPS * ROW)) +
+        if (nxt_state == 0) {
+            if (threadIdx.x == 0) s.q = pending;
+            nxt_state = 1;
+        }
+        mbar_wait(bar + (q & (S - 1)), (q / S) & 1);
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(dyn + D.ring + (q & (S - 1)) * (WARPS * ROW)) +
                               (threadIdx.x >> 5) * (ROW / 4);
         q++;
         return row;
@@ -411,7 +467,6 @@ struct V2Kernel {
 
     // ---- raw inputs of one gate/up chunk, loaded into registers ahead of use
     __device__ void load_raw(const Item& it, int ch) {
-        if (it.kind != IT_GU) return;
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
         const int k0 = (it.kc * c.R + ch) * cols;
@@ -463,31 +518,44 @@ struct V2Kernel {
     }
 
     // ---- gate/up item: partial GEMV over its k-range for both projections, 8 n-tiles each
-    __device__ void run_gu(const Item& it) {
+    __device__ void run_gu(const Item& it, int ticket) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int proj = warp & 1, ksub = warp >> 1;
+        const int kw = 1 << c.kws;
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float acc[8][4];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
+        if (!raw_ready) load_raw(it, 0);  // not prefetched: the next item was learnt too late
+        raw_ready = false;
+        regs_free = false;
         for (int ch = 0; ch < c.R; ch++) {
             __syncthreads();  // the previous chunk's MMAs and rotation are done with xs and raw
             store_raw(it);
             __syncthreads();
-            if (ch + 1 < c.R) load_raw(it, ch + 1);
-            else load_raw(nxt, 0);
+            if (ch + 1 < c.R) {
+                load_raw(it, ch + 1);
+            } else {
+                regs_free = true;
+                if (nxt_state == 2 && nxt.kind == IT_GU) {
+                    load_raw(nxt, 0);
+                    raw_ready = true;
+                }
+            }
             rotate(it);
-            for (int sub = 0; sub < c.KW; sub++) {
+            for (int sub = 0; sub < kw; sub++) {
                 const uint32_t* row = step();  // its barrier also publishes the rotation
+                if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
                 uint32_t b[4];
-                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * KCI_MAX + ksub * c.KW + sub) * 32 + lane) * 2),
+                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
                                 b);
                 mma_row<K, CB, DUP>(row, b, w0i, w1i, sh, a, acc);
             }
         }
-        epilogue_gu(it, acc);
+        trace(EV_MMA, ticket);
+        epilogue_gu(it, acc, ticket);
     }
 
     // acc[nt] of lane (g, t): (n = 16nt + g, rows 2t, 2t+1) and (n = 16nt + g + 8, rows 2t, 2t+1).
@@ -523,7 +591,7 @@ struct V2Kernel {
         return s.flag;
     }
 
-    __device__ void epilogue_gu(const Item& it, const float (&acc)[8][4]) {
+    __device__ void epilogue_gu(const Item& it, const float (&acc)[8][4], int ticket) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[it.g], ent0 = s.gent[it.g];
         float* red = reinterpret_cast<float*>(dyn + D.xs);
@@ -545,7 +613,12 @@ struct V2Kernel {
             }
         }
         int* arr = reinterpret_cast<int*>(a.scratch + L.arr) + it.g * MAX_IB + it.blk;
-        if (arrive(arr, c.KS - 1)) finish(it);
+        const bool last = arrive(arr, c.KS - 1);
+        trace(EV_ARRIVED, ticket);
+        if (last) {
+            finish(it);
+            trace(EV_FINISHED, ticket);
+        }
     }
 
     // The last gate/up item of (group, block): sum the k-split partials in a fixed order, rotate
@@ -615,27 +688,29 @@ struct V2Kernel {
         }
     }
 
-    // ---- down item: the group's activation x down weights for one 128-column block of the output
-    __device__ void run_dn(const Item& it) {
+    // ---- down item: the group's activation x down weights, one 128-column block of the output
+    // and one k-split of the intermediate
+    __device__ void run_dn(const Item& it, int ticket) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
-        uint2 svh_raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(it.g, 8)) +
-                                                            it.blk * 128 + 4 * lane));
-        load_raw(nxt, 0);  // a gate/up item that follows gets its inputs now
+        regs_free = true;
+        const uint2 svh_raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(it.g, 8)) +
+                                                                  it.blk * 128 + 4 * lane));
         int* ready = reinterpret_cast<int*>(a.scratch + L.ready) + it.g;
         int ack_old = 0;
         if (threadIdx.x == 0) {
             for (unsigned spin = 0; ld_acquire(ready) < c.n_ib; spin++) {
                 if (spin > SPIN_LIMIT) __trap();
-                __nanosleep(40);
+                __nanosleep(32);
             }
             ack_old = atomicAdd(reinterpret_cast<int*>(a.scratch + L.ack) + it.g, 1);  // consumed at the end
         }
         __syncthreads();
+        trace(EV_READY, ticket);
         const uint32_t* act = reinterpret_cast<const uint32_t*>(a.scratch + L.act) +
                               size_t(it.g) * (a.inter / 16) * 64 + lane * 2;
-        const int kt0 = warp * c.KWd;
+        const int kt0 = (it.kc * WARPS + warp) * c.KWd;
         uint2 bq0 = ldcg2(act + kt0 * 64), bq1 = make_uint2(0u, 0u);
         if (c.KWd > 1) bq1 = ldcg2(act + (kt0 + 1) * 64);
         float acc[8][4];
@@ -649,19 +724,21 @@ struct V2Kernel {
             if (st + 2 < c.KWd) bq1 = ldcg2(act + (kt0 + st + 2) * 64);
             mma_row<K, CB, DUP>(row, b, w0i, w1i, sh, a, acc);
         }
-        epilogue_dn(it, acc, svh_raw);
-        if (threadIdx.x == 0 && ack_old == c.n_cb - 1) {
+        trace(EV_MMA, ticket);
+        epilogue_dn(it, acc, svh_raw, ticket);
+        if (threadIdx.x == 0 && ack_old == c.n_cb * c.KSd - 1) {
             // every down item of this group has seen it ready: return the group's words to zero
             *ready = 0;
             reinterpret_cast<int*>(a.scratch + L.ack)[it.g] = 0;
         }
     }
 
-    __device__ void epilogue_dn(const Item& it, const float (&acc)[8][4], uint2 svh_raw) {
+    __device__ void epilogue_dn(const Item& it, const float (&acc)[8][4], uint2 svh_raw, int ticket) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[it.g], ent0 = s.gent[it.g];
         float* red = reinterpret_cast<float*>(dyn + D.xs);
         float* y = reinterpret_cast<float*>(a.scratch + L.y);
+        const size_t split = size_t(MAX_PAIRS) * a.hidden;
         const float2 s01 = __half22float2(u2h(svh_raw.x)), s23 = __half22float2(u2h(svh_raw.y));
         const float svh[4] = {s01.x, s01.y, s23.x, s23.y};
         for (int rc = 0; rc * 4 < rows; rc++) {
@@ -677,83 +754,92 @@ struct V2Kernel {
                     v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
                 }
                 fwht128(v, lane);
-                *reinterpret_cast<float4*>(y + size_t(ent0 + r) * a.hidden + it.blk * 128 + 4 * lane) =
+                *reinterpret_cast<float4*>(y + it.kc * split + size_t(ent0 + r) * a.hidden + it.blk * 128 + 4 * lane) =
                     make_float4(v[0] * RSQRT128 * svh[0], v[1] * RSQRT128 * svh[1], v[2] * RSQRT128 * svh[2],
                                 v[3] * RSQRT128 * svh[3]);
             }
         }
         int* done = reinterpret_cast<int*>(a.scratch + L.done) + it.blk;
-        if (arrive(done, s.ng - 1)) gather_cols(a, y, s, it.blk);
+        const bool last = arrive(done, ng * c.KSd - 1);
+        trace(EV_ARRIVED, ticket);
+        if (last) {
+            gather_cols(a, y, s, it.blk, c.KSd, split);
+            trace(EV_GATHERED, ticket);
+        }
     }
 
     // ---- the whole launch
-    // Tickets are claimed from a global counter, never derived from blockIdx: a claimed ticket is
-    // then always held by a running CTA, which is what makes a down item's wait safe with any
-    // residency (its gate/up items have lower tickets, held by CTAs whose current item never waits).
-    // A CTA holds its current and next ticket (for prefetch) and has the one after in flight.
-    // Once it will claim no more, it counts itself retired; the last to retire zeroes the counters.
+    // Tickets are claimed from a global counter, one at a time, never derived from blockIdx: a
+    // claimed ticket is then always held by a running CTA, which is what makes a down item's wait
+    // safe with any residency (its gate/up items have lower tickets, held by CTAs whose current item
+    // never waits). The claim for the next item is made when the current one starts; its number is
+    // learnt during the current item's first stage, early enough to prefetch the next item. A CTA
+    // that will claim no more counts itself retired; the last to retire zeroes the counters.
     __device__ void run() {
         const int t = threadIdx.x;
         G = gridDim.x;
-        S = a.stages;
+        nev = 0;
+        ret_old = -1;
+        trace(EV_START, -1);
         D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k));
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
-        int* retired = ticket + 1;
-        int pending = 0, first = 0, ret_old = -1;
-        if (t == 0) {  // in flight while the plan is built
-            first = atomicAdd(ticket, 1);
-            pending = atomicAdd(ticket, 1);
-        }
+        int first = 0;
+        if (t == 0) first = atomicAdd(ticket, 1);  // in flight while the plan is built
         if (t < S) mbar_init(bar + t, THREADS);
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
-        const int ng = s.ng;
+        ng = s.ng;
         c = make_cfg(a, ng, s.gr, G);
-        if (t == 0) {
-            s.q = first;
-            s.flag = pending;
-        }
+        if (t == 0) s.q = first;
         __syncthreads();
-        cur = item_of(s.q, c, ng);
-        nxt = cur.kind == IT_NONE ? Item{IT_NONE, 0, 0, 0, 0} : item_of(s.flag, c, ng);
-        bool done_claiming = false;
-        if (nxt.kind == IT_NONE) {
-            done_claiming = true;
-            if (t == 0) ret_old = atomicAdd(retired, 1);
-        } else if (t == 0) {
-            pending = atomicAdd(ticket, 1);
-        }
+        int cur_ticket = s.q;
+        cur = item_of(cur_ticket, c, ng, s);
+        trace(EV_PLAN, cur_ticket);
+        nxt = Item{IT_NONE, 0, 0, 0, 0, 0};
+        raw_ready = false;
+        regs_free = true;
         base_cur = 0;
-        base_nxt = cur.nst;
         issued = 0;
         q = 0;
-        load_raw(cur, 0);
+        if (cur.kind == IT_NONE) {
+            done_claiming = true;
+            nxt_state = 2;
+            if (t == 0) ret_old = atomicAdd(ticket + 1, 1);
+        } else {
+            done_claiming = false;
+            nxt_state = 0;
+            if (t == 0) pending = atomicAdd(ticket, 1);
+        }
         while (cur.kind != IT_NONE) {
-            if (cur.kind == IT_GU) run_gu(cur);
-            else if (cur.kind == IT_DN) run_dn(cur);
+            trace(EV_ITEM, cur_ticket);
+            if (cur.kind == IT_GU) run_gu(cur, cur_ticket);
+            else if (cur.kind == IT_DN) run_dn(cur, cur_ticket);
             else gather_cols(a, reinterpret_cast<const float*>(a.scratch + L.y), s, cur.blk);
-            __syncthreads();
-            if (t == 0) s.q = done_claiming ? c.N : pending;
-            __syncthreads();
+            if (nxt_state != 2) {  // the item had too few stages to learn its successor on the way
+                __syncthreads();
+                if (nxt_state == 0 && t == 0) s.q = pending;
+                __syncthreads();
+                learn_next();
+            }
+            __syncthreads();  // s.q is reused for the next claim
+            cur_ticket = s.q;
+            base_cur += cur.nst;
             cur = nxt;
-            base_cur = base_nxt;
-            nxt = cur.kind == IT_NONE ? Item{IT_NONE, 0, 0, 0, 0} : item_of(s.q, c, ng);
-            base_nxt = base_cur + cur.nst;
-            if (!done_claiming) {
-                if (nxt.kind == IT_NONE) {
-                    done_claiming = true;
-                    if (t == 0) ret_old = atomicAdd(retired, 1);
-                } else if (t == 0) {
-                    pending = atomicAdd(ticket, 1);
-                }
+            nxt = Item{IT_NONE, 0, 0, 0, 0, 0};
+            if (cur.kind != IT_NONE && !done_claiming) {
+                nxt_state = 0;
+                if (t == 0) pending = atomicAdd(ticket, 1);
+            } else {
+                nxt_state = 2;
             }
         }
         if (t == 0 && ret_old == G - 1) {  // every claim of this launch has been made
             *ticket = 0;
-            *retired = 0;
+            ticket[1] = 0;
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
+        trace(EV_EXIT, -1);
     }
 };
 
@@ -777,20 +863,20 @@ KernelFn pick_v2(int bits, int codebook, bool dup) {
 }
 
 struct Tuning {
-    int stages = 4, ctas_per_sm = 0, items_x4 = 6;
+    int ctas_per_sm = 0, items_x4 = 6;
 };
 Tuning g_tuning;
 
 }  // namespace
 
 void set_tuning(int stages, int ctas_per_sm, int items_x4) {
-    if (stages > 0) g_tuning.stages = stages < 2 ? 2 : (stages > 8 ? 8 : stages);
+    (void)stages;  // v2's ring depth is a compile-time constant (S)
     if (ctas_per_sm >= 0) g_tuning.ctas_per_sm = ctas_per_sm;
     if (items_x4 > 0) g_tuning.items_x4 = items_x4;
 }
 
 static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
-    return dyn_layout(bits, g_tuning.stages, ucap_for(n_experts, m, top_k)).total;
+    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k)).total;
 }
 
 cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_experts, int m, int top_k,
@@ -812,7 +898,7 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     KernelFn fn = pick_v2(a_in.bits, a_in.codebook, a_in.variant != 3);
     if (!fn) return cudaErrorInvalidValue;
     Args a = a_in;
-    a.stages = g_tuning.stages;
+    a.stages = S;
     a.items_x4 = g_tuning.items_x4;
     // shift multipliers for states8 (see there); kmul[7] = 2^16 moves the top half down
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
