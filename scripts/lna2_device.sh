@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repo root:
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
-#     STEPS:      comma list of smoke,parity,sanitizer,bench,sweep,ncu           (default all)
+#     STEPS:      comma list of smoke,parity,sanitizer,trace,bench,sweep,ncu     (default all)
 # Wheels come from .whl145/ or .whl165/ (carried). A build brought home by an earlier call can be
 # carried in .dev/ext<ver>/exllamav3_ext.so.part-* to skip the JIT (~150 s for 1.4.5, ~300 s for
 # 1.6.5 on 16 cores); a fresh JIT build is sent home the same way (16 MiB per returned file).
@@ -11,7 +11,7 @@
 # call still returns what it measured.
 set -u
 INCS=${1:-145,165}
-STEPS=${2:-smoke,parity,sanitizer,bench,sweep,ncu}
+STEPS=${2:-smoke,parity,sanitizer,trace,bench,sweep,ncu}
 DEADLINE=${DEADLINE:-540}
 T0=$(date +%s)
 FINAL=${OUT:-$PWD/.device-out}
@@ -90,6 +90,12 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
       > "$OUT/sanitizer_$tool.log" 2>&1; echo "exit $?" >> "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
   done
+fi
+
+if has trace && [ "$(left)" -gt 240 ]; then
+  step "v2 event trace"
+  timeout 90 python3 scripts/lna2_device.py trace > "$OUT/trace.log" 2>&1; echo "exit $?" >> "$OUT/trace.log"
+  tail -6 "$OUT/trace.log" | tee -a "$LOG"
 fi
 
 BV=${BENCH_VARIANTS:-2,3,0,1}
