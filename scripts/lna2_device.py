@@ -709,6 +709,65 @@ def cmd_trace(args):
         torch.cuda.empty_cache()
 
 
+def summarize_trace(doc):
+    """Phase durations of v2 items from a trace (cmd_trace's JSON): medians and maxima in us."""
+    out = []
+    for run in doc["runs"]:
+        items = {"gu": [], "dn": []}
+        plans, exits, gathers = [], [], []
+        for evs in run["ctas"]:
+            cur = None
+            for t, ev, _tk in evs:
+                name = EVENTS[ev]
+                if name == "plan":
+                    plans.append(t)
+                elif name == "exit":
+                    exits.append(t)
+                elif name == "gathered":
+                    gathers.append(t)
+                elif name == "item":
+                    cur = {"start": t}
+                elif name == "finished" and cur is None and items["gu"]:
+                    items["gu"][-1]["finished"] = t  # the finisher runs after its item arrived
+                elif cur is not None and name in ("stage0", "ready", "mma") and name not in cur:
+                    cur[name] = t
+                elif cur is not None and name == "arrived":
+                    cur["arrived"] = t
+                    items["dn" if "ready" in cur else "gu"].append(cur)
+                    cur = None
+
+        def span(lst, a, b):
+            v = sorted(x[b] - x[a] for x in lst if a in x and b in x)
+            return {"n": len(v), "median_us": round(v[len(v) // 2] / 1e3, 2), "max_us": round(v[-1] / 1e3, 2)} if v else None
+
+        def at(v):
+            v = sorted(v)
+            return {"min_us": round(v[0] / 1e3, 2), "median_us": round(v[len(v) // 2] / 1e3, 2),
+                    "max_us": round(v[-1] / 1e3, 2)} if v else None
+
+        gu, dn = items["gu"], items["dn"]
+        out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
+                    "plan_done": at(plans), "exit": at(exits), "gathers_done": at(gathers),
+                    "gu_items": len(gu), "gu_start_to_first_stage": span(gu, "start", "stage0"),
+                    "gu_first_stage_to_mma_done": span(gu, "stage0", "mma"),
+                    "gu_mma_done_to_arrived": span(gu, "mma", "arrived"),
+                    "gu_finisher": span([x for x in gu if "finished" in x], "arrived", "finished"),
+                    "dn_items": len(dn), "dn_start_to_ready": span(dn, "start", "ready"),
+                    "dn_ready_at": at([x["ready"] for x in dn if "ready" in x]),
+                    "dn_ready_to_mma_done": span(dn, "ready", "mma"),
+                    "dn_mma_done_to_arrived": span(dn, "mma", "arrived")})
+    return out
+
+
+def cmd_trace_summary(args):
+    doc = json.loads(Path(args.trace).read_text())
+    summary = summarize_trace(doc)
+    Path(args.out).write_text(json.dumps({"source": Path(args.trace).name, "runs": summary}, indent=1))
+    for r in summary:
+        if r["rep"] == 1:
+            log(r["shape"], r["m"], json.dumps({k: v for k, v in r.items() if k not in ("shape", "m", "rep")}))
+
+
 def cmd_profile(args):
     """A few launches for ncu: tp8 K2 m=1 and m=16, tp1 K2 m=8 (3 of each; profile the third)."""
     import torch
@@ -775,7 +834,7 @@ def cmd_merge(args):
     rows = []
     for key, r145 in by["145"].items():
         r165 = by.get("165", {}).get(key)
-        pick = variant_for(r145["m"])
+        pick = variant_for(r145["m"], r145["I"], r145["K"])
         col = f"lna2_v{pick}_cold_us"
         mine = [r[col] for r in (r145, r165) if r is not None and col in r]
         if not mine:
@@ -830,6 +889,9 @@ def main():
     sw.add_argument("--variant", type=int, default=2)
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=2)
+    ts = sub.add_parser("trace-summary")
+    ts.add_argument("--trace", required=True)
+    ts.add_argument("--out", required=True)
     r = sub.add_parser("reconstruct")
     r.add_argument("--tag", default="145")
     mg = sub.add_parser("merge")
@@ -840,7 +902,8 @@ def main():
     mg.add_argument("--date")
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
-     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "trace": cmd_trace}[args.cmd](args)
+     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "trace": cmd_trace,
+     "trace-summary": cmd_trace_summary}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -583,8 +583,9 @@ class Runtime:
         if scratch is None:
             raise RuntimeError(f"no lna2 scratch for {g.device} (allocated at load only)")
         out = torch.empty_like(x2)
+        variant = variant_for(rows, g.inter, g.bits, x_aligned=x2.data_ptr() % 16 == 0)
         self._ext.lna2_moe_decode(x2, out, *st.tables, ids, weights, g.bits, g.swiglu_limit, scratch,
-                                  g.inter, g.codebook, variant_for(rows))
+                                  g.inter, g.codebook, variant)
         return out.view(x.shape)
 
     def _dispatch_failed(self, st: LayerState, e: BaseException, args: tuple[Any, ...],
