@@ -53,6 +53,7 @@ struct Plan {
     int wsum[3][WARPS];
     int ng, gr;
     int q;                        // ticket handoff from thread 0
+    volatile int qseq;            // which of this CTA's items s.q belongs to (warps read it unsynchronised)
     int flag;
 };
 
@@ -72,7 +73,7 @@ __host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
     off = (off + 15) & ~15;
     d.ptr = off;  off += ucap * 9 * 8;
     off = (off + 15) & ~15;
-    d.bar = off;  off += stages * 8;
+    d.bar = off;  off += WARPS * stages * 8;  // one mbarrier per warp and slot
     d.total = (off + 15) & ~15;
     return d;
 }
@@ -377,7 +378,9 @@ struct V2Kernel {
     int G, ng;
     // scheduling state, the same in every thread of the CTA
     Item cur, nxt;
-    int nxt_state;      // 0: claimed, result not yet published; 1: published in s.q; 2: known
+    int nxt_state;      // 0: claimed, not yet learnt by this warp; 2: known
+    int item_seq;       // items this CTA has started (the key of s.qseq)
+    bool published;     // thread 0: this item's claim is in s.q
     bool done_claiming; // this CTA will claim no more tickets
     bool raw_ready;     // rx/rs hold chunk 0 of the next gate/up item to run
     bool regs_free;     // rx/rs may be overwritten (the current item needs no more raw chunks)
@@ -403,41 +406,45 @@ struct V2Kernel {
         nev++;
     }
 
-    // ---- producer: trellis rows into the ring (row w of a stage is warp w's)
-    __device__ void copy_stage(const Item& it, int st, int slot) {
-        uint8_t* dst = dyn + D.ring + slot * (WARPS * ROW);
-        for (int p = threadIdx.x; p < WARPS * PIECES; p += THREADS) {
-            const int w = p / PIECES, off = p - w * PIECES;
-            const char* src;
-            if (it.kind == IT_GU) {
-                const int kw = 1 << c.kws;
-                const int kt = (it.kc * c.R + (st >> c.kws)) * c.KCI + (w >> 1) * kw + (st & (kw - 1));
-                src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
-                      (size_t(kt) * (a.inter / 16) + it.blk * 8) * TILE;
-            } else {
-                const int kt = (it.kc * WARPS + w) * c.KWd + st;
-                src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * TILE;
-            }
-            cp16(dst + w * ROW + off * 16, src + off * 16);
+    // ---- producer: each warp streams its own trellis rows (8 tiles of one k-tile) through its own
+    // ring slots and mbarriers, so no stage needs a CTA-wide barrier
+    __device__ uint8_t* slot_row(int slot) const { return dyn + D.ring + ((threadIdx.x >> 5) * S + slot) * ROW; }
+
+    __device__ void copy_row(const Item& it, int st, int slot) {
+        const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const char* src;
+        if (it.kind == IT_GU) {
+            const int kw = 1 << c.kws;
+            const int kt = (it.kc * c.R + (st >> c.kws)) * c.KCI + (w >> 1) * kw + (st & (kw - 1));
+            src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
+                  (size_t(kt) * (a.inter / 16) + it.blk * 8) * TILE;
+        } else {
+            const int kt = (it.kc * WARPS + w) * c.KWd + st;
+            src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * TILE;
         }
-        mbar_arrive_cp(bar + slot);
+        uint8_t* dst = slot_row(slot);
+        for (int p = lane; p < PIECES; p += 32) cp16(dst + p * 16, src + p * 16);
+        mbar_arrive_cp(bar + (w * S + slot));
     }
 
+    // Issue this warp's rows up to S-1 stages ahead, within the items it knows. The caller makes
+    // sure every lane is done reading the slots being refilled (__syncwarp or a CTA barrier).
     __device__ void issue_due() {
         const int base_nxt = base_cur + cur.nst;
         const int horizon = (nxt_state == 2 ? base_nxt + nxt.nst : base_nxt) - 1;
         const int limit = min(q + S - 1, horizon);
         for (; issued <= limit; issued++) {
-            if (issued < base_nxt) copy_stage(cur, issued - base_cur, issued & (S - 1));
-            else copy_stage(nxt, issued - base_nxt, issued & (S - 1));
+            if (issued < base_nxt) copy_row(cur, issued - base_cur, issued & (S - 1));
+            else copy_row(nxt, issued - base_nxt, issued & (S - 1));
         }
     }
 
-    // The next ticket's number is in s.q (published before the last barrier): learn it.
+    // The next ticket's number is in s.q (published for this item): learn it.
     __device__ void learn_next() {
-        nxt = item_of(s.q, c, ng, s);
+        const int tk = *reinterpret_cast<volatile int*>(&s.q);
+        nxt = item_of(tk, c, ng, s);
         nxt_state = 2;
-        trace(EV_NEXT, s.q);
+        trace(EV_NEXT, tk);
         if (nxt.kind == IT_NONE) {
             done_claiming = true;
             if (threadIdx.x == 0) ret_old = atomicAdd(reinterpret_cast<int*>(a.scratch + L.ticket) + 1, 1);
@@ -447,22 +454,30 @@ struct V2Kernel {
         }
     }
 
-    // One consumer step: everyone is done with the previous stage; refill; wait for this one.
-    // The claim for the item after the current one is published here (thread 0 may wait for its
-    // atomic, behind the stage wait anyway) and read at the next step.
-    __device__ const uint32_t* step() {
-        __syncthreads();
-        if (nxt_state == 1) learn_next();
-        issue_due();
-        if (nxt_state == 0) {
-            if (threadIdx.x == 0) s.q = pending;
-            nxt_state = 1;
+    // Thread 0 publishes the claim for the item after the current one (it may wait for its atomic,
+    // behind a stage wait anyway); each warp learns it at its next step that sees it.
+    __device__ void publish() {
+        if (threadIdx.x == 0 && !published) {
+            s.q = pending;
+            __threadfence_block();
+            s.qseq = item_seq;
+            published = true;
         }
-        mbar_wait(bar + (q & (S - 1)), (q / S) & 1);
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(dyn + D.ring + (q & (S - 1)) * (WARPS * ROW)) +
-                              (threadIdx.x >> 5) * (ROW / 4);
+    }
+
+    // One consumer step of this warp: learn the next item if published, refill, wait for this stage.
+    __device__ const uint32_t* step() {
+        if (nxt_state != 2 && s.qseq == item_seq) {
+            __threadfence_block();
+            learn_next();
+        }
+        __syncwarp();  // every lane is done with the stage whose slot is refilled now
+        issue_due();
+        publish();
+        const int slot = q & (S - 1);
+        mbar_wait(bar + ((threadIdx.x >> 5) * S + slot), (q / S) & 1);
         q++;
-        return row;
+        return reinterpret_cast<const uint32_t*>(slot_row(slot));
     }
 
     // ---- raw inputs of one gate/up chunk, loaded into registers ahead of use
@@ -528,6 +543,8 @@ struct V2Kernel {
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
+        __syncwarp();
+        issue_due();                      // the trellis is in flight while the raw inputs arrive
         if (!raw_ready) load_raw(it, 0);  // not prefetched: the next item was learnt too late
         raw_ready = false;
         regs_free = false;
@@ -545,8 +562,9 @@ struct V2Kernel {
                 }
             }
             rotate(it);
+            __syncthreads();  // the rotated inputs are every warp's B fragments
             for (int sub = 0; sub < kw; sub++) {
-                const uint32_t* row = step();  // its barrier also publishes the rotation
+                const uint32_t* row = step();
                 if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
                 uint32_t b[4];
                 b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
@@ -697,6 +715,8 @@ struct V2Kernel {
         regs_free = true;
         const uint2 svh_raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(it.g, 8)) +
                                                                   it.blk * 128 + 4 * lane));
+        __syncwarp();
+        issue_due();  // the down weights stream in while the activation is being made
         int* ready = reinterpret_cast<int*>(a.scratch + L.ready) + it.g;
         int ack_old = 0;
         if (threadIdx.x == 0) {
@@ -787,11 +807,14 @@ struct V2Kernel {
         int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
         int first = 0;
         if (t == 0) first = atomicAdd(ticket, 1);  // in flight while the plan is built
-        if (t < S) mbar_init(bar + t, THREADS);
+        if (t < WARPS * S) mbar_init(bar + t, 32);  // one per warp and slot, completed by the warp's lanes
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         ng = s.ng;
         c = make_cfg(a, ng, s.gr, G);
-        if (t == 0) s.q = first;
+        if (t == 0) {
+            s.q = first;
+            s.qseq = -1;
+        }
         __syncthreads();
         int cur_ticket = s.q;
         cur = item_of(cur_ticket, c, ng, s);
@@ -802,6 +825,8 @@ struct V2Kernel {
         base_cur = 0;
         issued = 0;
         q = 0;
+        item_seq = 0;
+        published = false;
         if (cur.kind == IT_NONE) {
             done_claiming = true;
             nxt_state = 2;
@@ -816,17 +841,19 @@ struct V2Kernel {
             if (cur.kind == IT_GU) run_gu(cur, cur_ticket);
             else if (cur.kind == IT_DN) run_dn(cur, cur_ticket);
             else gather_cols(a, reinterpret_cast<const float*>(a.scratch + L.y), s, cur.blk);
-            if (nxt_state != 2) {  // the item had too few stages to learn its successor on the way
-                __syncthreads();
-                if (nxt_state == 0 && t == 0) s.q = pending;
-                __syncthreads();
-                learn_next();
-            }
-            __syncthreads();  // s.q is reused for the next claim
+            // every warp learns the successor (those that did not on the way, e.g. an item with no
+            // stages, learn it here), then s.q may be reused for the next claim
+            __syncthreads();
+            if (nxt_state != 2) publish();
+            __syncthreads();
+            if (nxt_state != 2) learn_next();
             cur_ticket = s.q;
+            __syncthreads();
             base_cur += cur.nst;
             cur = nxt;
             nxt = Item{IT_NONE, 0, 0, 0, 0, 0};
+            item_seq++;
+            published = false;
             if (cur.kind != IT_NONE && !done_claiming) {
                 nxt_state = 0;
                 if (t == 0) pending = atomicAdd(ticket, 1);
