@@ -53,7 +53,8 @@ struct Plan {
     int wsum[3][WARPS];
     int ng, gr;
     int q;                        // ticket handoff from thread 0
-    volatile int qseq;            // which of this CTA's items s.q belongs to (warps read it unsynchronised)
+    int qseq;                     // which of this CTA's items s.q belongs to (read without a barrier:
+                                  // both words are written and polled with shared-memory atomics)
     int flag;
 };
 
@@ -441,7 +442,7 @@ struct V2Kernel {
 
     // The next ticket's number is in s.q (published for this item): learn it.
     __device__ void learn_next() {
-        const int tk = *reinterpret_cast<volatile int*>(&s.q);
+        const int tk = atomicAdd(&s.q, 0);
         nxt = item_of(tk, c, ng, s);
         nxt_state = 2;
         trace(EV_NEXT, tk);
@@ -458,16 +459,16 @@ struct V2Kernel {
     // behind a stage wait anyway); each warp learns it at its next step that sees it.
     __device__ void publish() {
         if (threadIdx.x == 0 && !published) {
-            s.q = pending;
+            atomicExch(&s.q, pending);
             __threadfence_block();
-            s.qseq = item_seq;
+            atomicExch(&s.qseq, item_seq);
             published = true;
         }
     }
 
     // One consumer step of this warp: learn the next item if published, refill, wait for this stage.
     __device__ const uint32_t* step() {
-        if (nxt_state != 2 && s.qseq == item_seq) {
+        if (nxt_state != 2 && atomicAdd(&s.qseq, 0) == item_seq) {
             __threadfence_block();
             learn_next();
         }
