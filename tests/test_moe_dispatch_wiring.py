@@ -180,7 +180,9 @@ class FakeLna2:
         assert expert_ids.is_contiguous() and 1 <= expert_ids.shape[1] <= 8
         assert routing_weights.dtype == torch.float32 and routing_weights.shape == expert_ids.shape
         assert routing_weights.is_contiguous()
-        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1)
+        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1, 2, 3)
+        if variant >= 2:  # the ticket-scheduled variants load x 16 bytes at a time
+            assert x.data_ptr() % 16 == 0, f"x must be 16-byte aligned for variant {variant}"
         assert scratch.dtype == torch.uint8 and scratch.numel() >= self.lna2_moe_scratch_bytes(hidden, intermediate)
         assert int(scratch.count_nonzero()) == 0, "scratch must be zeroed before first use"
         w = 16 * bits

@@ -5,11 +5,12 @@ kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call and
 several. The table is read off the same-process benchmark of 2026-12-03
 (kernels/lna2/results/2026-12-03-h200.json):
 
-* v1 (cooperative, cp.async pipeline) wins at 1-2 rows at the seat's TP8 shapes (I = 256), and at
-  one row for a whole-layer intermediate (I >= 1024);
-* v0 (cooperative, register-streamed) wins from 4 rows up at TP8, and at 17+ rows everywhere;
-* v3 (v2's ticket-scheduled kernel, rounded MCG sums) wins at 2-16 rows for I >= 1024 -- at K3 only
-  up to 4 rows. v3 rather than v2: v2's exact-sum MMA is no faster and less accurate in fp32.
+* v1 (cooperative, cp.async pipeline) wins at 1-2 rows at the seat's TP8 shapes (I = 256);
+* v0 (cooperative, register-streamed) wins at 4 rows there (by 1-3 %);
+* v2 (ticket-scheduled, per-warp rings, MCG lo+hi summed in the MMA) wins from 8 rows up at TP8
+  and at every row count for a whole-layer intermediate (I >= 1024), by 5-20 %. v3 (the same kernel
+  with the format's fp16 lo+hi rounding) is 1-8 % slower; the policy takes v2, whose error
+  (<= 5.7e-4 rel. L2 in fp32) is still below both exllamav3 incumbents'.
 
 v2/v3 read x with 16-byte loads: an unaligned x (a view into a larger buffer) takes v0/v1 instead.
 """
@@ -17,12 +18,12 @@ v2/v3 read x with 16-byte loads: an unaligned x (a view into a larger buffer) ta
 from __future__ import annotations
 
 V1_MAX_ROWS = 2
+V2_MIN_ROWS = 8
 WIDE_INTER = 1024  # a whole-layer (or TP <= 2) intermediate slice
 
 
 def variant_for(rows: int, inter: int = 256, bits: int = 2, x_aligned: bool = True) -> int:
-    if inter >= WIDE_INTER and x_aligned and 2 <= rows <= (16 if bits == 2 else 4):
-        return 3
-    if rows <= (1 if inter >= WIDE_INTER else V1_MAX_ROWS):
-        return 1
-    return 0
+    del bits  # K2 and K3 measured alike: same choice
+    if x_aligned and (inter >= WIDE_INTER or rows >= V2_MIN_ROWS):
+        return 2
+    return 1 if rows <= V1_MAX_ROWS else 0
