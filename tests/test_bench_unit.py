@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import math
 from pathlib import Path
 
@@ -393,19 +394,25 @@ def test_markdown_puts_reference_beside_measured_with_ratios():
     assert "profile `8x16gb-380k`" in md and "- a note" in md
 
 
-def test_write_outputs_writes_json_md_and_png_or_says_why_not(tmp_path: Path):
+def test_write_outputs_writes_json_md_and_a_real_png(tmp_path: Path):
+    import matplotlib.image  # the test extra installs matplotlib: the chart is part of the output
+
     written, notes = write_outputs(_bench_result(), tmp_path / "o", "bench")
     assert (tmp_path / "o" / "bench.json").is_file() and (tmp_path / "o" / "bench.md").is_file()
+    png = tmp_path / "o" / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and notes == []
+    h, w = matplotlib.image.imread(png).shape[:2]
+    assert w > 300 and h > 150  # a chart, not an empty canvas
+
+
+def test_write_outputs_says_why_when_matplotlib_is_missing(tmp_path: Path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    written, notes = write_outputs(_bench_result(), tmp_path / "o", "bench")
     data = json.loads((tmp_path / "o" / "bench.json").read_text())
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert not (tmp_path / "o" / "bench.png").exists()
-        assert any("matplotlib is not installed" in n for n in notes)
-        assert any("matplotlib" in n for n in data["notes"])
-        assert "matplotlib is not installed" in (tmp_path / "o" / "bench.md").read_text()
-    else:
-        assert (tmp_path / "o" / "bench.png").stat().st_size > 0 and notes == []
+    assert not (tmp_path / "o" / "bench.png").exists()
+    assert any("matplotlib is not installed" in n for n in notes)
+    assert any("matplotlib" in n for n in data["notes"])
+    assert "matplotlib is not installed" in (tmp_path / "o" / "bench.md").read_text()
 
 
 def test_needle_and_ppl_markdown():

@@ -467,3 +467,15 @@ def test_layers_share_one_scratch_sized_for_the_largest():
     h.prepare()
     s = h.rt.scratch.get(torch.device("cpu"))
     assert s is not None and s.numel() == 8192
+
+
+def test_every_layer_is_checked_against_the_builds_limits():
+    """Two layers of one geometry: the second's top-k (set after the first was made ready) is above
+    the build's max_top_k and must be refused too, not waved through by a per-geometry cache."""
+    h = Harness(strict=0)
+    h.ext.lna2_moe_info = lambda bits, codebook=1, hidden=H, inter=I: {"scratch_bytes": 8192, "max_top_k": TOP_K,
+                                                                        "max_experts": 256}
+    h.layers[1][1].top_k = TOP_K + 1
+    summary = h.prepare()
+    assert summary.lna2_layers == 1
+    assert any(f"top_k {TOP_K + 1} above the build's max_top_k {TOP_K}" in r for r in summary.not_ready)

@@ -376,7 +376,7 @@ class Runtime:
         self.states: list[LayerState] = []
         self.ceiling = 0
         self.build_id = "?"
-        self._limits: dict[str, int] = {}
+        self._limits: dict[str, dict[str, Any]] = {}  # lna2_moe_info per geometry
         self._active_logged = False
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -483,16 +483,18 @@ class Runtime:
         if key not in self._limits:
             try:
                 with _on_device(g.device):
-                    info = dict(ext.lna2_moe_info(g.bits, g.codebook, g.hidden, g.inter))
+                    self._limits[key] = dict(ext.lna2_moe_info(g.bits, g.codebook, g.hidden, g.inter))
             except Exception as e:  # noqa: BLE001 - a build for another arch fails right here
                 raise ContractError(f"lna2 extension unusable on {g.device}: {e}") from None
-            self._limits[key] = int(info.get("scratch_bytes", 0))
-            if g.top_k > int(info.get("max_top_k", KERNEL_MAX_TOP_K)):
-                raise ContractError(f"top_k {g.top_k} above the build's max_top_k {info.get('max_top_k')}")
-            if g.n_experts > int(info.get("max_experts", KERNEL_MAX_EXPERTS)):
-                raise ContractError(f"{g.n_experts} local experts above the build's max_experts "
-                                    f"{info.get('max_experts')}")
-        nbytes = max(self._limits[key], int(ext.lna2_moe_scratch_bytes(g.hidden, g.inter)))
+        # every layer against the build's limits, not only the first of each geometry: layers of one
+        # shape may still differ in top-k or in how many experts sit on this rank
+        info = self._limits[key]
+        if g.top_k > int(info.get("max_top_k", KERNEL_MAX_TOP_K)):
+            raise ContractError(f"top_k {g.top_k} above the build's max_top_k {info.get('max_top_k')}")
+        if g.n_experts > int(info.get("max_experts", KERNEL_MAX_EXPERTS)):
+            raise ContractError(f"{g.n_experts} local experts above the build's max_experts "
+                                f"{info.get('max_experts')}")
+        nbytes = max(int(info.get("scratch_bytes", 0)), int(ext.lna2_moe_scratch_bytes(g.hidden, g.inter)))
         tables = pointer_tables(st.layer, g)
         self.scratch.ensure(g.device, nbytes)
         st.geometry, st.tables = g, tuple(tables[n] for n in TABLES)
