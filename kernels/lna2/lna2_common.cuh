@@ -151,6 +151,31 @@ __device__ __forceinline__ void tile_states(uint32_t a, uint32_t b, int sh, uint
     }
 }
 
+// Exclusive prefix sums of three per-thread counts over the CTA (one thread per expert in the
+// route plans): warp scans, then the warp totals through `wsum` (one barrier inside).
+__device__ __forceinline__ void block_excl_scan3(const int (&v)[3], int (&excl)[3], int (&wsum)[3][WARPS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int x = v[i];
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int y = __shfl_up_sync(FULL, x, d);
+            if (lane >= d) x += y;
+        }
+        incl[i] = x;
+        if (lane == 31) wsum[i][warp] = x;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        int before = 0;
+        for (int w = 0; w < warp; w++) before += wsum[i][w];
+        excl[i] = before + incl[i] - v[i];
+    }
+}
+
 __device__ __forceinline__ void cp16(void* smem_dst, const void* gmem_src) {
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem_src) : "memory");

@@ -79,7 +79,7 @@ __device__ __forceinline__ void tile_mma(const uint32_t (&s)[8], const __half* r
 // route plan: every CTA builds the same one in shared memory
 
 __device__ void build_route(const Args& a, Smem& s) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int t = threadIdx.x;
     // Pointer loads are issued before the ids arrive so their latency overlaps the plan.
     const void* mine[9];
     const bool is_expert = t < a.n_experts;
@@ -99,27 +99,9 @@ __device__ void build_route(const Args& a, Smem& s) {
     const int c = is_expert ? __popc(s.mask[t]) : 0;
     const int ng = (c + GROUP_ROWS - 1) / GROUP_ROWS;
     const int used = c > 0;
-    int v[3] = {c, ng, used};
-    int incl[3];
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        int x = v[i];
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            int y = __shfl_up_sync(FULL, x, d);
-            if (lane >= d) x += y;
-        }
-        incl[i] = x;
-        if (lane == 31) s.wsum[i][warp] = x;
-    }
-    __syncthreads();
+    const int v[3] = {c, ng, used};
     int excl[3];
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        int before = 0;
-        for (int w = 0; w < warp; w++) before += s.wsum[i][w];
-        excl[i] = before + incl[i] - v[i];
-    }
+    block_excl_scan3(v, excl, s.wsum);
     s.rbase[t] = static_cast<int16_t>(excl[0]);
     s.ubase[t] = static_cast<int16_t>(excl[2]);
     if (t == THREADS - 1) {

@@ -258,7 +258,7 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
 // route plan: every CTA builds the same one; groups of <= 8 rows of one expert
 
 __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int t = threadIdx.x;
     s.mask[t] = 0;
     __syncthreads();
     const int pairs = a.m * a.top_k;
@@ -277,27 +277,9 @@ __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
 #pragma unroll
     for (int i = 0; i < 9; i++) mine[i] = used ? reinterpret_cast<const void*>(__ldg(a.tables[i] + t)) : nullptr;
     const int ng = (c + GR - 1) / GR;
-    int v[3] = {c, ng, used};
-    int incl[3];
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        int x = v[i];
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int y = __shfl_up_sync(FULL, x, d);
-            if (lane >= d) x += y;
-        }
-        incl[i] = x;
-        if (lane == 31) s.wsum[i][warp] = x;
-    }
-    __syncthreads();
+    const int v[3] = {c, ng, used};
     int excl[3];
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        int before = 0;
-        for (int w = 0; w < warp; w++) before += s.wsum[i][w];
-        excl[i] = before + incl[i] - v[i];
-    }
+    block_excl_scan3(v, excl, s.wsum);
     s.rbase[t] = static_cast<int16_t>(excl[0]);
     s.ubase[t] = static_cast<int16_t>(excl[2]);
     if (t == THREADS - 1) {
