@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from dsv4serve import ports
+from dsv4serve import ports, stop
 
 from .conftest import FAKES, assert_nothing_left, cli, json_lines
 
@@ -113,3 +115,58 @@ def test_rank_traceback_fails_fast_with_its_last_line(fake):
     # the fake engine would have taken 30 s to exit: dsv4serve stopped it at the first fatal line
     fatal = next(e for e in json_lines(r.stdout) if e["event"] == "fatal")
     assert fatal["elapsed_s"] < 20
+
+
+def _deaf_container(fake, monkeypatch) -> subprocess.Popen:
+    """A fake container whose main process ignores SIGTERM, as a starting vLLM does; returned once
+    its ranks are loading (so the SIGTERM handler is already ignored). stop.py finds the fake CLI
+    through PATH, as it would the real one."""
+    monkeypatch.setenv("PATH", fake.env["PATH"])
+    monkeypatch.setenv("FAKE_DOCKER_DIR", fake.env["FAKE_DOCKER_DIR"])
+    argv = ["docker", "run", "--rm", "--name", fake.name, "-p", f"127.0.0.1:{fake.port}:8000", "fake/vllm:test",
+            "--served-model-name", "dsv4-demo", "--tensor-parallel-size", "2"]
+    run = subprocess.Popen(argv, env={**os.environ, "FAKE_DOCKER_SCENARIO": "deaf"}, stdout=subprocess.PIPE,
+                           stdin=subprocess.DEVNULL, text=True)
+    for line in run.stdout:  # EOF (a crashed fake) ends the loop and fails the assert below
+        if line.startswith("(Worker_TP1") and "Starting to load model" in line:
+            break
+    assert run.poll() is None, "the fake container did not start"
+    return run
+
+
+def test_second_ctrl_c_escalates_docker_stop_to_docker_kill(fake, monkeypatch):
+    run = _deaf_container(fake, monkeypatch)
+    try:
+        t0 = time.monotonic()
+        second_ctrl_c = lambda: time.monotonic() - t0 > 1.0  # noqa: E731 - the user presses again after 1 s
+        rep = stop.stop_container(fake.name, grace=60, escalate=second_ctrl_c)
+        elapsed = time.monotonic() - t0
+        assert run.wait(timeout=10) == -9  # SIGKILLed: SIGTERM alone would never have ended it
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=10)
+        run.stdout.close()
+    assert 1.0 <= elapsed < 15, elapsed  # not the 60 s grace
+    assert [c[:1] for c in fake.calls() if c[0] != "run"] == [["stop"], ["kill"], ["rm"]]
+    assert [r["argv"] for r in rep] == [["docker", "stop", "-t", "60", fake.name], ["docker", "kill", fake.name],
+                                        ["docker", "rm", "-f", fake.name]]
+    assert all(r["rc"] == 0 for r in rep), rep
+    assert not (fake.dir / f"{fake.name}.json").exists()
+
+
+def test_docker_stop_without_escalation_waits_the_grace(fake, monkeypatch):
+    run = _deaf_container(fake, monkeypatch)
+    try:
+        t0 = time.monotonic()
+        rep = stop.stop_container(fake.name, grace=1, escalate=lambda: False)
+        elapsed = time.monotonic() - t0
+        assert run.wait(timeout=10) == -9  # the engine's own SIGKILL after the grace
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=10)
+        run.stdout.close()
+    assert elapsed >= 1.0
+    assert [c[0] for c in fake.calls() if c[0] != "run"] == ["stop", "rm"]
+    assert [r["rc"] for r in rep] == [0, 0]

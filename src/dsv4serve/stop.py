@@ -6,16 +6,19 @@ and on a GPU keep its memory), and SIGTERM is swallowed while vLLM is still star
 (vllm-cpu-reference §5). So: SIGTERM the whole group (and the env-tagged strays), wait a grace
 period, SIGKILL, wait until every process is reaped, remove the run's leftovers, check the port and,
 where NVML sees GPUs, that no process of ours still holds memory on the seat's GPUs.
-Docker seats: `docker stop -t <grace>` (the engine sends SIGTERM, then SIGKILL), then `docker rm -f`.
+Docker seats: `docker stop -t <grace>` (the engine sends SIGTERM, then SIGKILL), then `docker rm -f`;
+a second Ctrl-C during the grace does not wait it out but sends `docker kill`, as the native path
+sends SIGKILL early.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from typing import Any, Callable
 
-from dsv4serve import leftovers, ports, procs
+from dsv4serve import gpu, leftovers, ports, procs
 from dsv4serve.ranklog import read_log
 from dsv4serve.state import SeatState
 
@@ -44,65 +47,75 @@ def container_exists(name: str) -> bool | None:
     return r["rc"] == 0
 
 
-def stop_container(name: str, grace: float) -> list[dict[str, Any]]:
-    return [_docker(["stop", "-t", str(max(0, int(round(grace)))), name], timeout=grace + DOCKER_EXTRA_S),
-            _docker(["rm", "-f", name], timeout=DOCKER_EXTRA_S)]
+def _docker_stop(exe: str, name: str, grace: float, escalate: Callable[[], bool] | None,
+                 poll: float = 0.2) -> list[dict[str, Any]]:
+    """`docker stop` as a child we poll, so a second Ctrl-C (`escalate`) can cut the grace short
+    with `docker kill`; the engine's own SIGKILL after the grace would come too late for a user who
+    asked twice. The client then returns as soon as the engine sees the container gone."""
+    argv = ["stop", "-t", str(max(0, int(round(grace)))), name]
+    p = subprocess.Popen([exe, *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + grace + DOCKER_EXTRA_S
+    done: list[dict[str, Any]] = []
+    out = ""
+    while True:
+        try:
+            out, _ = p.communicate(timeout=poll)  # retried on timeout without losing output
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= deadline:
+            p.kill()
+            try:
+                p.communicate(timeout=DOCKER_EXTRA_S)
+            except subprocess.TimeoutExpired:  # a stray grandchild holds the pipe: the client is dead
+                pass
+            why = f"timed out after {grace + DOCKER_EXTRA_S:.0f} s"
+            return [{"argv": ["docker", *argv], "rc": None, "error": why}, *done]
+        if not done and escalate is not None and escalate():
+            done.append(_docker(["kill", name], timeout=DOCKER_EXTRA_S))
+            # the container is dead or dying: its stop needs no more than the engine's bookkeeping
+            deadline = min(deadline, time.monotonic() + DOCKER_EXTRA_S)
+    return [{"argv": ["docker", *argv], "rc": p.returncode, "out": (out or "").strip()[-400:]}, *done]
 
 
-def gpu_check(st: SeatState, ours: set[int]) -> dict[str, Any]:
-    """Processes on the seat's GPUs after the stop: ours ones are a failure, others are named."""
+def stop_container(name: str, grace: float, escalate: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """`docker stop` with grace (escalated to `docker kill` on request), then `docker rm -f`."""
+    exe = shutil.which("docker")
+    if exe is None:
+        return [{"argv": ["docker", "stop", name], "rc": None, "error": "the docker CLI is not on PATH"}]
+    return [*_docker_stop(exe, name, grace, escalate), _docker(["rm", "-f", name], timeout=DOCKER_EXTRA_S)]
+
+
+def gpu_check(st: SeatState, ours: set[int], nvml: Any = None,
+              process_name: Callable[[int], str | None] | None = None) -> dict[str, Any]:
+    """Processes on the seat's GPUs after the stop: ours are a failure, others are named.
+    `nvml`/`process_name` go to gpu.probe (default: the real pynvml and psutil); tests pass a FakeNvml."""
     if not st.gpu_ids:
         return {"checked": False, "detail": "CPU seat: no GPUs to check"}
-    try:
-        from dsv4serve import gpu  # another developer's module; guarded for trimmed installs
-    except ImportError:
-        gpu = None
-    if gpu is not None:
-        m = gpu.probe(list(st.gpu_ids))
-        if not m.available:
-            return {"checked": False, "detail": m.error or "NVML is not available"}
-        held, foreign, unknown = [], [], []
-        for idx in st.gpu_ids:
-            g = m.gpu(idx)
-            if g is None:
-                unknown.append(idx)
-                continue
-            if g.processes is None:
-                unknown.append(idx)
-                continue
-            for p in g.processes:
-                row = {"gpu": idx, "pid": p.pid, "name": p.name,
-                       "used_mib": (p.used_bytes or 0) >> 20 if p.used_bytes is not None else None}
-                (held if p.pid in ours else foreign).append(row)
-        return {"checked": True, "ours": held, "foreign": foreign, "unknown_gpus": unknown}
-    try:
-        import pynvml
-    except ImportError:
-        return {"checked": False, "detail": "neither dsv4serve.gpu nor pynvml is importable"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # noqa: BLE001 - no driver: nothing can hold GPU memory
-        return {"checked": False, "detail": f"NVML: {e}"}
-    held, foreign = [], []
-    try:
-        for idx in st.gpu_ids:
-            h = pynvml.nvmlDeviceGetHandleByIndex(idx)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                row = {"gpu": idx, "pid": p.pid, "used_mib": (p.usedGpuMemory or 0) >> 20}
-                (held if p.pid in ours else foreign).append(row)
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-    return {"checked": True, "ours": held, "foreign": foreign, "unknown_gpus": []}
+    m = gpu.probe(list(st.gpu_ids), nvml=nvml, process_name=process_name)
+    if not m.available:
+        return {"checked": False, "detail": m.error or "NVML is not available"}
+    held: list[dict[str, Any]] = []
+    foreign: list[dict[str, Any]] = []
+    unknown: list[int] = []
+    for idx in st.gpu_ids:
+        g = m.gpu(idx)
+        if g is None or g.processes is None:  # NVML could not say: listed as unknown, not as free
+            unknown.append(idx)
+            continue
+        for p in g.processes:
+            row = {"gpu": idx, "pid": p.pid, "name": p.name,
+                   "used_mib": p.used_bytes >> 20 if p.used_bytes is not None else None}
+            (held if p.pid in ours else foreign).append(row)
+    return {"checked": True, "ours": held, "foreign": foreign, "unknown_gpus": unknown}
 
 
 def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Stop this run wherever it is; the report says what was stopped and what (if anything) is left."""
     report: dict[str, Any] = {"seat": st.seat, "run_id": st.run_id, "runtime": st.runtime, "grace_s": grace}
     if st.runtime == "docker" and st.container_name:
-        report["docker"] = stop_container(st.container_name, grace)
+        report["docker"] = stop_container(st.container_name, grace, escalate)
         gone = container_exists(st.container_name)
         report["container_left"] = bool(gone)
     report.update(procs.stop(st, grace, escalate))

@@ -1,0 +1,166 @@
+"""`down`'s pieces without a server: escalation on a real process group, the NVML leftover check on
+replayed NVML answers, and the live per-rank table rendered into a forced terminal.
+
+The "seat" of the escalation test is a python process that ignores SIGTERM (as vLLM does while it
+starts, vllm-cpu-reference §5) and its `sleep` child, in their own session like a real run.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from rich.console import Console
+
+from dsv4serve import procs, stop, supervisor
+from dsv4serve.ranklog import PHASE_LABEL, SeatTracker
+from dsv4serve.state import RUN_ID_ENV, SeatState
+from dsv4serve.testing import fake_nvml
+from dsv4serve.testing.fake_nvml import FakeNvml
+
+REAL_LOG = Path(__file__).parent / "data" / "vllm-cpu-tp2-mtp.log"
+MARKER = "dsv4serve plugin ready"
+GIB = 1024**3
+
+# The leader ignores SIGTERM and so does its child (SIG_IGN survives fork and exec), like a
+# starting vLLM's whole tree: only SIGKILL of the group ends it.
+DEAF = ("import signal, subprocess; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.run(['sleep', '60'], timeout=120)")
+
+
+def make_state(**kw) -> SeatState:
+    base = dict(seat="unit", run_id=f"unit-stop-{os.getpid()}-{time.time_ns()}", profile="unit",
+                profile_digest="x", runtime="native", argv=["python"], env={}, host="127.0.0.1", port=1,
+                served_name="m", tp=2, run_dir="/nonexistent", log_path="/nonexistent/vllm.log", phase="ready")
+    base.update(kw)
+    return SeatState(**base)
+
+
+@pytest.fixture()
+def deaf_group():
+    """A SIGTERM-ignoring group of two processes and its SeatState. A reaper thread stands in for
+    `up`, which reaps its own child; the group is SIGKILLed at teardown whatever the test did."""
+    run_id = f"unit-stop-{os.getpid()}-{time.time_ns()}"
+    p = subprocess.Popen([sys.executable, "-c", DEAF], start_new_session=True,
+                         env={**os.environ, RUN_ID_ENV: run_id})
+    threading.Thread(target=p.wait, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not psutil.Process(p.pid).children():
+        time.sleep(0.05)  # both processes must exist before the stop, or the test proves less
+    st = make_state(run_id=run_id, pid=p.pid, pgid=p.pid, start_time=psutil.Process(p.pid).create_time())
+    yield st
+    try:
+        os.killpg(p.pid, 9)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=10)
+
+
+def test_escalate_kills_a_sigterm_deaf_group_without_waiting_the_grace(deaf_group):
+    st = deaf_group
+    members = {p.pid for p in procs.run_processes(st)}
+    assert len(members) == 2 and st.pid in members
+    t0 = time.monotonic()
+    rep = procs.stop(st, grace=60.0, escalate=lambda: True)
+    assert time.monotonic() - t0 < 10  # not the 60 s grace
+    assert set(rep["killed"]) == members
+    assert rep["remaining"] == [] and rep["unreaped"] == []
+    assert procs.run_processes(st, include_zombies=True) == []
+
+
+def test_without_escalate_a_deaf_group_is_killed_after_the_grace(deaf_group):
+    t0 = time.monotonic()
+    rep = procs.stop(deaf_group, grace=1.0)
+    assert time.monotonic() - t0 >= 1.0  # SIGTERM alone did nothing: the grace ran out
+    assert rep["killed"] and rep["remaining"] == [] and rep["unreaped"] == []
+
+
+# -- NVML leftover check ----------------------------------------------------------------------
+
+
+def _check(rec: dict, st: SeatState, ours: set[int]) -> dict:
+    f = FakeNvml(rec)
+    return stop.gpu_check(st, ours, nvml=f, process_name=f.process_name)
+
+
+def test_gpu_check_reports_a_process_of_ours_still_holding_memory():
+    rec = fake_nvml.rtx_pro_2000_seat(host_gpus=3, foreign={1: (4242, 2 * GIB, "python3")})
+    r = _check(rec, make_state(gpu_ids=[0, 1]), ours={4242, 4243})
+    assert r["checked"] is True
+    assert r["ours"] == [{"gpu": 1, "pid": 4242, "name": "python3", "used_mib": 2048}]
+    assert r["foreign"] == [] and r["unknown_gpus"] == []
+
+
+def test_gpu_check_clean_names_foreign_processes_and_ignores_other_gpus():
+    # a stranger on a seat GPU is named but is not ours; a process of ours on a GPU outside the seat
+    # is not this seat's leftover
+    rec = fake_nvml.rtx_pro_2000_seat(host_gpus=3, foreign={0: (777, GIB, "xorg"), 2: (4242, GIB, "python3")})
+    r = _check(rec, make_state(gpu_ids=[0, 1]), ours={4242})
+    assert r["checked"] is True and r["ours"] == [] and r["unknown_gpus"] == []
+    assert r["foreign"] == [{"gpu": 0, "pid": 777, "name": "xorg", "used_mib": 1024}]
+
+
+def test_gpu_check_unknown_when_nvml_cannot_list_processes():
+    rec = fake_nvml.rtx_pro_2000_seat(host_gpus=2)
+    del rec["devices"]["1"]["processes"]  # the call answers NOT_SUPPORTED
+    r = _check(rec, make_state(gpu_ids=[0, 1]), ours={1})
+    assert r["checked"] is True and r["unknown_gpus"] == [1]
+
+
+def test_gpu_check_without_driver_or_gpus_says_why():
+    r = _check(fake_nvml.no_driver(), make_state(gpu_ids=[0]), ours=set())
+    assert r["checked"] is False and "NVML" in r["detail"]
+    assert stop.gpu_check(make_state(), set())["checked"] is False  # CPU seat: NVML never asked
+
+
+# -- the live per-rank table -------------------------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _row(text: str, rank: int, pid: int, label: str) -> bool:
+    return re.search(rf"│\s*{rank}\s*│\s*{pid}\s*│\s*{re.escape(label)}\s*│", text) is not None
+
+
+def test_display_renders_each_rank_and_its_phase_in_a_terminal(monkeypatch):
+    out = io.StringIO()
+    term = Console(force_terminal=True, file=out, width=160, color_system=None)
+    monkeypatch.setattr(supervisor, "console", term)  # the module's console is the real stdout
+    lines = REAL_LOG.read_text().splitlines()
+    # one second per line, ending now: Display.stop() renders its last table at time.time()
+    t0 = time.time() - len(lines)
+    tracker = SeatTracker(2, [MARKER], [], start=t0)
+    d = supervisor.Display("cpu-demo", tracker, json_events=False, t0=t0)
+    d.start()
+    assert d.live is not None  # a terminal gets the live table, not event lines
+    cut = next(i for i, ln in enumerate(lines) if "(Worker_TP0" in ln and "Starting to load model" in ln) + 1
+    try:
+        for i, ln in enumerate(lines[:cut]):
+            d.events(tracker.feed(ln, now=t0 + i))
+        d.tick(t0 + cut)
+        d.live.refresh()
+        early = ANSI.sub("", out.getvalue())
+        pids = {r: tracker.ranks[r].pid for r in (0, 1)}
+        for r in (0, 1):
+            assert _row(early, r, pids[r], PHASE_LABEL["loading"]), early[-3000:]
+        mark = len(out.getvalue())
+        for i, ln in enumerate(lines[cut:], start=cut):
+            d.events(tracker.feed(ln, now=t0 + i))
+    finally:
+        d.stop()
+    final = ANSI.sub("", out.getvalue()[mark:])
+    for r in (0, 1):
+        label = PHASE_LABEL[tracker.ranks[r].phase]
+        assert tracker.ranks[r].phase in ("graphs", "marker")
+        assert _row(final, r, pids[r], label), final[-3000:]
+        assert re.search(rf"│\s*{r}\s*│.*│\s*1/1\s*│", final)  # the marker seen on this rank
+    assert "KV cache 310,688 tokens" in final
+    assert "rank 0:" not in out.getvalue()  # with Live, events are not printed as lines as well
