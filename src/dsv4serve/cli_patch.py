@@ -2,10 +2,16 @@
 
 Exit codes: 0 every file is in the wanted state (patched after status/apply, pristine after
 revert; not-applicable counts as fine), 1 a file is not, 2 bad input (unknown set or profile).
+
+`status` with no set named checks every shipped set whose package is installed at the set's
+version (in --root, or in this environment) and lists the others as not checked, with why: a
+set pinned to another version is not a fault of this tree. `apply` and `revert` change files,
+so they only act on sets named by --set-name or a profile.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -28,21 +34,64 @@ _STYLE = {"patched": "green", "pristine": "yellow", "not-applicable": "dim", "mo
           "missing": "red", "version-mismatch": "red", "package-missing": "red"}
 
 
-def _targets(profile: Optional[str], set_names: Optional[List[str]],
-             root: Optional[Path]) -> tuple[list[Any], Optional[Path], Optional[str]]:
-    """(patch sets, root, profile name) from the options; exactly one of --profile / --set-name."""
+@dataclass
+class _Targets:
+    """What a command acts on: the sets, the tree, the profile, and (status only) what was left out."""
+
+    sets: list[Any]
+    root: Optional[Path]
+    profile: Optional[str]
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+
+def _targets(profile: Optional[str], set_names: Optional[List[str]], root: Optional[Path],
+             action: str) -> _Targets:
+    """The sets from the options: --profile P or --set-name NAME; `status` may name neither."""
     from dsv4serve import patches
     from dsv4serve.profile import load_profile
 
-    if bool(profile) == bool(set_names):
-        raise BadInput("name the patch sets with --profile P or --set-name NAME (one of them)",
+    if profile and set_names:
+        raise BadInput("name the patch sets with --profile P or --set-name NAME, not both")
+    if root is not None and not root.is_dir():  # else a typo reads as "package not installed"
+        raise BadInput(f"--root {root} is not a directory", hint="point it at a site-packages tree")
+    if not profile and not set_names:
+        if action == "status":
+            return _installed_sets(root)
+        raise BadInput(f"patch {action} needs the sets named: --profile P or --set-name NAME",
                        hint=f"sets: {', '.join(patches.available_sets()) or 'none'}")
     if profile:
         p = load_profile(profile)
+        r = root if root is not None else patches.profile_root(p)
         if not p.patches:
-            raise BadInput(f"profile {p.name} names no patch sets")
-        return [patches.load_set(n) for n in p.patches], root if root is not None else patches.profile_root(p), p.name
-    return [patches.load_set(n) for n in set_names or []], root, None
+            if action == "status":  # a seat that needs no patches is in the state it wants
+                return _Targets([], r, p.name, note=f"profile {p.name} names no patch sets: nothing to verify")
+            raise BadInput(f"profile {p.name} names no patch sets: nothing to {action}",
+                           hint="name a set with --set-name NAME")
+        return _Targets([patches.load_set(n) for n in p.patches], r, p.name)
+    return _Targets([patches.load_set(n) for n in set_names or []], root, None)
+
+
+def _installed_sets(root: Optional[Path]) -> _Targets:
+    """Every shipped set whose package is installed at its version; the others skipped, with why."""
+    from dsv4serve import patches
+
+    where = f" in {root}" if root else ""
+    chosen: list[Any] = []
+    skipped: list[dict[str, Any]] = []
+    for name in patches.available_sets():
+        pset = patches.load_set(name)
+        tree = patches.find_root(pset.package, root)
+        found = patches.installed_version(tree, pset.package, pset.distributions) if tree else None
+        if tree is not None and found == pset.version:
+            chosen.append(pset)
+            continue
+        reason = (f"{pset.package} not installed{where}" if tree is None else
+                  f"pinned to {pset.package} {pset.version}, found {found or 'no dist-info'}{where}")
+        skipped.append({"set": pset.set, "package": pset.package, "version": pset.version,
+                        "installed_version": found, "reason": reason})
+    note = "" if chosen else f"no patch set matches the packages installed{where or ' here'}: nothing to verify"
+    return _Targets(chosen, root, None, skipped, note)
 
 
 def _short(h: Optional[str]) -> str:
@@ -80,21 +129,33 @@ def _exit(rows: list[Any], wanted: frozenset[str]) -> None:
     raise typer.Exit(EXIT_OK if all(r.state in wanted for r in rows) else EXIT_FAILED)
 
 
+def _render_left_out(t: _Targets) -> None:
+    for sk in t.skipped:  # soft_wrap: one line per set, whole, for grep
+        console.print(f"[dim]not checked: {sk['set']}: {sk['reason']}[/]", highlight=False, soft_wrap=True)
+    if t.note:
+        console.print(t.note, highlight=False, soft_wrap=True, markup=False)
+
+
 @app.command()
 def status(profile: Optional[str] = ProfileOpt, set_name: Optional[List[str]] = SetNameOpt,
            root: Optional[Path] = RootOpt, json_out: bool = JsonOpt) -> None:
-    """Per-file state of the patch sets: pristine, patched, modified-unknown, missing, version-mismatch."""
+    """Per-file state of the patch sets: pristine, patched, modified-unknown, missing, version-mismatch.
+
+    With no set named: every shipped set whose package is installed at the set's version.
+    """
     from dsv4serve import patches
 
     with handled():
-        sets, r, pname = _targets(profile, set_name, root)
-        rows = [row for s in sets for row in patches.set_status(s, r, profile=pname)]
+        t = _targets(profile, set_name, root, "status")
+        rows = [row for s in t.sets for row in patches.set_status(s, t.root, profile=t.profile)]
         ok = all(row.state in patches.OK_PATCHED for row in rows)
         if json_out:
-            emit_json({"action": "status", "ok": ok, "root": str(r) if r else None,
-                       "rows": [row.model_dump() for row in rows]})
+            emit_json({"action": "status", "ok": ok, "root": str(t.root) if t.root else None,
+                       "sets": [s.set for s in t.sets], "rows": [row.model_dump() for row in rows],
+                       "skipped": t.skipped, "note": t.note or None})
         else:
             _render(rows, "patch status")
+            _render_left_out(t)
     _exit(rows, patches.OK_PATCHED)
 
 
@@ -104,13 +165,13 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
 
     results: list[Any] = []
     with handled():
-        sets, r, pname = _targets(profile, set_name, root)
+        t = _targets(profile, set_name, root, action)
         fn = patches.apply_set if action == "apply" else patches.revert_set
-        for s in sets:  # check every set before changing any: one refusal changes nothing
-            patches.refuse_unless(patches.set_status(s, r, profile=pname),
+        for s in t.sets:  # check every set before changing any: one refusal changes nothing
+            patches.refuse_unless(patches.set_status(s, t.root, profile=t.profile),
                                   frozenset({"pristine", "patched"}), action, s)
-        for s in sets:
-            results.append(fn(s, r, profile=pname))
+        for s in t.sets:
+            results.append(fn(s, t.root, profile=t.profile))
         rows = [row for res in results for row in res.rows]
         wanted = patches.OK_PATCHED if action == "apply" else patches.OK_PRISTINE
         if json_out:

@@ -543,6 +543,14 @@ def profile_plan(profile: Any) -> list[dict[str, Any]]:
 
 def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     """No-op when every file of the profile's sets is patched; apply them when `apply`; else refuse."""
+    if (profile.patches and getattr(getattr(profile, "runtime", None), "kind", "native") == "docker"
+            and profile_root(profile) is None):
+        # the patched files of a container seat live in (or are mounted into) the image; the host's
+        # own packages say nothing about them, so there is nothing here to check or apply
+        raise BadInput(f"profile {profile.name}: patch sets {', '.join(profile.patches)} cannot be verified: "
+                       "runtime.patch_root is not set for this docker seat",
+                       hint="copy the image's site-packages out (`docker cp`), set runtime.patch_root to it, "
+                            "then `dsv4serve patch apply --profile ...`; up mounts the patched files from there")
     rows = profile_status(profile)
     if all(r.state in OK_PATCHED for r in rows):
         return []
