@@ -106,3 +106,49 @@ def test_incumbent_profile_needs_no_lna2_env():
     envs = [spec.argv[i + 1] for i, x in enumerate(spec.argv) if x == "-e"]
     assert not any(e.startswith("VLLM_EXL3_MOE_KERNEL=") for e in envs)
     assert not any("dsv4serve_lna2.so" in x for x in spec.argv)
+
+
+SP = "/usr/local/lib/python3.12/dist-packages"
+PATCHED = ["vllm/models/deepseek_v4/attention.py", "vllm/models/deepseek_v4/nvidia/mtp.py",
+           "exllamav3/modules/quant/exl3.py", "exllamav3/exllamav3_ext/quant/exl3_gemm.cu"]
+
+
+def volumes(argv):
+    return [argv[i + 1] for i, x in enumerate(argv) if x == "-v"]
+
+
+def test_docker_mounts_each_patched_file_read_only_from_patch_root(tmp_path):
+    from dsv4serve import patches
+
+    root = tmp_path / "image-site-packages"
+    spec = build("8x16gb-380k", f"runtime.patch_root={root}")
+    vols = volumes(spec.argv)
+    for rel in PATCHED:
+        assert f"{root}/{rel}:{SP}/{rel}:ro" in vols, rel
+    every = [f.path for s in ("exllamav3-1.4.5", "vllm-0.28.0") for f in patches.load_set(s).files]
+    assert sum(v.startswith(f"{root}/") for v in vols) == len(set(every))  # each file once, nothing else
+    # the site-packages path is the profile's
+    moved = build("8x16gb-380k", f"runtime.patch_root={root}", "runtime.site_packages=/opt/sp/")
+    assert f"{root}/{PATCHED[0]}:/opt/sp/{PATCHED[0]}:ro" in volumes(moved.argv)
+
+
+def test_no_patch_root_or_no_sets_mounts_no_patched_files(tmp_path):
+    assert not [v for v in volumes(build("8x16gb-380k").argv) if "/vllm/models/" in v]
+    bare = build("8x16gb-380k", f"runtime.patch_root={tmp_path}", "patches=[]")
+    assert not [v for v in volumes(bare.argv) if v.startswith(f"{tmp_path}/")]
+
+
+def test_dry_run_json_shows_the_patched_file_mounts(tmp_path):
+    import os
+    import subprocess
+
+    root = tmp_path / "image-site-packages"
+    r = subprocess.run([sys.executable, "-m", "dsv4serve", "up", "--profile", "8x16gb-380k", "--set",
+                        f"runtime.patch_root={root}", "--dry-run", "--json", "--no-validate"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "DSV4SERVE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    for rel in PATCHED:
+        assert f"{root}/{rel}:{SP}/{rel}:ro" in volumes(plan["argv"]), rel
+    assert f"{root}/{PATCHED[0]}:{SP}/{PATCHED[0]}:ro" in plan["command"]

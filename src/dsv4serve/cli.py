@@ -112,7 +112,7 @@ def up(profile: str = ProfileOpt,
                 seat.render_plan(plan)
             return
         code = seat.up(p, json_events=json_out, foreground=foreground, apply_patches=apply_patches,
-                       skip_checks=skip_checks, overrides=list(overrides or []))
+                       skip_checks=skip_checks, overrides=list(overrides or []), validate=validate)
         raise typer.Exit(code)
 
 

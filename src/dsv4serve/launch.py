@@ -202,6 +202,7 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
     mounts = [(_expand(m.host, ctx, "runtime.mounts.host"), _expand(m.container, ctx, "runtime.mounts.container"),
                m.read_only) for m in rt.mounts]
     mounts += _overlay_mounts(profile, run_dir)
+    mounts += patched_file_mounts(profile)
     for host_path, cont, ro in mounts:
         argv += ["-v", f"{host_path}:{cont}" + (":ro" if ro else "")]
     argv += list(rt.extra_args)
@@ -229,6 +230,28 @@ def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, boo
         ext = ext.replace("{cache}", str(home.cache_dir()))
         out.append((ext, f"{sp}/dsv4serve_lna2.so", True))
     return out
+
+
+def patched_file_mounts(profile: Profile) -> list[tuple[str, str, bool]]:
+    """Every file of the profile's patch sets, from runtime.patch_root (the host copy of the
+    image's site-packages that `patch apply` patches and `up` verifies by hash) over the same path
+    in the image's site-packages, read-only: the container runs exactly the bytes that were checked.
+
+    Without a patch_root nothing is mounted and the image must carry its own patched files.
+    CUDA sources of a set (`rebuild: true`) take effect only through a rebuilt extension.
+    """
+    if not profile.patches or not profile.runtime.patch_root:
+        return []
+    from dsv4serve import patches  # manifests: which files a set patches, relative to site-packages
+
+    root = patches.profile_root(profile)
+    sp = profile.runtime.site_packages.rstrip("/")
+    out: dict[str, tuple[str, str, bool]] = {}
+    for name in profile.patches:
+        for f in patches.load_set(name).files:
+            # docker refuses two mounts on one target; two sets patching one file cannot both verify
+            out.setdefault(f.path, (str(root / f.path), f"{sp}/{f.path}", True))
+    return list(out.values())
 
 
 def write_plugin_dist_info(run_dir: Path) -> Path:

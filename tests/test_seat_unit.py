@@ -1,0 +1,141 @@
+"""seat.py without a server: `up` runs vLLM's own parser before it starts anything, and plain-text
+`status` shows each rank's MoE call counters."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsv4serve import launch, ports, seat, state, supervisor, vllm_args
+from dsv4serve.plugin_counters import Counters
+from dsv4serve.profile import load_profile
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture()
+def no_spawn(monkeypatch):
+    """Fail the test if `up` gets as far as starting anything."""
+    def boom(*a, **k):
+        raise AssertionError("up started the seat")
+
+    monkeypatch.setattr(supervisor, "spawn", boom)
+    monkeypatch.setattr(supervisor, "Supervisor", boom)
+
+
+def _spec(name: str, *overrides: str, tmp: Path = Path("/tmp/dsv4serve-test-run")) -> launch.LaunchSpec:
+    return launch.build(load_profile(name, list(overrides)), run_id="r1", run_dir=tmp)
+
+
+def _parser_must_not_run(monkeypatch) -> None:
+    def never(*a, **k):
+        raise AssertionError("vLLM's parser ran")
+
+    monkeypatch.setattr(vllm_args, "validate", never)
+
+
+# ---------------------------------------------------------------------------------------------
+# up: vLLM's parser before the launch
+
+
+def test_up_refuses_a_flag_vllm_rejects_with_exit_2_before_spawning(home, no_spawn, monkeypatch):
+    pytest.importorskip("vllm.entrypoints.launchers.cli_args")
+    from dsv4serve import cli, demo_model
+
+    # the demo model is not what this test is about: pretend it is there
+    monkeypatch.setattr(demo_model, "is_complete", lambda *a, **k: True)
+    monkeypatch.setattr(demo_model, "ensure_demo_model", lambda *a, **k: demo_model.default_dir(0))
+    r = CliRunner().invoke(cli.app, ["up", "--profile", "cpu-demo", "--set", f"vllm.port={ports.free_port()}",
+                                     "--set", "vllm.extra_args=[--no-such-flag]", "--skip-checks"])
+    assert r.exit_code == 2, (r.stdout, r.stderr, r.exception)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "unrecognized arguments: --no-such-flag" in lines[0] and "vllm.*" in lines[0]
+    assert not list((home / "runs").glob("*")) if (home / "runs").exists() else True  # no run dir left
+    assert state.load("cpu-demo") is None
+
+
+def test_no_validate_skips_the_parser(monkeypatch, capsys):
+    _parser_must_not_run(monkeypatch)
+    seat.check_vllm_argv(load_profile("cpu-demo"), _spec("cpu-demo"), validate=False, json_events=True)
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["event"] == "vllm_parser" and ev["state"] == "skipped" and "--no-validate" in ev["message"]
+
+
+def test_docker_seat_skips_the_parser_when_host_vllm_is_not_the_pinned_stack(monkeypatch, capsys):
+    _parser_must_not_run(monkeypatch)
+    monkeypatch.setattr(seat, "_host_vllm_version", lambda: "0.32.0")
+    seat.check_vllm_argv(load_profile("8x16gb-380k"), _spec("8x16gb-380k"), validate=True, json_events=False)
+    out = capsys.readouterr().out
+    assert "vLLM parser check skipped: vLLM 0.32.0 here is not the image's stack.vllm >=0.28,<0.29" in out
+
+
+def test_docker_seat_is_parsed_when_host_vllm_matches_the_pin(monkeypatch, capsys):
+    seen = []
+
+    def fake(args, name=""):
+        seen.append((list(args), name))
+        return vllm_args.ParserCheck(True, "0.28.1rc1", "accepted by vLLM 0.28.1rc1's parser")
+
+    monkeypatch.setattr(vllm_args, "validate", fake)
+    monkeypatch.setattr(seat, "_host_vllm_version", lambda: "0.28.1rc1.dev337+g27a94d1ce")  # the image's dev build
+    spec = _spec("8x16gb-380k")
+    seat.check_vllm_argv(load_profile("8x16gb-380k"), spec, validate=True, json_events=False)
+    assert seen == [(spec.vllm_args, "8x16gb-380k")]
+    assert "vLLM parser: accepted" in capsys.readouterr().out
+
+
+def test_parser_check_leaves_no_env_behind(monkeypatch):
+    """Importing vLLM edits os.environ; the seat must not inherit that from the launcher."""
+    def fake(args, name=""):
+        os.environ["DSV4SERVE_TEST_FROM_VLLM_IMPORT"] = "1"
+        return vllm_args.ParserCheck(True, "x", "accepted")
+
+    monkeypatch.setattr(vllm_args, "validate", fake)
+    seat.check_vllm_argv(load_profile("cpu-demo"), _spec("cpu-demo"), validate=True, json_events=True)
+    assert "DSV4SERVE_TEST_FROM_VLLM_IMPORT" not in os.environ
+
+
+# ---------------------------------------------------------------------------------------------
+# status: per-rank MoE call counters in plain text
+
+
+def _ready_state(run_dir: Path) -> state.SeatState:
+    return state.SeatState(seat="cpu-demo", run_id="cpu-demo-test", profile="cpu-demo", profile_digest="x",
+                           runtime="native", argv=["python"], env={}, host="127.0.0.1", port=1, served_name="m",
+                           tp=2, run_dir=str(run_dir), log_path=str(run_dir / "vllm.log"), phase="ready")
+
+
+def test_plain_status_prints_each_ranks_counters(home, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    state.save(_ready_state(run_dir))
+    c = Counters(run_dir, rank=0, tp=2, kernel="lna2")  # the plugin's own writer, so the schema is real
+    for _ in range(12):
+        c.call("lna2")
+    for _ in range(40):
+        c.call("incumbent")
+    c.decline("rows=32 above the ceiling")
+    c.decline("rows=32 above the ceiling")
+    c.decline("prefill")
+    assert c.write()
+    rows = seat.status("cpu-demo")
+    assert rows[0]["ranks"][0]["moe_calls"]["lna2"] == 12 and rows[0]["ranks"][1]["moe_calls"] is None
+    seat.render_status(rows)
+    out = capsys.readouterr().out
+    assert "rank 0 MoE calls (lna2): lna2 12, incumbent 40, declines 3 (most: rows=32 above the ceiling)" in out
+    assert "rank 1 MoE calls: no counters file" in out
+
+
+def test_plain_status_without_counters_says_so(home, tmp_path, capsys):
+    state.save(_ready_state(tmp_path))
+    seat.render_status(seat.status("cpu-demo"))
+    assert "MoE call counters: no file yet" in capsys.readouterr().out
