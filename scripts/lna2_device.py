@@ -471,7 +471,7 @@ def cmd_bench(args):
         log(f"exllamav3 ext ({inc_name}) from {pkgdir} in {time.time() - t0:.1f} s")
     lna = lna2_mod()
     if hasattr(lna, "lna2_set_tuning"):
-        lna.lna2_set_tuning(4, 0, 6)  # v2 defaults: 4 stages, as many CTAs as fit, 1.5 items per CTA
+        lna.lna2_set_tuning(0, 6)  # v2 defaults: as many CTAs as fit, 1.5 items per CTA
     gen = torch.Generator(device=dev)
     # read bandwidth, measured in this process: torch.sum over ~4 GiB viewed as fp32
     big = torch.empty(2**31 - 2**20, dtype=torch.half, device=dev).normal_()
@@ -623,7 +623,7 @@ def cmd_bench(args):
 
 
 def cmd_sweep(args):
-    """v2 tuning grid (stages, CTAs per SM, gate/up item target) at a few shapes, cold medians, one
+    """v2 tuning grid (CTAs per SM, gate/up item target) at a few shapes, cold medians, one
     process; the defaults in lna2_v2.cu are read off this table (kernels/lna2/NOTES.md)."""
     import torch
 
@@ -631,7 +631,7 @@ def cmd_sweep(args):
     gen = torch.Generator(device=dev)
     lna = lna2_mod()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
-    configs = [(4, 0, 6), (4, 2, 6), (4, 0, 3), (4, 0, 12), (4, 2, 12), (4, 0, 24)]
+    configs = [(0, 6), (2, 6), (0, 3), (0, 12), (2, 12), (0, 24)]
     res = {"variant": args.variant, "configs": configs, "rows": []}
     for shape, ms in (("tp8", (1, 4, 8, 16)), ("tp1", (1, 8))):
         I = SHAPES[shape]
@@ -657,13 +657,13 @@ def cmd_sweep(args):
                     torch.cuda.synchronize()
                     samples[cfg] += [a.elapsed_time(b) * 1e3 for a, b in zip(ss, ee)]
             for cfg in configs:
-                row["s%d_c%d_i%d" % cfg] = float(statistics.median(samples[cfg]))
+                row["c%d_i%d" % cfg] = float(statistics.median(samples[cfg]))
             res["rows"].append(row)
-            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("s") and k != "shape"))
+            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("c")))
             dump("sweep.json", res)
         del L, W
         torch.cuda.empty_cache()
-    lna.lna2_set_tuning(4, 0, 6)
+    lna.lna2_set_tuning(0, 6)
 
 
 EVENTS = ["start", "plan", "item", "stage0", "mma", "arrived", "finished", "ready", "gathered", "exit", "next"]

@@ -137,9 +137,9 @@ cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_exp
                       int* blocks_per_sm, int* num_sms);
 cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 
-// Process-wide v2 tuning for benchmarks (0 keeps the default): pipeline stages, resident CTAs per
-// SM, and the gate/up item target (grid * items_x4 / 4).
-void set_tuning(int stages, int ctas_per_sm, int items_x4);
+// Process-wide v2 tuning for benchmarks: resident CTAs per SM (0: as many as fit, < 0 keeps the
+// setting) and the gate/up item target, grid * items_x4 / 4 (0 keeps it).
+void set_tuning(int ctas_per_sm, int items_x4);
 
 // v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2 and 3 to them.
 cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_experts, int m, int top_k,

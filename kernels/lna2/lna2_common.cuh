@@ -151,6 +151,23 @@ __device__ __forceinline__ void tile_states(uint32_t a, uint32_t b, int sh, uint
     }
 }
 
+// The route plan every CTA builds in shared memory: which rows each expert serves, its entries
+// (sorted by expert, then row), and its groups of at most GROUP rows (one MMA tile's rows).
+template <int GROUP>
+struct RoutePlan {
+    uint32_t mask[MAX_EXPERTS];        // rows routed to each expert
+    int16_t rbase[MAX_EXPERTS];        // first entry of each expert
+    int16_t ubase[MAX_EXPERTS];        // compact index of each used expert
+    uint8_t gexp[MAX_PAIRS];           // group -> expert
+    uint8_t gnr[MAX_PAIRS];            // group -> rows (1..GROUP)
+    int16_t gent[MAX_PAIRS];           // group -> first entry
+    uint8_t grows[MAX_PAIRS][GROUP];   // group -> its rows
+    int16_t rid[MAX_PAIRS];            // routes [m, top_k]: expert id, or -1 when out of range
+    float rw[MAX_PAIRS];               // routing weights [m, top_k]
+    int wsum[3][WARPS];                // the scans' per-warp totals
+    int ng, gr;                        // groups, entries
+};
+
 // Exclusive prefix sums of three per-thread counts over the CTA (one thread per expert in the
 // route plans): warp scans, then the warp totals through `wsum` (one barrier inside).
 __device__ __forceinline__ void block_excl_scan3(const int (&v)[3], int (&excl)[3], int (&wsum)[3][WARPS]) {
@@ -174,6 +191,52 @@ __device__ __forceinline__ void block_excl_scan3(const int (&v)[3], int (&excl)[
         for (int w = 0; w < warp; w++) before += wsum[i][w];
         excl[i] = before + incl[i] - v[i];
     }
+}
+
+// The route plan's tables for expert t (one thread per expert), once the prefix sums of its row
+// count c, group count ng and used flag are known: its first entry, its compact index, and its
+// groups of at most GROUP rows (rows ascending), numbered by ascending expert.
+template <int GROUP, class Plan>
+__device__ __forceinline__ void store_groups(Plan& s, int t, int c, int ng, const int (&excl)[3]) {
+    s.rbase[t] = static_cast<int16_t>(excl[0]);
+    s.ubase[t] = static_cast<int16_t>(excl[2]);
+    if (t == THREADS - 1) {
+        s.gr = excl[0] + c;
+        s.ng = excl[1] + ng;
+    }
+    if (c == 0) return;
+    for (int i = 0; i < ng; i++) {
+        const int g = excl[1] + i;
+        s.gexp[g] = static_cast<uint8_t>(t);
+        s.gent[g] = static_cast<int16_t>(excl[0] + GROUP * i);
+        s.gnr[g] = static_cast<uint8_t>(min(GROUP, c - GROUP * i));
+    }
+    uint32_t mk = s.mask[t];
+    for (int j = 0; mk; j++) {
+        const int r = __ffs(mk) - 1;
+        mk &= mk - 1;
+        s.grows[excl[1] + j / GROUP][j % GROUP] = static_cast<uint8_t>(r);
+    }
+}
+
+// The finisher's math on one row's 128-block, four values per lane: the summed gate and up
+// products back from the Hadamard basis (x svh), DeepSeek-V4's SwiGLU with the clamp before SiLU
+// (exl3-reference §2.2), x down suh, and into the down projection's Hadamard basis.
+__device__ __forceinline__ void swiglu_rotate(float (&gv)[4], float (&uv)[4], const float (&sg)[4],
+                                              const float (&su)[4], const float (&sd)[4], float lim, int lane,
+                                              float (&av)[4]) {
+    fwht128(gv, lane);
+    fwht128(uv, lane);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float gg = fminf(gv[i] * RSQRT128 * sg[i], lim);
+        const float uu = fminf(fmaxf(uv[i] * RSQRT128 * su[i], -lim), lim);
+        const float silu = gg / (1.f + __expf(-gg));
+        av[i] = silu * uu * sd[i];
+    }
+    fwht128(av, lane);
+#pragma unroll
+    for (int i = 0; i < 4; i++) av[i] *= RSQRT128;
 }
 
 __device__ __forceinline__ void cp16(void* smem_dst, const void* gmem_src) {

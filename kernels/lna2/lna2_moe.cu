@@ -35,19 +35,9 @@ namespace lna2 {
 constexpr int XS_STRIDE = CHUNK_KT * 16 + 8;   // halves; +8 keeps the A-fragment loads conflict-free
 constexpr int YS_STRIDE = 128 + 4;
 
-struct Smem {
-    uint32_t mask[MAX_EXPERTS];        // rows routed to each expert
-    int16_t rbase[MAX_EXPERTS];        // first entry of each expert (entries sorted by expert, row)
-    int16_t ubase[MAX_EXPERTS];        // compact index of each used expert
-    uint8_t gexp[MAX_PAIRS];           // group -> expert
-    uint8_t gnr[MAX_PAIRS];            // group -> rows (1..16)
-    int16_t gent[MAX_PAIRS];           // group -> first entry
-    uint8_t grows[MAX_PAIRS][GROUP_ROWS];
+struct Smem : RoutePlan<GROUP_ROWS> {
     const void* ptr[MAX_EXPERTS][9];   // pointers of the used experts, by compact index
-    int16_t rid[MAX_PAIRS];            // routes [m, top_k]: expert id, or -1 when out of range
-    float rw[MAX_PAIRS];               // routing weights [m, top_k]
-    int wsum[3][WARPS];
-    int ng, gr, ksplit, item, flag;
+    int ksplit, item, flag;
     alignas(16) union {
         __half xs[GROUP_ROWS][XS_STRIDE];
         float ys[GROUP_ROWS][YS_STRIDE];
@@ -102,27 +92,10 @@ __device__ void build_route(const Args& a, Smem& s) {
     const int v[3] = {c, ng, used};
     int excl[3];
     block_excl_scan3(v, excl, s.wsum);
-    s.rbase[t] = static_cast<int16_t>(excl[0]);
-    s.ubase[t] = static_cast<int16_t>(excl[2]);
-    if (t == THREADS - 1) {
-        s.gr = excl[0] + c;
-        s.ng = excl[1] + ng;
-    }
+    store_groups<GROUP_ROWS>(s, t, c, ng, excl);
     if (used) {
 #pragma unroll
         for (int i = 0; i < 9; i++) s.ptr[excl[2]][i] = mine[i];
-        for (int i = 0; i < ng; i++) {
-            int g = excl[1] + i;
-            s.gexp[g] = static_cast<uint8_t>(t);
-            s.gent[g] = static_cast<int16_t>(excl[0] + GROUP_ROWS * i);
-            s.gnr[g] = static_cast<uint8_t>(min(GROUP_ROWS, c - GROUP_ROWS * i));
-        }
-        uint32_t m = s.mask[t];
-        for (int j = 0; m; j++) {
-            int r = __ffs(m) - 1;
-            m &= m - 1;
-            s.grows[excl[1] + j / GROUP_ROWS][j % GROUP_ROWS] = static_cast<uint8_t>(r);
-        }
     }
     __syncthreads();
 }
@@ -254,19 +227,8 @@ __device__ void finish_block(const Args& a, const Layout& L, Smem& s, int g, int
                 gv[i] = gs;
                 uv[i] = us;
             }
-            fwht128(gv, lane);
-            fwht128(uv, lane);
             float av[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float gg = fminf(gv[i] * RSQRT128 * sg[i], lim);
-                const float uu = fminf(fmaxf(uv[i] * RSQRT128 * su[i], -lim), lim);
-                const float silu = gg / (1.f + __expf(-gg));
-                av[i] = silu * uu * sd[i];
-            }
-            fwht128(av, lane);
-#pragma unroll
-            for (int i = 0; i < 4; i++) av[i] *= RSQRT128;
+            swiglu_rotate(gv, uv, sg, su, sd, lim, lane, av);
             *reinterpret_cast<uint2*>(act + size_t(ent0 + j) * a.inter + col) = pack4_half(av);
         }
     }

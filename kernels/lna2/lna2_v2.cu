@@ -40,18 +40,7 @@ constexpr int XS_BYTES = RED_FLOATS * 4;      // >= 2 proj x KCI_MAX k-tiles x 3
 static_assert(2 * KCI_MAX * 32 * 8 <= XS_BYTES, "B fragments fit the buffer");
 static_assert(THREADS == 256 && WARPS == 8, "the item shapes assume 8 warps");
 
-struct Plan {
-    uint32_t mask[MAX_EXPERTS];   // rows routed to each expert
-    int16_t rbase[MAX_EXPERTS];   // first entry of each expert (entries sorted by expert, row)
-    int16_t ubase[MAX_EXPERTS];   // compact index of each used expert
-    uint8_t gexp[MAX_PAIRS];      // group -> expert
-    uint8_t gnr[MAX_PAIRS];       // group -> rows (1..8)
-    int16_t gent[MAX_PAIRS];      // group -> first entry
-    uint8_t grows[MAX_PAIRS][GR]; // group -> its rows
-    int16_t rid[MAX_PAIRS];       // routes [m, top_k]: expert id, or -1 when out of range
-    float rw[MAX_PAIRS];          // routing weights [m, top_k]
-    int wsum[3][WARPS];
-    int ng, gr;
+struct Plan : RoutePlan<GR> {
     int q;                        // ticket handoff from thread 0
     int qseq;                     // which of this CTA's items s.q belongs to (read without a barrier:
                                   // both words are written and polled with shared-memory atomics)
@@ -280,27 +269,10 @@ __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
     const int v[3] = {c, ng, used};
     int excl[3];
     block_excl_scan3(v, excl, s.wsum);
-    s.rbase[t] = static_cast<int16_t>(excl[0]);
-    s.ubase[t] = static_cast<int16_t>(excl[2]);
-    if (t == THREADS - 1) {
-        s.gr = excl[0] + c;
-        s.ng = excl[1] + ng;
-    }
+    store_groups<GR>(s, t, c, ng, excl);
     if (used) {
 #pragma unroll
         for (int i = 0; i < 9; i++) ptr[excl[2] * 9 + i] = mine[i];
-        for (int i = 0; i < ng; i++) {
-            const int g = excl[1] + i;
-            s.gexp[g] = static_cast<uint8_t>(t);
-            s.gent[g] = static_cast<int16_t>(excl[0] + GR * i);
-            s.gnr[g] = static_cast<uint8_t>(min(GR, c - GR * i));
-        }
-        uint32_t mk = s.mask[t];
-        for (int j = 0; mk; j++) {
-            const int r = __ffs(mk) - 1;
-            mk &= mk - 1;
-            s.grows[excl[1] + j / GR][j % GR] = static_cast<uint8_t>(r);
-        }
     }
     __syncthreads();
 }
@@ -345,7 +317,6 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
 
 template <int K, int CB, bool DUP>
 struct V2Kernel {
-    static constexpr int WPT = 8 * K;     // 32-bit words per tile
     static constexpr int TILE = 32 * K;   // bytes per tile
     static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
     static constexpr int PIECES = ROW / 16;
@@ -361,7 +332,7 @@ struct V2Kernel {
     int G, ng;
     // scheduling state, the same in every thread of the CTA
     Item cur, nxt;
-    int nxt_state;      // 0: claimed, not yet learnt by this warp; 2: known
+    bool nxt_known;     // this warp knows the item after the current one (else its claim is in flight)
     int item_seq;       // items this CTA has started (the key of s.qseq)
     bool published;     // thread 0: this item's claim is in s.q
     bool done_claiming; // this CTA will claim no more tickets
@@ -414,7 +385,7 @@ struct V2Kernel {
     // sure every lane is done reading the slots being refilled (__syncwarp or a CTA barrier).
     __device__ void issue_due() {
         const int base_nxt = base_cur + cur.nst;
-        const int horizon = (nxt_state == 2 ? base_nxt + nxt.nst : base_nxt) - 1;
+        const int horizon = (nxt_known ? base_nxt + nxt.nst : base_nxt) - 1;
         const int limit = min(q + S - 1, horizon);
         for (; issued <= limit; issued++) {
             if (issued < base_nxt) copy_row(cur, issued - base_cur, issued & (S - 1));
@@ -426,7 +397,7 @@ struct V2Kernel {
     __device__ void learn_next() {
         const int tk = atomicAdd(&s.q, 0);
         nxt = item_of(tk, c, ng, s);
-        nxt_state = 2;
+        nxt_known = true;
         trace(EV_NEXT, tk);
         if (nxt.kind == IT_NONE) {
             done_claiming = true;
@@ -450,7 +421,7 @@ struct V2Kernel {
 
     // One consumer step of this warp: learn the next item if published, refill, wait for this stage.
     __device__ const uint32_t* step() {
-        if (nxt_state != 2 && atomicAdd(&s.qseq, 0) == item_seq) {
+        if (!nxt_known && atomicAdd(&s.qseq, 0) == item_seq) {
             __threadfence_block();
             learn_next();
         }
@@ -539,7 +510,7 @@ struct V2Kernel {
                 load_raw(it, ch + 1);
             } else {
                 regs_free = true;
-                if (nxt_state == 2 && nxt.kind == IT_GU) {
+                if (nxt_known && nxt.kind == IT_GU) {
                     load_raw(nxt, 0);
                     raw_ready = true;
                 }
@@ -665,20 +636,8 @@ struct V2Kernel {
                 gv[i] = gs;
                 uv[i] = us;
             }
-            fwht128(gv, lane);
-            fwht128(uv, lane);
-            const float lim = a.swiglu_limit;
             float av[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float gg = fminf(gv[i] * RSQRT128 * sg[i], lim);
-                const float uu = fminf(fmaxf(uv[i] * RSQRT128 * su[i], -lim), lim);
-                const float silu = gg / (1.f + __expf(-gg));
-                av[i] = silu * uu * sd[i];
-            }
-            fwht128(av, lane);
-#pragma unroll
-            for (int i = 0; i < 4; i++) av[i] *= RSQRT128;
+            swiglu_rotate(gv, uv, sg, su, sd, a.swiglu_limit, lane, av);
             uint32_t* act = reinterpret_cast<uint32_t*>(a.scratch + L.act) + size_t(it.g) * (a.inter / 16) * 64;
             store_frag_pairs(act + (it.blk * 8 + (lane >> 2)) * 64, j, lane, av);
         }
@@ -812,11 +771,11 @@ struct V2Kernel {
         published = false;
         if (cur.kind == IT_NONE) {
             done_claiming = true;
-            nxt_state = 2;
+            nxt_known = true;
             if (t == 0) ret_old = atomicAdd(ticket + 1, 1);
         } else {
             done_claiming = false;
-            nxt_state = 0;
+            nxt_known = false;
             if (t == 0) pending = atomicAdd(ticket, 1);
         }
         while (cur.kind != IT_NONE) {
@@ -827,9 +786,9 @@ struct V2Kernel {
             // every warp learns the successor (those that did not on the way, e.g. an item with no
             // stages, learn it here), then s.q may be reused for the next claim
             __syncthreads();
-            if (nxt_state != 2) publish();
+            if (!nxt_known) publish();
             __syncthreads();
-            if (nxt_state != 2) learn_next();
+            if (!nxt_known) learn_next();
             cur_ticket = s.q;
             __syncthreads();
             base_cur += cur.nst;
@@ -838,10 +797,10 @@ struct V2Kernel {
             item_seq++;
             published = false;
             if (cur.kind != IT_NONE && !done_claiming) {
-                nxt_state = 0;
+                nxt_known = false;
                 if (t == 0) pending = atomicAdd(ticket, 1);
             } else {
-                nxt_state = 2;
+                nxt_known = true;
             }
         }
         if (t == 0 && ret_old == G - 1) {  // every claim of this launch has been made
@@ -879,8 +838,7 @@ Tuning g_tuning;
 
 }  // namespace
 
-void set_tuning(int stages, int ctas_per_sm, int items_x4) {
-    (void)stages;  // v2's ring depth is a compile-time constant (S)
+void set_tuning(int ctas_per_sm, int items_x4) {
     if (ctas_per_sm >= 0) g_tuning.ctas_per_sm = ctas_per_sm;
     if (items_x4 > 0) g_tuning.items_x4 = items_x4;
 }
@@ -908,7 +866,6 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     KernelFn fn = pick_v2(a_in.bits, a_in.codebook, a_in.variant != 3);
     if (!fn) return cudaErrorInvalidValue;
     Args a = a_in;
-    a.stages = S;
     a.items_x4 = g_tuning.items_x4;
     // shift multipliers for states8 (see there); kmul[7] = 2^16 moves the top half down
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
