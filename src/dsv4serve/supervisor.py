@@ -38,6 +38,9 @@ STATE_POLL_S = 0.5
 # log file themselves, unbuffered, before the canary's answer leaves the server, so a short wait
 # after the canary covers every marker still in flight.
 MARKER_GRACE_S = 3.0
+# After the first fatal line, how long the other ranks may take to say why before the seat is stopped:
+# ranks of one seat fail together (same load, same check), milliseconds to a second apart.
+FATAL_SETTLE_S = 2.0
 EXIT_INTERRUPTED = 130
 
 
@@ -247,6 +250,7 @@ class Supervisor:
         self.need = {m.text: (self.tp if m.ranks == "all" else int(m.ranks)) for m in profile.gates.markers}
         self.t0 = time.time()
         self.tracker = SeatTracker(self.tp, list(self.need), list(profile.gates.forbidden), start=self.t0)
+        self.tail: LogTail | None = None  # the reader feeding the tracker, drained once more on a failure
         self.display = Display(self.seat, self.tracker, json_events, self.t0)
         self.proc: subprocess.Popen | None = None
         self.st: SeatState | None = None
@@ -335,7 +339,7 @@ class Supervisor:
             return self._finish(out)
 
     def _bring_up(self, intr: Interrupts) -> Outcome:
-        tail = LogTail(self.log_path)
+        tail = self.tail = LogTail(self.log_path)
         canary_done_at: float | None = None
         while True:
             now = time.time()
@@ -352,6 +356,7 @@ class Supervisor:
             if self._taken_over(now):
                 return self._taken_over_outcome(intr)
             if self.tracker.fatal:
+                self._settle_fatal()
                 return self._fail(self._from_fatal(elapsed), intr)
             rc = self.proc.poll() if self.proc else None
             if rc is not None:
@@ -490,6 +495,20 @@ class Supervisor:
         lag = self.tracker.laggard()
         return f"{lag.name} in phase '{PHASE_LABEL.get(lag.phase, lag.phase)}'"
 
+    def _drain(self) -> None:
+        """Feed the tracker whatever the log holds that the tail has not read yet."""
+        if self.tail is not None:
+            for ln in self.tail.read():
+                self.tracker.feed(ln, time.time())
+
+    def _settle_fatal(self) -> None:
+        """Let every rank say why before the stop cuts them off: the report names each rank's first
+        error (a rank that stays silent past FATAL_SETTLE_S is reported without one)."""
+        deadline = time.time() + FATAL_SETTLE_S
+        while sum(1 for r in self.tracker.ranks.values() if r.first_error) < self.tp and time.time() < deadline:
+            time.sleep(POLL_S)
+            self._drain()
+
     def _from_fatal(self, elapsed: float) -> Outcome:
         f = self.tracker.fatal[0]
         who = f"rank {f.rank}" if f.rank is not None else f.stream
@@ -550,6 +569,7 @@ class Supervisor:
         grace = min(self.t.shutdown_grace_s, stop.STARTUP_GRACE_S)
         rep = stop.stop_run(st, grace, escalate=intr.escalate) if st else None
         out.stop_report = rep
+        self._drain()  # the processes are gone: the log is complete, and what it says goes in the report
         tr = self.tracker
         out.diagnostics = str(diagnostics.bundle(
             self.run_dir, self.log_path, reason=out.reason, hint=out.hint, snapshot=tr.snapshot(time.time()),
@@ -580,7 +600,7 @@ class Supervisor:
 
     def _attached(self, intr: Interrupts, ready: Outcome) -> Outcome:
         """--foreground: echo the log, watch for a crash, tear down on Ctrl-C (twice: SIGKILL)."""
-        tail = LogTail(self.log_path)
+        tail = self.tail = LogTail(self.log_path)
         tail.skip_to_end()
         n_fatal = len(self.tracker.fatal)
         if not self.json_events:
