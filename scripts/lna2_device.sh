@@ -3,7 +3,8 @@
 # Usage on the device machine, from the repo root:
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
-#     STEPS:      comma list of smoke,parity,sanitizer,trace,bench,sweep,ncu     (default all)
+#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ncu
+#                 (default all)
 # Wheels come from .whl145/ or .whl165/ (carried). A build brought home by an earlier call can be
 # carried in .dev/ext<ver>/exllamav3_ext.so.part-* to skip the JIT (~150 s for 1.4.5, ~300 s for
 # 1.6.5 on 16 cores); a fresh JIT build is sent home the same way (16 MiB per returned file).
@@ -11,7 +12,7 @@
 # call still returns what it measured.
 set -u
 INCS=${1:-145,165}
-STEPS=${2:-smoke,parity,sanitizer,trace,bench,sweep,ncu}
+STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ncu}
 DEADLINE=${DEADLINE:-540}
 T0=$(date +%s)
 FINAL=${OUT:-$PWD/.device-out}
@@ -28,6 +29,12 @@ left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee -a "$LOG"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$LOG"
+
+# dsv4serve's own dependencies missing from the device image (pydantic, ...) and the dsv4serve wheel
+# itself (its vllm.general_plugins entry point is one of check-seat's rows) travel in .whl/
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+fi
 
 declare -A PID
 for INC in ${INCS//,/ }; do
@@ -67,6 +74,35 @@ step "build lna2"
 MAX_JOBS=4 timeout 300 python3 scripts/lna2_device.py build > "$OUT/lna2_build.log" 2>&1
 echo "exit $?" >> "$OUT/lna2_build.log"
 grep -E "registers|spill|error|built|exit" "$OUT/lna2_build.log" | tail -30 | tee -a "$LOG"
+
+if has checkseat; then
+  step "dsv4serve check-seat on this GPU (one-GPU H200 profile over a synthetic pack, and the canon profile)"
+  PYTHONPATH=/tmp/site timeout 120 python3 - > "$OUT/checkseat.log" 2>&1 <<'PY'
+import json, os, subprocess, sys
+from dsv4serve.testing.synthpack import write_pack
+sp = write_pack("/tmp/pack")
+out = os.environ["OUT"]
+h200 = ["--set", "runtime.kind=native", "--set", "gpus.ids=[0]", "--set", "gpus.model=H200", "--set",
+        "gpus.memory_gib=140", "--set", 'gpus.compute_capability="9.0"', "--set", "vllm.tensor_parallel_size=1",
+        "--set", "model.path=/tmp/pack", "--set", f"model.expect_shards={sp.expect_shards}"]
+for tag, extra in (("h200", h200), ("canon", [])):
+    r = subprocess.run([sys.executable, "-m", "dsv4serve", "check-seat", "--profile", "8x16gb-380k", "--json", *extra],
+                       capture_output=True, text=True, timeout=100)
+    open(f"{out}/check-seat-{tag}.json", "w").write(r.stdout)
+    open(f"{out}/check-seat-{tag}.stderr", "w").write(r.stderr)
+    print(tag, "exit", r.returncode)
+    try:
+        for row in json.loads(r.stdout)["rows"]:
+            if row.get("section") == "machine" or row.get("check") in ("lna2", "plugin-entry-point", "torch-cuda-arch"):
+                print(" ", row.get("section"), row.get("check"), row.get("status"), row.get("found"))
+    except Exception as e:
+        print("unparsable:", e, r.stdout[-400:], r.stderr[-800:])
+PY
+  echo "exit $?" >> "$OUT/checkseat.log"
+  PYTHONPATH=/tmp/site timeout 60 python3 scripts/nvml_probe.py --out "$OUT/nvml-h200.json" >> "$OUT/checkseat.log" 2>&1
+  echo "nvml_probe exit $?" >> "$OUT/checkseat.log"
+  cat "$OUT/checkseat.log" | tee -a "$LOG"
+fi
 
 export LNA2_VARIANTS=${LNA2_VARIANTS:-2,3,0,1}
 if has smoke; then
@@ -120,12 +156,20 @@ if has bench; then
 fi
 for INC in ${INCS//,/ }; do [ "$INC" != none ] && [ -n "${PID[$INC]:-}" ] && ready_inc "$INC" >/dev/null; done
 
+if has dispatch; then
+  DI=none; case ",$INCS," in *",145,"*) ready_inc 145 && DI=145;; esac
+  step "moe_dispatch.Runtime on this GPU vs exllamav3 $DI"
+  PYTHONPATH=/tmp/site$DI:/tmp/site timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch.log" 2>&1
+  echo "exit $?" >> "$OUT/dispatch.log"
+  grep -E "prepared|calls, worst|graph:|timing|dispatch:|FAIL|Error|exit|ACTIVE" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
+fi
+
 if has ncu && command -v ncu >/dev/null && [ "$(left)" -gt 90 ]; then
   step "ncu (3 launches of each profiled shape)"
   V=$(echo "$BV" | cut -d, -f1)
   LNA2_PROFILE_VARIANT=$V timeout 80 ncu --clock-control none -k regex:moe_decode_v --launch-count 9 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
-    --section ComputeWorkloadAnalysis python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1; echo "exit $?" >> "$OUT/ncu.log"
+    --section ComputeWorkloadAnalysis --section InstructionStats python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1; echo "exit $?" >> "$OUT/ncu.log"
   grep -E "Duration|Throughput|Achieved Occupancy|Issued Warp|No Eligible|Registers|exit" "$OUT/ncu.log" | tail -24 | tee -a "$LOG"
 fi
 step "done"

@@ -12,6 +12,7 @@ names); it imports dsv4serve from this checkout's src/ when dsv4serve is not ins
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -42,6 +43,14 @@ def _smi() -> dict[str, str]:
     return out
 
 
+def _dist_version(name: str) -> str | None:
+    """The installed distribution's version (pynvml itself carries none)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ids", default=None, help="GPU indices to read P2P/topology between (default: all)")
@@ -62,7 +71,7 @@ def main() -> int:
     doc = {
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": {"node": platform.node(), "python": platform.python_version(), "platform": platform.platform(),
-                 "nvidia_ml_py": getattr(pynvml, "__version__", None),
+                 "nvidia_ml_py": _dist_version("nvidia-ml-py") or getattr(pynvml, "__version__", None),
                  "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")},
         "recording": rec.recording,
         "parsed": machine.as_dict(),
