@@ -110,19 +110,18 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
                "routing_weights must be a contiguous fp32 [m, top_k] tensor");
     LNA2_CHECK(bits == 2 || bits == 3, "bits must be 2 or 3, got ", bits);
     LNA2_CHECK(codebook == lna2::CB_MCG || codebook == lna2::CB_MUL1, "codebook must be 1 (mcg) or 2 (mul1)");
-    LNA2_CHECK(variant >= 0 && variant <= 3, "variant must be 0..3 (see lna2_api.h), got ", variant);
+    LNA2_CHECK(variant >= 0 && variant <= 4, "variant must be 0..4 (see lna2_api.h), got ", variant);
     LNA2_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0, "swiglu_limit must be finite and > 0");
     const size_t need = lna2::scratch_bytes(static_cast<int>(hidden), static_cast<int>(intermediate));
     LNA2_CHECK(scratch.device() == dev && scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous() &&
                    static_cast<size_t>(scratch.numel()) >= need,
                "scratch must be a contiguous uint8 CUDA tensor of >= ", need,
                " bytes (lna2_moe_scratch_bytes), zeroed once before first use");
-    if (variant >= 2) {
-        // v2 reads x with 16-byte loads and keeps 16-byte aligned fp32 rows in the scratch
-        LNA2_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned for variant ",
-                   variant, " (pass a fresh contiguous tensor)");
-        LNA2_CHECK(reinterpret_cast<uintptr_t>(scratch.data_ptr()) % 256 == 0, "scratch must be 256-byte aligned");
-    }
+    // Every variant reads x and writes out with vector accesses (8 or 16 bytes): an unaligned view
+    // is refused here rather than faulting on the device (it did, 2026-12-03, through v0).
+    LNA2_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+               "x and out must be 16-byte aligned (pass fresh contiguous tensors, not offset views)");
+    LNA2_CHECK(reinterpret_cast<uintptr_t>(scratch.data_ptr()) % 256 == 0, "scratch must be 256-byte aligned");
 
     const c10::cuda::CUDAGuard guard(dev);
     const auto [bps, sms] = grid_for(dev.index(), static_cast<int>(bits), static_cast<int>(codebook),
@@ -148,7 +147,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     a.swiglu_limit = static_cast<float>(swiglu_limit);
     a.trace = nullptr;
     if (trace.has_value() && trace->defined()) {
-        LNA2_CHECK(variant >= 2, "trace is recorded by variants 2 and 3 only");
+        LNA2_CHECK(variant >= 2, "trace is recorded by variants 2, 3 and 4 only");
         LNA2_CHECK(trace->device() == dev && trace->scalar_type() == torch::kInt64 && trace->is_contiguous() &&
                        trace->numel() >= int64_t(bps) * sms * lna2::TRACE_EVENTS * 2,
                    "trace must be a contiguous int64 CUDA tensor of >= grid x ", lna2::TRACE_EVENTS, " x 2 elements");

@@ -121,7 +121,7 @@ struct Args {
     uint8_t* scratch;
     int m, top_k, n_experts, hidden, inter, bits, codebook, x_dtype, out_dtype;
     int variant;                // 0: register-streamed, 1: cp.async-pipelined, 2: v2, 3: v2 without the
-                                // MCG exact-sum MMA (see lna2_v2.cu)
+                                // MCG exact-sum MMA (see lna2_v2.cu), 4: v2 built for 2 CTAs per SM
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x4;               // v2: aim for at least grid * items_x4 / 4 gate/up items (set by launch())
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
@@ -141,8 +141,8 @@ cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 // setting) and the gate/up item target, grid * items_x4 / 4 (0 keeps it).
 void set_tuning(int ctas_per_sm, int items_x4);
 
-// v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2 and 3 to them.
-cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_experts, int m, int top_k,
+// v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2, 3 and 4 to them.
+cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                          int* blocks_per_sm, int* num_sms);
 cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
 const char* build_id();

@@ -792,7 +792,7 @@ static cudaError_t prepare_fn(KernelFn fn, int variant, int bits, int device, si
 cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                       int* blocks_per_sm, int* num_sms) {
     if (variant >= 2)
-        return v2_occupancy(bits, codebook, variant != 3, device, n_experts, m, top_k, blocks_per_sm, num_sms);
+        return v2_occupancy(bits, codebook, variant, device, n_experts, m, top_k, blocks_per_sm, num_sms);
     KernelFn fn = pick(bits, codebook, variant);
     if (!fn) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);

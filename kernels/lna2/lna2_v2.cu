@@ -24,9 +24,9 @@
 #include "lna2_api.h"
 #include "lna2_common.cuh"
 
-#ifndef LNA2_V2_MIN_BLOCKS
-#define LNA2_V2_MIN_BLOCKS 3
-#endif
+// Resident CTAs per SM the register budget is set for: 3 (80 registers, spills around the tile
+// loop) for variants 2/3, 2 (up to 128 registers, no spills) for variant 4 (NOTES.md compares them).
+constexpr int V2_MIN_BLOCKS = 3, V4_MIN_BLOCKS = 2;
 
 namespace lna2 {
 namespace {
@@ -107,6 +107,18 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 __device__ __forceinline__ uint2 ldcg2(const uint32_t* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
+
+// A read-only 8-byte load the compiler keeps where it is written (not sunk into the branch that
+// uses it): the finisher's scales are requested before the arrival that decides who finishes.
+__device__ __forceinline__ uint2 ld_early(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
+    const float2 a = __half22float2(u2h(u.x)), b = __half22float2(u2h(u.y));
+    v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+}
 
 // The 8 16-bit states of this lane's positions in one tile, from the two words holding its window.
 // A state is moved to the top half by a multiply and shifted down, or cut out with one ALU op where
@@ -248,6 +260,13 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
 
 __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
     const int t = threadIdx.x;
+    // Every expert's nine pointers are requested before the ids are known (one thread per expert):
+    // the unused ones cost an L2 hit each, the used ones arrive with the ids instead of one HBM
+    // round trip after them (kernels/lna2/NOTES.md, "serial HBM trips").
+    const void* mine[9];
+#pragma unroll
+    for (int i = 0; i < 9; i++)
+        mine[i] = t < a.n_experts ? reinterpret_cast<const void*>(__ldg(a.tables[i] + t)) : nullptr;
     s.mask[t] = 0;
     __syncthreads();
     const int pairs = a.m * a.top_k;
@@ -261,10 +280,6 @@ __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
     __syncthreads();
     const int c = t < a.n_experts ? __popc(s.mask[t]) : 0;
     const int used = c > 0;
-    // the used experts' pointers are in flight while the scans run
-    const void* mine[9];
-#pragma unroll
-    for (int i = 0; i < 9; i++) mine[i] = used ? reinterpret_cast<const void*>(__ldg(a.tables[i] + t)) : nullptr;
     const int ng = (c + GR - 1) / GR;
     const int v[3] = {c, ng, used};
     int excl[3];
@@ -308,7 +323,10 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
 // ------------------------------------------------------------------------------------------------
 // the kernel
 
-constexpr int S = 4;  // ring stages (a power of two: slot and phase are bit fields of the stage index)
+// Ring slots per warp (a power of two: slot and phase are bit fields of the stage index). 8 slots
+// measured no faster anywhere and up to 15 % slower (2026-12-03 run 2, NOTES.md): the stalls are
+// not the trellis bytes in flight.
+constexpr int S = 4;
 
 enum Event : int {  // trace events (Args::trace); the ticket rides in the upper bits
     EV_START = 0, EV_PLAN = 1, EV_ITEM = 2, EV_STAGE0 = 3, EV_MMA = 4, EV_ARRIVED = 5, EV_FINISHED = 6,
@@ -584,11 +602,16 @@ struct V2Kernel {
                                            it.blk * 128 + 4 * lane) = v;
             }
         }
+        // the finisher's gate/up svh and down suh (cold in HBM) travel during the arrival
+        const int col = it.blk * 128 + 4 * lane;
+        const uint2 sc[3] = {ld_early(reinterpret_cast<const __half*>(P(it.g, 2)) + col),
+                             ld_early(reinterpret_cast<const __half*>(P(it.g, 5)) + col),
+                             ld_early(reinterpret_cast<const __half*>(P(it.g, 7)) + col)};
         int* arr = reinterpret_cast<int*>(a.scratch + L.arr) + it.g * MAX_IB + it.blk;
         const bool last = arrive(arr, c.KS - 1);
         trace(EV_ARRIVED, ticket);
         if (last) {
-            finish(it);
+            finish(it, sc);
             trace(EV_FINISHED, ticket);
         }
     }
@@ -596,19 +619,20 @@ struct V2Kernel {
     // The last gate/up item of (group, block): sum the k-split partials in a fixed order, rotate
     // back (Hadamard, svh), DeepSeek-V4's clamped SwiGLU, times down suh, Hadamard into the down
     // input, stored in B-fragment order; then publish the block.
-    __device__ void finish(const Item& it) {
+    __device__ void finish(const Item& it, const uint2 (&sc)[3]) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[it.g], ent0 = s.gent[it.g];
         const int col = it.blk * 128 + 4 * lane;
         float sg[4], su[4], sd[4];
-        load4_half(reinterpret_cast<const __half*>(P(it.g, 2)) + col, sg);
-        load4_half(reinterpret_cast<const __half*>(P(it.g, 5)) + col, su);
-        load4_half(reinterpret_cast<const __half*>(P(it.g, 7)) + col, sd);
+        half4(sc[0], sg);
+        half4(sc[1], su);
+        half4(sc[2], sd);
         const int wpr = rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;  // warps sharing a row's k-splits
         const int j = warp / wpr, sub = warp % wpr;
         const float* part = reinterpret_cast<const float*>(a.scratch + L.part);
         float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
         if (j < rows) {
+#pragma unroll 4
             for (int kc = sub; kc < c.KS; kc += wpr) {
                 const float* p = part + size_t((kc * s.gr + ent0 + j) * 2) * a.inter + col;
                 const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
@@ -812,8 +836,8 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP>
-__global__ void __launch_bounds__(THREADS, LNA2_V2_MIN_BLOCKS) moe_decode_v2(const __grid_constant__ Args a) {
+template <int K, int CB, bool DUP, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
     V2Kernel<K, CB, DUP> k(a, s, dyn);
@@ -822,12 +846,17 @@ __global__ void __launch_bounds__(THREADS, LNA2_V2_MIN_BLOCKS) moe_decode_v2(con
 
 using KernelFn = void (*)(Args);
 
-KernelFn pick_v2(int bits, int codebook, bool dup) {
+// variant 2: MCG exact-sum; 3: the format's rounding (and every MUL1 layer); 4: variant 2's
+// kernel compiled for 2 CTAs per SM
+KernelFn pick_v2(int bits, int codebook, int variant) {
+    constexpr int M3 = V2_MIN_BLOCKS, M2 = V4_MIN_BLOCKS;
     if (codebook == CB_MCG) {
-        if (dup) return bits == 2 ? moe_decode_v2<2, CB_MCG, true> : moe_decode_v2<3, CB_MCG, true>;
-        return bits == 2 ? moe_decode_v2<2, CB_MCG, false> : moe_decode_v2<3, CB_MCG, false>;
+        if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
+        if (variant == 2) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M3> : moe_decode_v2<3, CB_MCG, true, M3>;
+        return bits == 2 ? moe_decode_v2<2, CB_MCG, false, M3> : moe_decode_v2<3, CB_MCG, false, M3>;
     }
-    if (codebook == CB_MUL1) return bits == 2 ? moe_decode_v2<2, CB_MUL1, false> : moe_decode_v2<3, CB_MUL1, false>;
+    if (codebook == CB_MUL1)
+        return bits == 2 ? moe_decode_v2<2, CB_MUL1, false, M3> : moe_decode_v2<3, CB_MUL1, false, M3>;
     return nullptr;
 }
 
@@ -847,9 +876,9 @@ static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
     return dyn_layout(bits, S, ucap_for(n_experts, m, top_k)).total;
 }
 
-cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_experts, int m, int top_k,
+cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                          int* blocks_per_sm, int* num_sms) {
-    KernelFn fn = pick_v2(bits, codebook, dup);
+    KernelFn fn = pick_v2(bits, codebook, variant);
     if (!fn) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
@@ -863,13 +892,14 @@ cudaError_t v2_occupancy(int bits, int codebook, bool dup, int device, int n_exp
 }
 
 cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
-    KernelFn fn = pick_v2(a_in.bits, a_in.codebook, a_in.variant != 3);
+    KernelFn fn = pick_v2(a_in.bits, a_in.codebook, a_in.variant);
     if (!fn) return cudaErrorInvalidValue;
     Args a = a_in;
     a.items_x4 = g_tuning.items_x4;
     // shift multipliers for states8 (see there); kmul[7] = 2^16 moves the top half down
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
+    a.stages = S;
     const int dyn = v2_dyn_bytes(a.bits, a.n_experts, a.m, a.top_k);
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
