@@ -180,9 +180,9 @@ class FakeLna2:
         assert expert_ids.is_contiguous() and 1 <= expert_ids.shape[1] <= 8
         assert routing_weights.dtype == torch.float32 and routing_weights.shape == expert_ids.shape
         assert routing_weights.is_contiguous()
-        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1, 2, 3)
-        if variant >= 2:  # the ticket-scheduled variants load x 16 bytes at a time
-            assert x.data_ptr() % 16 == 0, f"x must be 16-byte aligned for variant {variant}"
+        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1, 2, 3, 4)
+        # every variant reads x and writes out with vector accesses
+        assert x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0, "x and out must be 16-byte aligned"
         assert scratch.dtype == torch.uint8 and scratch.numel() >= self.lna2_moe_scratch_bytes(hidden, intermediate)
         assert int(scratch.count_nonzero()) == 0, "scratch must be zeroed before first use"
         w = 16 * bits
@@ -444,6 +444,21 @@ def test_decode_goes_to_lna2_and_computes_the_incumbents_moe():
     # and the incumbent (the stand-in's own, unwrapped apply) agrees
     assert torch.equal(out, Exl3MoEMethod.apply(layer.quant_method, layer, x, w, ids, None, None))
     assert rt.counters.calls == {"lna2": 1, "incumbent": 0}
+
+
+def test_an_offset_view_of_x_reaches_the_kernel_aligned():
+    """v0 faulted on the H200 (misaligned address) when handed a view 2 bytes into a buffer: the
+    dispatch copies such an x, and the result is the same as for the aligned tensor."""
+    rt, lines, layer, el, fake = ready()
+    x, ids, w = routes(3)
+    buf = torch.empty(x.numel() + 8, dtype=x.dtype)
+    view = buf[1:1 + x.numel()].view_as(x)
+    view.copy_(x)
+    assert view.data_ptr() % 16 != 0
+    out = call(layer, view, w, ids)
+    assert len(fake.calls) == 1 and rt.counters.calls == {"lna2": 1, "incumbent": 0}
+    assert torch.equal(out, ref.moe_reference(x, el, ids.long(), w).to(x.dtype))
+    assert not rt.counters.declines
 
 
 def test_positional_call_works_too():

@@ -571,6 +571,10 @@ class Runtime:
         x2 = x.reshape(rows, g.hidden)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
+        elif x2.data_ptr() % 16:
+            # An offset view (e.g. a slice of a larger activation buffer): every lna2 variant reads x
+            # with vector loads, and the binding refuses an unaligned x. A fresh copy is aligned.
+            x2 = x2.clone()
         # Trap 14: ids may arrive flat ([rows*top_k]); lna2 takes [rows, top_k] and rejects flat.
         ids = topk_ids.reshape(rows, g.top_k)
         expert_map = getattr(st.layer, "expert_map", None)
@@ -585,7 +589,7 @@ class Runtime:
         if scratch is None:
             raise RuntimeError(f"no lna2 scratch for {g.device} (allocated at load only)")
         out = torch.empty_like(x2)
-        variant = variant_for(rows, g.inter, g.bits, x_aligned=x2.data_ptr() % 16 == 0)
+        variant = variant_for(rows, g.inter, g.bits)
         self._ext.lna2_moe_decode(x2, out, *st.tables, ids, weights, g.bits, g.swiglu_limit, scratch,
                                   g.inter, g.codebook, variant)
         return out.view(x.shape)
