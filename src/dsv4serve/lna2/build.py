@@ -27,6 +27,12 @@ def source_digest(src_dir: Path | None = None) -> str:
     return h.hexdigest()[:12]
 
 
+def build_tag(digest: str) -> str:
+    """What the built extension's lna2_build_id() returns for sources of this digest (a leading
+    letter keeps the -D macro value an identifier whatever the digest starts with)."""
+    return f"b{digest}"
+
+
 def arch_flags(arch: str) -> list[str]:
     """'9.0;12.0' -> nvcc -gencode flags (SASS for each; PTX of the last for newer GPUs)."""
     flags = []
@@ -72,9 +78,9 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     try:
         load(name=MODULE, sources=[str(src / s) for s in SOURCES], extra_include_paths=[str(src)],
              build_directory=str(build_dir), verbose=verbose, with_cuda=True,
-             extra_cflags=["-O3", "-std=c++17", f"-DLNA2_BUILD_TAG=b{digest}"],
+             extra_cflags=["-O3", "-std=c++17", f"-DLNA2_BUILD_TAG={build_tag(digest)}"],
              extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-Xptxas", "-v",
-                                f"-DLNA2_BUILD_TAG=b{digest}", *arch_flags(arch)])
+                                f"-DLNA2_BUILD_TAG={build_tag(digest)}", *arch_flags(arch)])
     except Exception as e:  # noqa: BLE001 - compiler errors come as RuntimeError/subprocess errors
         raise JobFailed(f"lna2 build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
                         hint=f"see the build log in {build_dir}") from None

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsv4serve.lna2.build import MODULE, default_out, source_digest
+from dsv4serve.lna2.build import MODULE, build_tag, default_out, source_digest
 
 _loaded: Any = None
 _error: str | None = None
@@ -60,7 +60,8 @@ def load() -> Any:
 
 
 def describe() -> dict[str, Any]:
-    info: dict[str, Any] = {"module": MODULE, "source_build_id": _safe(source_digest)}
+    digest = _safe(source_digest)
+    info: dict[str, Any] = {"module": MODULE, "source_build_id": build_tag(digest) if digest else None}
     meta_path = default_out() / f"{MODULE}.json"
     if meta_path.is_file():
         try:

@@ -1,0 +1,30 @@
+"""dsv4serve.lna2.loader.describe: is the loaded extension a build of the sources next to it?
+
+The extension itself needs a GPU; the module below stands in for it (same lna2_build_id / limits
+API). The H200 run that found the bug: check-seat warned "build b710d8a1faddf, sources are
+710d8a1faddf" for a fresh build, because the build id carries build.build_tag's leading letter.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from dsv4serve.lna2 import build, loader
+
+
+def _ext(build_id: str) -> SimpleNamespace:
+    """Stand-in for the compiled dsv4serve_lna2 module (needs a GPU): its describe()-facing API."""
+    return SimpleNamespace(__file__="/x/dsv4serve_lna2.so", lna2_build_id=lambda: build_id,
+                           lna2_moe_max_rows=lambda: 32, lna2_moe_scratch_bytes=lambda h, i: 1 << 20)
+
+
+def test_a_build_of_these_sources_is_not_stale(monkeypatch):
+    monkeypatch.setattr(loader, "load", lambda: _ext(build.build_tag(build.source_digest())))
+    info = loader.describe()
+    assert info["loadable"] and info["stale"] is False
+    assert info["build_id"] == info["source_build_id"] == "b" + build.source_digest()
+
+
+def test_a_build_of_other_sources_is_stale(monkeypatch):
+    monkeypatch.setattr(loader, "load", lambda: _ext(build.build_tag("0123456789ab")))
+    assert loader.describe()["stale"] is True
