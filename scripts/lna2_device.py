@@ -374,7 +374,9 @@ def cmd_dispatch(args):
             w = topk_weights.reshape(rows, TOPK)
             if self.inc is not None:
                 out = torch.zeros((rows, H), dtype=torch.float32, device=x.device)
-                self.inc.launch(x.reshape(rows, H).half().contiguous(), out, self.inc.prep(ids, w.half()))
+                # exl3_moe faults on an offset view of x (misaligned address, 2026-12-03 run 4); vLLM's
+                # activations are fresh tensors, so the stand-in hands it a fresh fp16 copy
+                self.inc.launch(x.reshape(rows, H).to(torch.float16, copy=True), out, self.inc.prep(ids, w.half()))
             else:
                 out = self.dense.moe(x.reshape(rows, H), ids, w.float()).float()
             self.last_fp32 = out
@@ -429,14 +431,26 @@ def cmd_dispatch(args):
             flat = rows % 4 == 1
             w = torch.softmax(torch.randn((rows, TOPK), device=dev, generator=gen), -1)
             before = dict(counters.calls)
-            got = m.quant_method.apply(m, x, w.reshape(-1) if flat else w, ids.reshape(-1) if flat else ids)
+            where = f"I={I} K={K} rows={rows} x={xdt} aligned={aligned} flat={flat}"
+            try:
+                got = m.quant_method.apply(m, x, w.reshape(-1) if flat else w, ids.reshape(-1) if flat else ids)
+                torch.cuda.synchronize()
+            except Exception as e:  # a device fault poisons the context: say where, then stop
+                log(f"FAULT in the dispatched apply ({where}, policy variant "
+                    f"{variant_for(rows, I, K)}): {e}")
+                raise
             after = dict(counters.calls)
             served = "lna2" if after["lna2"] > before["lna2"] else "incumbent"
-            orig(m, x, w, ids)
+            try:
+                orig(m, x, w, ids)
+                torch.cuda.synchronize()
+            except Exception as e:
+                log(f"FAULT in the incumbent's apply ({where}): {e}")
+                raise
             inc = m.quant_method.last_fp32
             rel_inc = max(row_rel(got.float(), inc.double()))
             case = {"I": I, "K": K, "rows": rows, "x": str(xdt), "aligned": aligned, "flat_ids": flat,
-                    "served": served, "variant": variant_for(rows, I, K, x_aligned=aligned),
+                    "served": served, "variant": variant_for(rows, I, K),
                     "rel_vs_incumbent": rel_inc}
             want = "lna2" if rows <= rt.ceiling else "incumbent"
             tol = 1.2e-2 if xdt == torch.bfloat16 else 6e-3  # both kernels' error plus the output's rounding
@@ -958,7 +972,9 @@ def cmd_profile(args):
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
     variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "2"))
-    for shape, ms in (("tp8", (1, 16)), ("tp1", (8,))):
+    shapes = [(s_, tuple(int(m_) for m_ in ms_.split("+"))) for s_, ms_ in
+              (p_.split(":") for p_ in os.environ.get("LNA2_PROFILE_SHAPES", "tp8:1+16,tp1:8").split(","))]
+    for shape, ms in shapes:
         I = SHAPES[shape]
         W = make_weights(I, 2, dev, gen)
         L = Lna2Layer(W, 2, "mcg", I, dev)

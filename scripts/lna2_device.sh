@@ -63,7 +63,8 @@ ready_inc() {  # wait for a background build, install it, and queue it for the t
     SO=$(find /tmp/ext$INC -name 'exllamav3_ext*.so' | head -1)
     if [ -n "$SO" ]; then
       cp "$SO" "$SITE/exllamav3_ext.so"
-      split -b 15m -d "$SO" "$FINAL/ext$INC.so.part-"
+      # home in parts when small enough to carry back in (1.4.5's 170 MB build is not)
+      [ "$(stat -c %s "$SO")" -lt 60000000 ] && split -b 15m -d "$SO" "$FINAL/ext$INC.so.part-"
     fi
     PID[$INC]=
   fi
@@ -122,7 +123,7 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     [ "$(left)" -lt 200 ] && { echo "skip sanitizer $tool: $(left)s left" | tee -a "$LOG"; continue; }
     step "compute-sanitizer $tool"
-    LNA2_VARIANTS=2,3 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
+    LNA2_VARIANTS=2,3,4 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
       > "$OUT/sanitizer_$tool.log" 2>&1; echo "exit $?" >> "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
   done
@@ -154,6 +155,16 @@ if has bench; then
     grep -E "^tp|exit|Error" "$OUT/bench_$INC.log" | tee -a "$LOG"
   done
 fi
+if has ncu && command -v ncu >/dev/null && [ "$(left)" -gt 90 ]; then
+  step "ncu (3 launches of each profiled shape)"
+  V=$(echo "$BV" | cut -d, -f1)
+  NCU_N=$(( 3 * $(echo "${LNA2_PROFILE_SHAPES:-tp8:1+16,tp1:8}" | tr ',+' '\n\n' | wc -l) ))
+  LNA2_PROFILE_VARIANT=$V timeout ${NCU_TIMEOUT:-80} ncu --clock-control none -k regex:moe_decode_v --launch-count $NCU_N \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1; echo "exit $?" >> "$OUT/ncu.log"
+  grep -E "Duration|Throughput|Achieved Occupancy|Issued Warp|No Eligible|Registers|exit" "$OUT/ncu.log" | tail -24 | tee -a "$LOG"
+fi
+
 for INC in ${INCS//,/ }; do [ "$INC" != none ] && [ -n "${PID[$INC]:-}" ] && ready_inc "$INC" >/dev/null; done
 
 if has dispatch; then
@@ -161,17 +172,9 @@ if has dispatch; then
   step "moe_dispatch.Runtime on this GPU vs exllamav3 $DI"
   PYTHONPATH=/tmp/site$DI:/tmp/site timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch.log" 2>&1
   echo "exit $?" >> "$OUT/dispatch.log"
-  grep -E "prepared|calls, worst|graph:|timing|dispatch:|FAIL|Error|exit|ACTIVE" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
+  grep -E "prepared|calls, worst|graph:|timing|dispatch:|FAIL|FAULT|Error|exit|ACTIVE" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
 fi
 
-if has ncu && command -v ncu >/dev/null && [ "$(left)" -gt 90 ]; then
-  step "ncu (3 launches of each profiled shape)"
-  V=$(echo "$BV" | cut -d, -f1)
-  LNA2_PROFILE_VARIANT=$V timeout 80 ncu --clock-control none -k regex:moe_decode_v --launch-count 9 \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
-    --section ComputeWorkloadAnalysis --section InstructionStats python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1; echo "exit $?" >> "$OUT/ncu.log"
-  grep -E "Duration|Throughput|Achieved Occupancy|Issued Warp|No Eligible|Registers|exit" "$OUT/ncu.log" | tail -24 | tee -a "$LOG"
-fi
 step "done"
 pack
 ls -la "$FINAL" | tee -a "$LOG"
