@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "2,3,0,1").split(",")]
+VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "4,2,3,0,1").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 
 
@@ -971,7 +971,7 @@ def cmd_profile(args):
 
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
-    variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "2"))
+    variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "4"))
     shapes = [(s_, tuple(int(m_) for m_ in ms_.split("+"))) for s_, ms_ in
               (p_.split(":") for p_ in os.environ.get("LNA2_PROFILE_SHAPES", "tp8:1+16,tp1:8").split(","))]
     for shape, ms in shapes:
@@ -1084,11 +1084,11 @@ def main():
     b.add_argument("--shapes", default="tp8,tp1")
     b.add_argument("--ks", default="2,3")
     b.add_argument("--ms", default="1,2,4,8,16,24")
-    b.add_argument("--variants", default="2,3,0,1")
+    b.add_argument("--variants", default="4,2,3,0,1")
     sw = sub.add_parser("sweep")
-    sw.add_argument("--variant", type=int, default=2)
+    sw.add_argument("--variant", type=int, default=4)
     tr = sub.add_parser("trace")
-    tr.add_argument("--variant", type=int, default=2)
+    tr.add_argument("--variant", type=int, default=4)
     ts = sub.add_parser("trace-summary")
     ts.add_argument("--trace", required=True)
     ts.add_argument("--out", required=True)

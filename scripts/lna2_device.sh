@@ -105,7 +105,7 @@ PY
   cat "$OUT/checkseat.log" | tee -a "$LOG"
 fi
 
-export LNA2_VARIANTS=${LNA2_VARIANTS:-2,3,0,1}
+export LNA2_VARIANTS=${LNA2_VARIANTS:-4,2,3,0,1}
 if has smoke; then
   step "smoke (variants $LNA2_VARIANTS)"
   timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke.log" 2>&1; echo "exit $?" >> "$OUT/smoke.log"
@@ -130,15 +130,15 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
 fi
 
 if has trace && [ "$(left)" -gt 240 ]; then
-  step "v2 event trace"
+  step "event trace (v2 family, variant 4 unless --variant)"
   timeout 90 python3 scripts/lna2_device.py trace > "$OUT/trace.log" 2>&1; echo "exit $?" >> "$OUT/trace.log"
   tail -6 "$OUT/trace.log" | tee -a "$LOG"
 fi
 
-BV=${BENCH_VARIANTS:-2,3,0,1}
+BV=${BENCH_VARIANTS:-4,2,3,0,1}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
-  step "v2 tuning sweep"
+  step "tuning sweep (v2 family)"
   timeout 120 python3 scripts/lna2_device.py sweep > "$OUT/sweep.log" 2>&1; echo "exit $?" >> "$OUT/sweep.log"
   tail -8 "$OUT/sweep.log" | tee -a "$LOG"
 fi
