@@ -655,6 +655,8 @@ class Inc165:
 
 
 def cmd_bench(args):
+    from dsv4serve.lna2.policy import variant_for
+
     import torch
 
     dev = torch.device("cuda:0")
@@ -750,7 +752,9 @@ def cmd_bench(args):
                     fns, pre = {}, {}
                     for v in variants:
                         fns[f"lna2_v{v}"] = (lambda v=v: L.run(x, ids32, w32, out_l, v))
-                    whole = {"lna2": lambda: L.run(x, sel.to(torch.int32), rw.float(), out_l, variants[0])}
+                    # the policy's variant, with the conversions this routing's int64 ids / fp16 weights need
+                    pol = variant_for(m, I, K)
+                    whole = {"lna2": lambda: L.run(x, sel.to(torch.int32), rw.float(), out_l, pol)}
                     out_i = torch.zeros((m, H), dtype=torch.float32, device=dev)
                     if inc_name == "145":
                         st = inc.prep(sel, rw)
