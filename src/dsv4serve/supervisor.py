@@ -339,13 +339,11 @@ class Supervisor:
             return self._finish(out)
 
     def _bring_up(self, intr: Interrupts) -> Outcome:
-        tail = self.tail = LogTail(self.log_path)
+        self.tail = LogTail(self.log_path)
         canary_done_at: float | None = None
         while True:
             now = time.time()
-            evs: list[dict[str, Any]] = []
-            for ln in tail.read():
-                evs += self.tracker.feed(ln, now)
+            evs = self._drain(now)
             if evs:
                 self.display.events(evs)
             self.display.tick(now)
@@ -360,8 +358,7 @@ class Supervisor:
                 return self._fail(self._from_fatal(elapsed), intr)
             rc = self.proc.poll() if self.proc else None
             if rc is not None:
-                for ln in tail.read():
-                    self.display.events(self.tracker.feed(ln, time.time()))
+                self.display.events(self._drain())
                 if self._taken_over(float("inf")):
                     return self._taken_over_outcome(intr)
                 if self.tracker.fatal:
@@ -400,8 +397,7 @@ class Supervisor:
                 if self._probe_error is not None:
                     # the rank that crashed under the canary says more than the HTTP error
                     time.sleep(0.5)
-                    for ln in tail.read():
-                        self.display.events(self.tracker.feed(ln, time.time()))
+                    self.display.events(self._drain())
                     if self.tracker.fatal:
                         return self._fail(self._from_fatal(elapsed), intr)
                     e = self._probe_error
@@ -495,11 +491,14 @@ class Supervisor:
         lag = self.tracker.laggard()
         return f"{lag.name} in phase '{PHASE_LABEL.get(lag.phase, lag.phase)}'"
 
-    def _drain(self) -> None:
-        """Feed the tracker whatever the log holds that the tail has not read yet."""
+    def _drain(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Feed the tracker whatever the log holds that the tail has not read yet; its events.
+        `now` stamps every line (one poll of the bring-up loop), else each line is stamped as read."""
+        evs: list[dict[str, Any]] = []
         if self.tail is not None:
             for ln in self.tail.read():
-                self.tracker.feed(ln, time.time())
+                evs += self.tracker.feed(ln, time.time() if now is None else now)
+        return evs
 
     def _settle_fatal(self) -> None:
         """Let every rank say why before the stop cuts them off: the report names each rank's first
