@@ -8,6 +8,8 @@ Run on the device machine (see scripts/lna2_device.sh for the whole cycle in one
   lna2_device.py smoke                 # a few calls, for compute-sanitizer memcheck/racecheck
   lna2_device.py bench --incumbent 145|165|none   # lna2 and one incumbent, same process, alternated
   lna2_device.py merge                 # bench JSONs -> kernels/lna2/results/<date>-<card>.json rows
+  lna2_device.py sweep [--items 2,3]   # the gate/up item target (set_tuning) at the bench's K2 shapes
+  lna2_device.py ablate                # variant 4 against its one-stage-removed timing ablations
 
 The incumbents' calls follow what exllamav3 1.4.5 / vllm-exl3 0.2.3 and exllamav3 1.6.5 do
 (shared/docs/exl3-reference.md §2.3, incumbent-h200.md, incumbent165-h200.md); weights and routing
@@ -654,6 +656,37 @@ class Inc165:
         self.ext.exl3_moe_gather(out, st["scratch"], st["fe"], st["inv"], tb[1, :E], tb[0, :E], tb[2, :E], st["ws"])
 
 
+def cold_timers(flush, spin_cycles=int(30e6)):
+    """(series, alternate) timing helpers shared by bench, sweep and ablate: CUDA events with the
+    host queue filled behind a spin; cold = `flush` (256 MiB) written before every launch."""
+    import torch
+
+    def series(n, fn, pre=None, cold=False):
+        ss = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ee = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(spin_cycles)
+        for i in range(n):
+            if pre is not None:
+                pre()
+            if cold:
+                flush.fill_(i)
+            ss[i].record(); fn(); ee[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e_) * 1e3 for s, e_ in zip(ss, ee)]
+
+    def alternate(fns, reps, n, cold, pre=None):
+        """Interleave the contenders in rounds so drift hits them alike; medians per contender."""
+        acc = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, fn in fns.items():
+                acc[k] += series(n, fn, pre.get(k) if pre else None, cold)
+        return {k: float(statistics.median(v)) for k, v in acc.items()}, {
+            k: (float(sorted(v)[len(v) // 10]), float(sorted(v)[(9 * len(v)) // 10])) for k, v in acc.items()}
+
+    return series, alternate
+
+
 def cmd_bench(args):
     from dsv4serve.lna2.policy import variant_for
 
@@ -691,30 +724,7 @@ def cmd_bench(args):
     bw_use = max(bw.values())
     log(f"read bandwidth {bw} -> floor uses {bw_use:.0f} GB/s")
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
-    spin_cycles = int(30e6)
-
-    def series(n, fn, pre=None, cold=False):
-        ss = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ee = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        torch.cuda.synchronize()
-        torch.cuda._sleep(spin_cycles)
-        for i in range(n):
-            if pre is not None:
-                pre()
-            if cold:
-                flush.fill_(i)
-            ss[i].record(); fn(); ee[i].record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e_) * 1e3 for s, e_ in zip(ss, ee)]
-
-    def alternate(fns, reps, n, cold, pre=None):
-        """Interleave the contenders in rounds so drift hits them alike; medians per contender."""
-        acc = {k: [] for k in fns}
-        for _ in range(reps):
-            for k, fn in fns.items():
-                acc[k] += series(n, fn, pre.get(k) if pre else None, cold)
-        return {k: float(statistics.median(v)) for k, v in acc.items()}, {
-            k: (float(sorted(v)[len(v) // 10]), float(sorted(v)[(9 * len(v)) // 10])) for k, v in acc.items()}
+    series, alternate = cold_timers(flush)
 
     variants = [int(v) for v in args.variants.split(",")]
     result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -819,22 +829,23 @@ def cmd_bench(args):
                 dump(f"bench_{inc_name}.json", result)
             del L, inc, W, dense
             torch.cuda.empty_cache()
-    # lna2 phase breakdown is read from the ablation runs in `ablate`, not guessed here
     dump(f"bench_{inc_name}.json", result)
 
 
 def cmd_sweep(args):
-    """v2 tuning grid (CTAs per SM, gate/up item target) at a few shapes, cold medians, one
-    process; the defaults in lna2_v2.cu are read off this table (kernels/lna2/NOTES.md)."""
+    """v2-family tuning grid (CTAs per SM, gate/up item target) at the bench's shapes, K2 MCG, cold
+    medians alternated in one process; the defaults in lna2_v2.cu are read off this table
+    (kernels/lna2/NOTES.md)."""
     import torch
 
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
     lna = lna2_mod()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
-    configs = [(0, 6), (2, 6), (0, 3), (0, 12), (2, 12), (0, 24)]
-    res = {"variant": args.variant, "configs": configs, "rows": []}
-    for shape, ms in (("tp8", (1, 4, 8, 16)), ("tp1", (1, 8))):
+    _, alternate = cold_timers(flush)
+    configs = [(0, int(i)) for i in args.items.split(",")]
+    res = {"variant": args.variant, "lna2_build": lna.lna2_build_id(), "configs": configs, "rows": []}
+    for shape, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))):
         I = SHAPES[shape]
         W = make_weights(I, 2, dev, gen)
         L = Lna2Layer(W, 2, "mcg", I, dev)
@@ -842,30 +853,63 @@ def cmd_sweep(args):
             x, sel, rw = make_routing(m, 2, I, dev, gen)
             ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
             out = torch.empty((m, H), dtype=torch.float32, device=dev)
-            row = {"shape": shape, "m": m}
-            samples = {c: [] for c in configs}
-            for _ in range(3):
-                for cfg in configs:
-                    lna.lna2_set_tuning(*cfg)
+
+            def run_with(cfg):
+                def fn():
+                    lna.lna2_set_tuning(*cfg)  # host-side only: the next launch reads it
                     L.run(x, ids32, w32, out, args.variant)
-                    torch.cuda.synchronize()
-                    ss = [torch.cuda.Event(enable_timing=True) for _ in range(10)]
-                    ee = [torch.cuda.Event(enable_timing=True) for _ in range(10)]
-                    torch.cuda._sleep(int(20e6))
-                    for i in range(10):
-                        flush.fill_(i)
-                        ss[i].record(); L.run(x, ids32, w32, out, args.variant); ee[i].record()
-                    torch.cuda.synchronize()
-                    samples[cfg] += [a.elapsed_time(b) * 1e3 for a, b in zip(ss, ee)]
-            for cfg in configs:
-                row["c%d_i%d" % cfg] = float(statistics.median(samples[cfg]))
+                return fn
+
+            cold, _ = alternate({"c%d_i%d" % cfg: run_with(cfg) for cfg in configs}, 3, 10, True)
+            row = {"shape": shape, "m": m, "U": int(torch.unique(sel).numel()), **cold}
             res["rows"].append(row)
-            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("c")))
+            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
             dump("sweep.json", res)
         del L, W
         torch.cuda.empty_cache()
     lna.lna2_set_tuning(0, 6)
 
+
+ABLATIONS = {10: "no_decode", 11: "no_copy", 12: "no_down", 13: "no_decode_no_copy"}
+
+
+def cmd_ablate(args):
+    """Variant 4 against its timing ablations (lna2_api.h: each drops one stage; their outputs are
+    not the MoE op) and an empty launch, K2 MCG, cold medians alternated in one process: what each
+    stage costs on the critical path (kernels/lna2/NOTES.md, "where the time goes")."""
+    import torch
+
+    dev = torch.device("cuda:0")
+    gen = torch.Generator(device=dev)
+    lna = lna2_mod()
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
+    _, alternate = cold_timers(flush)
+    res = {"lna2_build": lna.lna2_build_id(), "ablations": ABLATIONS, "rows": []}
+    for shape, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 8, 16))):
+        I = SHAPES[shape]
+        W = make_weights(I, 2, dev, gen)
+        L = Lna2Layer(W, 2, "mcg", I, dev)
+        for m in ms:
+            x, sel, rw = make_routing(m, 2, I, dev, gen)
+            ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
+            none = torch.full_like(ids32, -1)
+            out = torch.empty((m, H), dtype=torch.float32, device=dev)
+            fns = {"v4": lambda: L.run(x, ids32, w32, out, 4)}
+            for v, name in ABLATIONS.items():
+                fns[name] = (lambda v=v: L.run(x, ids32, w32, out, v))
+            fns["empty"] = lambda: L.run(x, none, w32, out, 4)
+            cold, p = alternate(fns, 3, 10, True)
+            # the real variant still computes the op after the ablations shared its scratch
+            L.run(x, ids32, w32, out, 4)
+            ref = DenseCache(as_layer(W, 2, "mcg", I)).moe(x, sel, rw.float()) if m == 1 else None
+            row = {"shape": shape, "m": m, "U": int(torch.unique(sel).numel()), "cold_us": cold, "p10_p90": p}
+            if ref is not None:
+                row["v4_rel_err_after"] = float(((out.double() - ref).norm() / ref.norm()).item())
+            res["rows"].append(row)
+            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
+            dump("ablate.json", res)
+        del L, W
+        torch.cuda.empty_cache()
 
 EVENTS = ["start", "plan", "item", "stage0", "mma", "arrived", "finished", "ready", "gathered", "exit", "next"]
 
@@ -1091,6 +1135,8 @@ def main():
     b.add_argument("--variants", default="4,2,3,0,1")
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
+    sw.add_argument("--items", default="2,3,4,6,8,12")
+    sub.add_parser("ablate")
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=4)
     ts = sub.add_parser("trace-summary")
@@ -1106,7 +1152,7 @@ def main():
     mg.add_argument("--date")
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
-     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "trace": cmd_trace,
+     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "ablate": cmd_ablate, "trace": cmd_trace,
      "trace-summary": cmd_trace_summary, "dispatch": cmd_dispatch}[args.cmd](args)
 
 

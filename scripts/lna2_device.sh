@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repo root:
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
-#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ncu
+#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu
 #                 (default all)
 # Wheels come from .whl145/ or .whl165/ (carried). A build brought home by an earlier call can be
 # carried in .dev/ext<ver>/exllamav3_ext.so.part-* to skip the JIT (~150 s for 1.4.5, ~300 s for
@@ -12,7 +12,7 @@
 # call still returns what it measured.
 set -u
 INCS=${1:-145,165}
-STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ncu}
+STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu}
 DEADLINE=${DEADLINE:-540}
 T0=$(date +%s)
 FINAL=${OUT:-$PWD/.device-out}
@@ -139,8 +139,15 @@ BV=${BENCH_VARIANTS:-4,2,3,0,1}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
   step "tuning sweep (v2 family)"
-  timeout 120 python3 scripts/lna2_device.py sweep > "$OUT/sweep.log" 2>&1; echo "exit $?" >> "$OUT/sweep.log"
-  tail -8 "$OUT/sweep.log" | tee -a "$LOG"
+  timeout 150 python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} > "$OUT/sweep.log" 2>&1
+  echo "exit $?" >> "$OUT/sweep.log"
+  grep -E "^tp|exit|Error" "$OUT/sweep.log" | tee -a "$LOG"
+fi
+
+if has ablate && [ "$(left)" -gt 120 ]; then
+  step "timing ablations of variant 4"
+  timeout 120 python3 scripts/lna2_device.py ablate > "$OUT/ablate.log" 2>&1; echo "exit $?" >> "$OUT/ablate.log"
+  grep -E "^tp|exit|Error" "$OUT/ablate.log" | tee -a "$LOG"
 fi
 
 if has bench; then

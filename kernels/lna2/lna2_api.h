@@ -121,7 +121,8 @@ struct Args {
     uint8_t* scratch;
     int m, top_k, n_experts, hidden, inter, bits, codebook, x_dtype, out_dtype;
     int variant;                // 0: register-streamed, 1: cp.async-pipelined, 2: v2, 3: v2 without the
-                                // MCG exact-sum MMA (see lna2_v2.cu), 4: v2 built for 2 CTAs per SM
+                                // MCG exact-sum MMA (see lna2_v2.cu), 4: v2 built for 2 CTAs per SM;
+                                // 10..13: timing ablations of 4 (K2 MCG only, see ABLATION_VARIANT_BASE)
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x4;               // v2: aim for at least grid * items_x4 / 4 gate/up items (set by launch())
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
@@ -130,6 +131,12 @@ struct Args {
 };
 
 constexpr int TRACE_EVENTS = 64;  // per CTA
+
+// Variants from here on are timing ablations of variant 4, each with one stage removed (10: no
+// trellis decode, 11: no trellis copies, 12: no down phase, 13: neither decode nor copies). Their
+// outputs are garbage by design; only a benchmark asks for them (scripts/lna2_device.py ablate).
+constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
+inline bool variant_known(int v) { return (v >= 0 && v <= 4) || (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS); }
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).
 // `n_experts`, `m` and `top_k` size v2's shared memory (its pointer cache); v0/v1 ignore them.

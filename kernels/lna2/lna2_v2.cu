@@ -24,6 +24,14 @@
 #include "lna2_api.h"
 #include "lna2_common.cuh"
 
+// Timing ablations of variant 4 (variants 10..13): each drops one stage so a benchmark can see
+// what that stage costs on the critical path. Their outputs are NOT the MoE op.
+enum Ablation : int {
+    ABL_NO_DECODE = 1,  // trellis words go into the MMA as they are: no state extraction, no codebook
+    ABL_NO_COPY = 2,    // the ring is never filled (stale shared memory): no trellis bytes move
+    ABL_NO_DOWN = 4,    // gate/up items and finishers only: no down items, no top-k gather
+};
+
 // Resident CTAs per SM the register budget is set for: 3 (80 registers, spills around the tile
 // loop) for variants 2/3, 2 (up to 128 registers, no spills) for variant 4 (NOTES.md compares them).
 constexpr int V2_MIN_BLOCKS = 3, V4_MIN_BLOCKS = 2;
@@ -187,12 +195,18 @@ __device__ __forceinline__ void b_frag(uint2 v, uint32_t (&b)[4]) {
 }
 
 // A warp's share of one ring stage: 8 consecutive n-tiles of one k-tile row.
-template <int K, int CB, bool DUP>
+template <int K, int CB, bool DUP, int ABL = 0>
 __device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)[4], int w0i, int w1i, int sh,
                                         const Args& a, float (&acc)[8][4]) {
     constexpr int WPT = 8 * K;
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) {
+        if constexpr ((ABL & ABL_NO_DECODE) != 0) {
+            const uint32_t wa = row[nt * WPT + w0i], wb = row[nt * WPT + w1i];
+            mma16816(acc[nt], wa, wb, wb, wa, b[0], b[1]);
+            if constexpr (CB == CB_MCG && DUP) mma16816(acc[nt], wb, wa, wa, wb, b[2], b[3]);
+            continue;
+        }
         uint32_t s[8];
         states8<K>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
         tile_mma_t<CB, DUP>(s, b, acc[nt]);
@@ -333,7 +347,7 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
     EV_READY = 7, EV_GATHERED = 8, EV_EXIT = 9, EV_NEXT = 10
 };
 
-template <int K, int CB, bool DUP>
+template <int K, int CB, bool DUP, int ABL>
 struct V2Kernel {
     static constexpr int TILE = 32 * K;   // bytes per tile
     static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
@@ -395,7 +409,8 @@ struct V2Kernel {
             src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * TILE;
         }
         uint8_t* dst = slot_row(slot);
-        for (int p = lane; p < PIECES; p += 32) cp16(dst + p * 16, src + p * 16);
+        if constexpr ((ABL & ABL_NO_COPY) == 0)
+            for (int p = lane; p < PIECES; p += 32) cp16(dst + p * 16, src + p * 16);
         mbar_arrive_cp(bar + (w * S + slot));
     }
 
@@ -541,7 +556,7 @@ struct V2Kernel {
                 uint32_t b[4];
                 b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
                                 b);
-                mma_row<K, CB, DUP>(row, b, w0i, w1i, sh, a, acc);
+                mma_row<K, CB, DUP, ABL>(row, b, w0i, w1i, sh, a, acc);
             }
         }
         trace(EV_MMA, ticket);
@@ -666,7 +681,8 @@ struct V2Kernel {
             store_frag_pairs(act + (it.blk * 8 + (lane >> 2)) * 64, j, lane, av);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
+        // without down items nobody would return the ready word to zero for the next launch
+        if (threadIdx.x == 0 && (ABL & ABL_NO_DOWN) == 0) {
             __threadfence();
             atomicAdd(reinterpret_cast<int*>(a.scratch + L.ready) + it.g, 1);
         }
@@ -708,7 +724,7 @@ struct V2Kernel {
             b_frag<CB, DUP>(bq0, b);
             bq0 = bq1;
             if (st + 2 < c.KWd) bq1 = ldcg2(act + (kt0 + st + 2) * 64);
-            mma_row<K, CB, DUP>(row, b, w0i, w1i, sh, a, acc);
+            mma_row<K, CB, DUP, ABL>(row, b, w0i, w1i, sh, a, acc);
         }
         trace(EV_MMA, ticket);
         epilogue_dn(it, acc, svh_raw, ticket);
@@ -777,6 +793,12 @@ struct V2Kernel {
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         ng = s.ng;
         c = make_cfg(a, ng, s.gr, G);
+        if constexpr ((ABL & ABL_NO_DOWN) != 0) {
+            if (ng) {
+                c.N2 = 0;
+                c.N = c.N1;
+            }
+        }
         if (t == 0) {
             s.q = first;
             s.qseq = -1;
@@ -836,11 +858,11 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int MINB>
+template <int K, int CB, bool DUP, int MINB, int ABL = 0>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL> k(a, s, dyn);
     k.run();
 }
 
@@ -850,6 +872,16 @@ using KernelFn = void (*)(Args);
 // kernel compiled for 2 CTAs per SM
 KernelFn pick_v2(int bits, int codebook, int variant) {
     constexpr int M3 = V2_MIN_BLOCKS, M2 = V4_MIN_BLOCKS;
+    if (variant >= ABLATION_VARIANT_BASE) {  // timing ablations of variant 4, K2 MCG only
+        if (bits != 2 || codebook != CB_MCG) return nullptr;
+        switch (variant - ABLATION_VARIANT_BASE) {
+            case 0: return moe_decode_v2<2, CB_MCG, true, M2, ABL_NO_DECODE>;
+            case 1: return moe_decode_v2<2, CB_MCG, true, M2, ABL_NO_COPY>;
+            case 2: return moe_decode_v2<2, CB_MCG, true, M2, ABL_NO_DOWN>;
+            case 3: return moe_decode_v2<2, CB_MCG, true, M2, ABL_NO_DECODE | ABL_NO_COPY>;
+            default: return nullptr;
+        }
+    }
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
         if (variant == 2) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M3> : moe_decode_v2<3, CB_MCG, true, M3>;
