@@ -154,7 +154,7 @@ def store_frag_pairs(tile, j, lane, vals):
 # the launch, item by item
 
 
-def model_v2(x, ids, w, layer, cb, dup, G=8, items_x4=6, limit=10.0):
+def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0):
     K, H, I = layer.K, layer.hidden, layer.inter
     m, top_k = ids.shape
     n_e = layer.gate_trellis.shape[0]
@@ -179,7 +179,7 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x4=6, limit=10.0):
     # make_cfg
     n_ib, n_cb, kt = I // 128, H // 128, H // 16
     KWd = n_ib
-    target = max(1, G * items_x4 // 4)
+    target = max(1, G * items_x8 // 8)
     KCI = 16 if kt % 16 == 0 else 8
     if KCI == 16 and ng * n_ib * (kt // 16) < target:
         KCI = 8

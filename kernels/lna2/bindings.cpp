@@ -196,9 +196,9 @@ std::string lna2_build_id() { return lna2::build_id(); }
 
 // Benchmarks only: v2 resident CTAs per SM (0: as many as fit) and the gate/up item target.
 // Process-wide; the cached grids are recomputed.
-void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x4) {
+void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8) {
     std::lock_guard<std::mutex> lk(g_mu);
-    lna2::set_tuning(static_cast<int>(ctas_per_sm), static_cast<int>(items_x4));
+    lna2::set_tuning(static_cast<int>(ctas_per_sm), static_cast<int>(items_x8));
     g_grid.clear();
 }
 
@@ -221,5 +221,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("intermediate") = kDefaultInter);
     m.def("lna2_build_id", &lna2_build_id);
     m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep), item target (0 = keep)",
-          py::arg("ctas_per_sm") = -1, py::arg("items_x4") = 0);
+          py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0);
 }

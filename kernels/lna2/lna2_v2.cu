@@ -311,7 +311,7 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     c.n_ib = a.inter / 128;
     c.n_cb = a.hidden / 128;
     const int kt = a.hidden / 16;
-    const int target = max(1, G * a.items_x4 / 4);
+    const int target = max(1, G * a.items_x8 / 8);
     c.KCI = (kt % 16 == 0) ? 16 : 8;
     if (c.KCI == 16 && ng * c.n_ib * (kt / 16) < target) c.KCI = 8;  // finer items when few groups
     c.kws = c.KCI == 16 ? 2 : 1;
@@ -893,15 +893,17 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
 }
 
 struct Tuning {
-    int ctas_per_sm = 0, items_x4 = 6;
+    // 11/8 gate/up items per resident CTA: the 2026-12-03 sweep (NOTES.md) found 1.5 one step too
+    // many where a shape's item count lands just under it (384 at 264 CTAs: TP8 2 rows, TP1 1-2 rows)
+    int ctas_per_sm = 0, items_x8 = 11;
 };
 Tuning g_tuning;
 
 }  // namespace
 
-void set_tuning(int ctas_per_sm, int items_x4) {
+void set_tuning(int ctas_per_sm, int items_x8) {
     if (ctas_per_sm >= 0) g_tuning.ctas_per_sm = ctas_per_sm;
-    if (items_x4 > 0) g_tuning.items_x4 = items_x4;
+    if (items_x8 > 0) g_tuning.items_x8 = items_x8;
 }
 
 static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
@@ -927,7 +929,7 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     KernelFn fn = pick_v2(a_in.bits, a_in.codebook, a_in.variant);
     if (!fn) return cudaErrorInvalidValue;
     Args a = a_in;
-    a.items_x4 = g_tuning.items_x4;
+    a.items_x8 = g_tuning.items_x8;
     // shift multipliers for states8 (see there); kmul[7] = 2^16 moves the top half down
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
