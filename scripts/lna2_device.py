@@ -331,8 +331,16 @@ def cmd_smoke(args):
             w = torch.rand((m, TOPK), device=dev, generator=gen)
             x = torch.randn((m, 1024), device=dev, generator=gen).half()
             out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
-            for variant in VARIANTS:
-                ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2, variant)
+            # v2-family grids also at one CTA per SM: fewer CTAs than down items, so the paired
+            # down items (lna2_v2.cu make_cfg, c.DB = 2) run under the sanitizer too
+            for ctas in (0, 1):
+                ext.lna2_set_tuning(ctas, 0, -1)
+                for variant in VARIANTS:
+                    if ctas and variant < 2:
+                        continue
+                    ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2,
+                                        variant)
+            ext.lna2_set_tuning(0, 0, -1)
         torch.cuda.synchronize()
     log("smoke ok")
 
@@ -712,7 +720,7 @@ def cmd_bench(args):
         log(f"exllamav3 ext ({inc_name}) from {pkgdir} in {time.time() - t0:.1f} s")
     lna = lna2_mod()
     if hasattr(lna, "lna2_set_tuning"):
-        lna.lna2_set_tuning(0, 11)  # v2 defaults: as many CTAs as fit, 11/8 gate/up items per CTA
+        lna.lna2_set_tuning(0, 11, 1)  # v2 defaults: CTAs as fit, 11/8 gate/up items per CTA, paired down
     gen = torch.Generator(device=dev)
     # read bandwidth, measured in this process: torch.sum over ~4 GiB viewed as fp32
     big = torch.empty(2**31 - 2**20, dtype=torch.half, device=dev).normal_()
@@ -852,9 +860,10 @@ def cmd_sweep(args):
     lna = lna2_mod()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
-    configs = [(0, int(i)) for i in args.items.split(",")]  # (CTAs per SM, items_x8)
+    configs = [(0, int(i), int(p)) for i in args.items.split(",") for p in args.pair.split(",")]  # (CTAs/SM, items_x8, pair)
     res = {"variant": args.variant, "lna2_build": lna.lna2_build_id(), "configs": configs,
-           "config_key": "c<CTAs per SM, 0 = as fit>_i<items_x8: gate/up item target = grid * i / 8>", "rows": []}
+           "config_key": "c<CTAs per SM, 0 = as fit>_i<items_x8: gate/up item target = grid * i / 8>_p<paired down items>",
+           "rows": []}
     for shape, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))):
         I = SHAPES[shape]
         W = make_weights(I, 2, dev, gen)
@@ -870,14 +879,14 @@ def cmd_sweep(args):
                     L.run(x, ids32, w32, out, args.variant)
                 return fn
 
-            cold, _ = alternate({"c%d_i%d" % cfg: run_with(cfg) for cfg in configs}, 3, 10, True)
+            cold, _ = alternate({"c%d_i%d_p%d" % cfg: run_with(cfg) for cfg in configs}, 3, 10, True)
             row = {"shape": shape, "m": m, "U": int(torch.unique(sel).numel()), **cold}
             res["rows"].append(row)
             log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
             dump("sweep.json", res)
         del L, W
         torch.cuda.empty_cache()
-    lna.lna2_set_tuning(0, 11)
+    lna.lna2_set_tuning(0, 11, 1)
 
 
 ABLATIONS = {10: "no_decode", 11: "no_copy", 12: "no_down", 13: "no_decode_no_copy"}
@@ -1146,6 +1155,7 @@ def main():
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
+    sw.add_argument("--pair", default="1", help="paired down items: 0, 1 or 0,1")
     sub.add_parser("ablate")
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=4)

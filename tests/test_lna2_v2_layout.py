@@ -154,7 +154,7 @@ def store_frag_pairs(tile, j, lane, vals):
 # the launch, item by item
 
 
-def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0):
+def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
     K, H, I = layer.K, layer.hidden, layer.inter
     m, top_k = ids.shape
     n_e = layer.gate_trellis.shape[0]
@@ -178,7 +178,6 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0):
     ng = len(groups)
     # make_cfg
     n_ib, n_cb, kt = I // 128, H // 128, H // 16
-    KWd = n_ib
     target = max(1, G * items_x8 // 8)
     KCI = 16 if kt % 16 == 0 else 8
     if KCI == 16 and ng * n_ib * (kt // 16) < target:
@@ -260,19 +259,24 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0):
                 av = fwht128(av) / np.sqrt(128)
                 for ln in range(32):
                     store_frag_pairs(act[gi, ib * 8 + (ln >> 2)], j, ln, av[4 * ln:4 * ln + 4])
-        # down items (cb)
-        for cbk in range(n_cb):
-            tot = np.zeros((rows, 128))
+        # down items: db output blocks each; warp wp serves block blk * db + wp // wb over its
+        # share of the k-tiles (run_dn / copy_row / epilogue_dn with c.DB, c.WB, c.KWd)
+        wb = 8 // db
+        kwd = (I // 16) // wb
+        for blk in range(n_cb // db):
+            tot = {cbk: np.zeros((rows, 128)) for cbk in range(blk * db, blk * db + db)}
             for wp in range(8):
+                cbk = blk * db + wp // wb
                 acc = [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
-                for st in range(KWd):
-                    kt_ = wp * KWd + st
+                for st in range(kwd):
+                    kt_ = (wp % wb) * kwd + st
                     mma_row("down", e, kt_, cbk * 8, lambda ln, kt_=kt_: (int(act[gi, kt_, ln, 0]),
                                                                          int(act[gi, kt_, ln, 1])), acc)
-                tot += red_rows(acc, rows)
-            for j in range(rows):
-                y[ent0 + j, cbk * 128:cbk * 128 + 128] = fwht128(tot[j]) / np.sqrt(128) * \
-                    svh["down"][e, cbk * 128:cbk * 128 + 128]
+                tot[cbk] += red_rows(acc, rows)
+            for cbk, t_ in tot.items():
+                for j in range(rows):
+                    y[ent0 + j, cbk * 128:cbk * 128 + 128] = fwht128(t_[j]) / np.sqrt(128) * \
+                        svh["down"][e, cbk * 128:cbk * 128 + 128]
     # gather: slots in order
     out = np.zeros((m, H))
     for r in range(m):
@@ -306,6 +310,20 @@ def test_v2_dataflow_matches_reference(K, cb, dup):
     rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert cfg["groups"] > len(torch.unique(ids[ids < E]))  # the 9-row expert really split
     assert rel.max() < 2e-3, (rel, cfg)
+
+
+def test_v2_paired_down_items_match_reference():
+    """Down items of two output blocks (c.DB = 2, 4 warps per block, twice the k-tiles per warp)."""
+    H, I, E, top_k = 256, 256, 8, 2
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=21)
+    gen = torch.Generator().manual_seed(22)
+    m = 5
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(m)])
+    w = torch.softmax(torch.randn(m, top_k, generator=gen), -1)
+    x = torch.randn(m, H, generator=gen).half()
+    got, _ = model_v2(x, ids, w, layer, "mcg", True, G=4, db=2)
+    ref = moe_reference(x, layer, ids, w).numpy()
+    assert (np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max() < 2e-3
 
 
 def test_v2_k_split_items_cover_k_once():

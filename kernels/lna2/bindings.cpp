@@ -194,11 +194,12 @@ std::map<std::string, int64_t> lna2_moe_info(int64_t bits, int64_t codebook, int
 
 std::string lna2_build_id() { return lna2::build_id(); }
 
-// Benchmarks only: v2 resident CTAs per SM (0: as many as fit) and the gate/up item target.
+// Benchmarks only: v2 resident CTAs per SM (0: as many as fit), the gate/up item target and
+// whether down items may pair output blocks.
 // Process-wide; the cached grids are recomputed.
-void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8) {
+void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8, int64_t pair_down) {
     std::lock_guard<std::mutex> lk(g_mu);
-    lna2::set_tuning(static_cast<int>(ctas_per_sm), static_cast<int>(items_x8));
+    lna2::set_tuning(static_cast<int>(ctas_per_sm), static_cast<int>(items_x8), static_cast<int>(pair_down));
     g_grid.clear();
 }
 
@@ -220,6 +221,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("hidden") = kDefaultHidden,
           py::arg("intermediate") = kDefaultInter);
     m.def("lna2_build_id", &lna2_build_id);
-    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep), item target (0 = keep)",
-          py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0);
+    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep), item target x8 (0 = keep), paired down items (-1 = keep)",
+          py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0, py::arg("pair_down") = -1);
 }

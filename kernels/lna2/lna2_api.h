@@ -125,6 +125,7 @@ struct Args {
                                 // 10..13: timing ablations of 4 (K2 MCG only, see ABLATION_VARIANT_BASE)
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x8;               // v2: aim for at least grid * items_x8 / 8 gate/up items (set by launch())
+    int pair_down;              // v2: allow down items of two output blocks (set by launch())
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
     unsigned long long* trace;  // v2, optional: per-CTA event timeline (TRACE_EVENTS x {ns, ticket<<8|event})
@@ -145,8 +146,9 @@ cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_exp
 cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 
 // Process-wide v2 tuning for benchmarks: resident CTAs per SM (0: as many as fit, < 0 keeps the
-// setting) and the gate/up item target, grid * items_x8 / 8 (0 keeps it).
-void set_tuning(int ctas_per_sm, int items_x8);
+// setting), the gate/up item target, grid * items_x8 / 8 (0 keeps it), and whether down items may
+// cover two output blocks (0 / 1, < 0 keeps it).
+void set_tuning(int ctas_per_sm, int items_x8, int pair_down);
 
 // v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2, 3 and 4 to them.
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,

@@ -232,6 +232,7 @@ struct Cfg {
     int KS, R, KCI, kws;    // gate/up: k-splits, chunks per item, k-tiles per chunk, log2 k-tiles per warp per chunk
     int n_ib, n_cb;         // 128-blocks of I and H
     int KSd, KWd;           // down: k-splits, k-tiles per warp per item
+    int DB, WB;             // down: 128-column output blocks per item (1 or 2), warps per block
 };
 
 struct Item {
@@ -241,7 +242,7 @@ struct Item {
 
 template <class Pl>
 __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s) {
-    Item it{IT_NONE, 0, 0, 0, 0, 0};
+    Item it{IT_NONE, 0, 0, 0, 0, 0};  // a down item's blk is its block pair when c.DB == 2
     if (t >= c.N) return it;
     if (ng == 0) {
         it.kind = IT_ZERO;
@@ -257,7 +258,7 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
         it.kc = r - it.blk * c.KS;
         it.nst = c.R << c.kws;
     } else {  // (group, cb, k-split)
-        const int d = t - c.N1, per_g = c.n_cb * c.KSd;
+        const int d = t - c.N1, per_g = c.n_cb / c.DB * c.KSd;
         it.kind = IT_DN;
         it.g = d / per_g;
         const int r = d - it.g * per_g;
@@ -327,9 +328,14 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     while (ksd < V2_DOWN_SPLITS && ng * c.n_cb * ksd < target && c.n_ib % (2 * ksd) == 0 && c.n_ib / (2 * ksd) >= 2)
         ksd *= 2;
     c.KSd = ksd;
-    c.KWd = c.n_ib / ksd;  // (I/16)/KSd k-tiles over 8 warps
+    // Two output blocks per down item (4 warps each) when the down items outnumber the CTAs and
+    // are short (the TP8 slice): half the items, so half the per-item waits, activation loads,
+    // reductions and arrivals, which the 2026-12-03 ablations found to be most of the down phase.
+    c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb > G) ? 2 : 1;
+    c.WB = WARPS / c.DB;
+    c.KWd = c.n_ib * 8 / (c.WB * ksd);  // (I/16)/KSd k-tiles over the block's warps
     c.N1 = ng * c.n_ib * c.KS;
-    c.N2 = ng * c.n_cb * c.KSd;
+    c.N2 = ng * (c.n_cb / c.DB) * c.KSd;
     c.N = ng ? c.N1 + c.N2 : c.n_cb;
     return c;
 }
@@ -405,8 +411,9 @@ struct V2Kernel {
             src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
                   (size_t(kt) * (a.inter / 16) + it.blk * 8) * TILE;
         } else {
-            const int kt = (it.kc * WARPS + w) * c.KWd + st;
-            src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + it.blk * 8) * TILE;
+            const int kt = (it.kc * c.WB + w % c.WB) * c.KWd + st;
+            const int cb = it.blk * c.DB + w / c.WB;
+            src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + cb * 8) * TILE;
         }
         uint8_t* dst = slot_row(slot);
         if constexpr ((ABL & ABL_NO_COPY) == 0)
@@ -695,8 +702,9 @@ struct V2Kernel {
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         regs_free = true;
+        const int cb = it.blk * c.DB + warp / c.WB;  // this warp's output block
         const uint2 svh_raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(it.g, 8)) +
-                                                                  it.blk * 128 + 4 * lane));
+                                                                  cb * 128 + 4 * lane));
         __syncwarp();
         issue_due();  // the down weights stream in while the activation is being made
         int* ready = reinterpret_cast<int*>(a.scratch + L.ready) + it.g;
@@ -712,7 +720,7 @@ struct V2Kernel {
         trace(EV_READY, ticket);
         const uint32_t* act = reinterpret_cast<const uint32_t*>(a.scratch + L.act) +
                               size_t(it.g) * (a.inter / 16) * 64 + lane * 2;
-        const int kt0 = (it.kc * WARPS + warp) * c.KWd;
+        const int kt0 = (it.kc * c.WB + warp % c.WB) * c.KWd;
         uint2 bq0 = ldcg2(act + kt0 * 64), bq1 = make_uint2(0u, 0u);
         if (c.KWd > 1) bq1 = ldcg2(act + (kt0 + 1) * 64);
         float acc[8][4];
@@ -728,7 +736,7 @@ struct V2Kernel {
         }
         trace(EV_MMA, ticket);
         epilogue_dn(it, acc, svh_raw, ticket);
-        if (threadIdx.x == 0 && ack_old == c.n_cb * c.KSd - 1) {
+        if (threadIdx.x == 0 && ack_old == c.n_cb / c.DB * c.KSd - 1) {
             // every down item of this group has seen it ready: return the group's words to zero
             *ready = 0;
             reinterpret_cast<int*>(a.scratch + L.ack)[it.g] = 0;
@@ -747,25 +755,27 @@ struct V2Kernel {
             __syncthreads();
             write_red(red, rc, acc);
             __syncthreads();
-            const int r = rc * 4 + warp;
-            if (warp < 4 && r < rows) {
+            // warp (bsel, rr) sums row rc*4 + rr of output block bsel over that block's warps, in order
+            const int rr = warp & 3, bsel = c.DB == 2 ? warp >> 2 : 0, r = rc * 4 + rr;
+            if ((c.DB == 2 || warp < 4) && r < rows) {
                 float v[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int w = 0; w < WARPS; w++) {
-                    const float4 x = *reinterpret_cast<const float4*>(red + w * 512 + warp * 128 + 4 * lane);
+                for (int w = bsel * c.WB; w < (bsel + 1) * c.WB; w++) {
+                    const float4 x = *reinterpret_cast<const float4*>(red + w * 512 + rr * 128 + 4 * lane);
                     v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
                 }
                 fwht128(v, lane);
-                *reinterpret_cast<float4*>(y + it.kc * split + size_t(ent0 + r) * a.hidden + it.blk * 128 + 4 * lane) =
+                const int cb = it.blk * c.DB + bsel;  // == this warp's own block, whose svh it holds
+                *reinterpret_cast<float4*>(y + it.kc * split + size_t(ent0 + r) * a.hidden + cb * 128 + 4 * lane) =
                     make_float4(v[0] * RSQRT128 * svh[0], v[1] * RSQRT128 * svh[1], v[2] * RSQRT128 * svh[2],
                                 v[3] * RSQRT128 * svh[3]);
             }
         }
-        int* done = reinterpret_cast<int*>(a.scratch + L.done) + it.blk;
+        // one arrival counter per item's first block: the last of the ng x KSd items over it gathers
+        int* done = reinterpret_cast<int*>(a.scratch + L.done) + it.blk * c.DB;
         const bool last = arrive(done, ng * c.KSd - 1);
         trace(EV_ARRIVED, ticket);
         if (last) {
-            gather_cols(a, y, s, it.blk, c.KSd, split);
+            for (int b = 0; b < c.DB; b++) gather_cols(a, y, s, it.blk * c.DB + b, c.KSd, split);
             trace(EV_GATHERED, ticket);
         }
     }
@@ -895,15 +905,16 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
 struct Tuning {
     // 11/8 gate/up items per resident CTA: the 2026-12-03 sweep (NOTES.md) found 1.5 one step too
     // many where a shape's item count lands just under it (384 at 264 CTAs: TP8 2 rows, TP1 1-2 rows)
-    int ctas_per_sm = 0, items_x8 = 11;
+    int ctas_per_sm = 0, items_x8 = 11, pair_down = 1;
 };
 Tuning g_tuning;
 
 }  // namespace
 
-void set_tuning(int ctas_per_sm, int items_x8) {
+void set_tuning(int ctas_per_sm, int items_x8, int pair_down) {
     if (ctas_per_sm >= 0) g_tuning.ctas_per_sm = ctas_per_sm;
     if (items_x8 > 0) g_tuning.items_x8 = items_x8;
+    if (pair_down >= 0) g_tuning.pair_down = pair_down;
 }
 
 static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
@@ -930,6 +941,7 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     if (!fn) return cudaErrorInvalidValue;
     Args a = a_in;
     a.items_x8 = g_tuning.items_x8;
+    a.pair_down = g_tuning.pair_down;
     // shift multipliers for states8 (see there); kmul[7] = 2^16 moves the top half down
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
