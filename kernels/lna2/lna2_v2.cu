@@ -232,7 +232,7 @@ struct Cfg {
     int KS, R, KCI, kws;    // gate/up: k-splits, chunks per item, k-tiles per chunk, log2 k-tiles per warp per chunk
     int n_ib, n_cb;         // 128-blocks of I and H
     int KSd, KWd;           // down: k-splits, k-tiles per warp per item
-    int DB, WB;             // down: 128-column output blocks per item (1 or 2), warps per block
+    int DB, WB, wbs;        // down: 128-column output blocks per item (1 or 2), warps per block, log2(WB)
 };
 
 struct Item {
@@ -258,7 +258,7 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
         it.kc = r - it.blk * c.KS;
         it.nst = c.R << c.kws;
     } else {  // (group, cb, k-split)
-        const int d = t - c.N1, per_g = c.n_cb / c.DB * c.KSd;
+        const int d = t - c.N1, per_g = (c.n_cb >> (c.DB - 1)) * c.KSd;
         it.kind = IT_DN;
         it.g = d / per_g;
         const int r = d - it.g * per_g;
@@ -328,11 +328,13 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     while (ksd < V2_DOWN_SPLITS && ng * c.n_cb * ksd < target && c.n_ib % (2 * ksd) == 0 && c.n_ib / (2 * ksd) >= 2)
         ksd *= 2;
     c.KSd = ksd;
-    // Two output blocks per down item (4 warps each) when the down items outnumber the CTAs and
-    // are short (the TP8 slice): half the items, so half the per-item waits, activation loads,
-    // reductions and arrivals, which the 2026-12-03 ablations found to be most of the down phase.
-    c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb > G) ? 2 : 1;
-    c.WB = WARPS / c.DB;
+    // Two output blocks per down item (4 warps each) when there are at least 4 short down items per
+    // CTA (the TP8 slice from ~8 rows): half the items, so half the per-item waits, activation
+    // loads, reductions and arrivals, which the 2026-12-03 ablations found to be most of the down
+    // phase. With fewer items per CTA pairing measured 3-8 % slower (TP8 4 rows).
+    c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb >= 4 * G) ? 2 : 1;
+    c.wbs = c.DB == 2 ? 2 : 3;
+    c.WB = 1 << c.wbs;
     c.KWd = c.n_ib * 8 / (c.WB * ksd);  // (I/16)/KSd k-tiles over the block's warps
     c.N1 = ng * c.n_ib * c.KS;
     c.N2 = ng * (c.n_cb / c.DB) * c.KSd;
@@ -411,8 +413,9 @@ struct V2Kernel {
             src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
                   (size_t(kt) * (a.inter / 16) + it.blk * 8) * TILE;
         } else {
-            const int kt = (it.kc * c.WB + w % c.WB) * c.KWd + st;
-            const int cb = it.blk * c.DB + w / c.WB;
+            // shifts, not divisions by a runtime value: this runs at every stage
+            const int kt = (it.kc * c.WB + (w & (c.WB - 1))) * c.KWd + st;
+            const int cb = it.blk * c.DB + (w >> c.wbs);
             src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + cb * 8) * TILE;
         }
         uint8_t* dst = slot_row(slot);
@@ -702,7 +705,7 @@ struct V2Kernel {
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         regs_free = true;
-        const int cb = it.blk * c.DB + warp / c.WB;  // this warp's output block
+        const int cb = it.blk * c.DB + (warp >> c.wbs);  // this warp's output block
         const uint2 svh_raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(it.g, 8)) +
                                                                   cb * 128 + 4 * lane));
         __syncwarp();
@@ -720,7 +723,7 @@ struct V2Kernel {
         trace(EV_READY, ticket);
         const uint32_t* act = reinterpret_cast<const uint32_t*>(a.scratch + L.act) +
                               size_t(it.g) * (a.inter / 16) * 64 + lane * 2;
-        const int kt0 = (it.kc * c.WB + warp % c.WB) * c.KWd;
+        const int kt0 = (it.kc * c.WB + (warp & (c.WB - 1))) * c.KWd;
         uint2 bq0 = ldcg2(act + kt0 * 64), bq1 = make_uint2(0u, 0u);
         if (c.KWd > 1) bq1 = ldcg2(act + (kt0 + 1) * 64);
         float acc[8][4];
@@ -736,7 +739,7 @@ struct V2Kernel {
         }
         trace(EV_MMA, ticket);
         epilogue_dn(it, acc, svh_raw, ticket);
-        if (threadIdx.x == 0 && ack_old == c.n_cb / c.DB * c.KSd - 1) {
+        if (threadIdx.x == 0 && ack_old == (c.n_cb >> (c.DB - 1)) * c.KSd - 1) {
             // every down item of this group has seen it ready: return the group's words to zero
             *ready = 0;
             reinterpret_cast<int*>(a.scratch + L.ack)[it.g] = 0;
@@ -759,9 +762,12 @@ struct V2Kernel {
             const int rr = warp & 3, bsel = c.DB == 2 ? warp >> 2 : 0, r = rc * 4 + rr;
             if ((c.DB == 2 || warp < 4) && r < rows) {
                 float v[4] = {0.f, 0.f, 0.f, 0.f};
-                for (int w = bsel * c.WB; w < (bsel + 1) * c.WB; w++) {
-                    const float4 x = *reinterpret_cast<const float4*>(red + w * 512 + rr * 128 + 4 * lane);
-                    v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+#pragma unroll
+                for (int i = 0; i < WARPS; i++) {
+                    if (i < c.WB) {
+                        const float4 x = *reinterpret_cast<const float4*>(red + (bsel * c.WB + i) * 512 + rr * 128 + 4 * lane);
+                        v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+                    }
                 }
                 fwht128(v, lane);
                 const int cb = it.blk * c.DB + bsel;  // == this warp's own block, whose svh it holds
