@@ -331,17 +331,28 @@ def cmd_smoke(args):
             w = torch.rand((m, TOPK), device=dev, generator=gen)
             x = torch.randn((m, 1024), device=dev, generator=gen).half()
             out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
-            # v2-family grids also at one CTA per SM: fewer CTAs than down items, so the paired
-            # down items (lna2_v2.cu make_cfg, c.DB = 2) run under the sanitizer too
-            for ctas in (0, 1):
-                ext.lna2_set_tuning(ctas, 0, -1)
-                for variant in VARIANTS:
-                    if ctas and variant < 2:
-                        continue
-                    ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2,
-                                        variant)
-            ext.lna2_set_tuning(0, 0, -1)
+            for variant in VARIANTS:
+                ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2, variant)
         torch.cuda.synchronize()
+    # Paired down items (lna2_v2.cu make_cfg, c.DB = 2) need >= 4 down items per CTA: a 4096-wide
+    # layer (32 output blocks) at one CTA per SM gets there from ~17 groups.
+    ext = lna2_mod()
+    layer = random_expert_layer(32, H, 256, 2, "mcg", seed=4, device=dev)
+    W = [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
+         layer.down_trellis, layer.down_suh, layer.down_svh]
+    P = [torch.tensor([t[e].data_ptr() for e in range(32)], dtype=torch.long, device=dev) for t in W]
+    scratch = torch.zeros(ext.lna2_moe_scratch_bytes(H, 256), dtype=torch.uint8, device=dev)
+    ext.lna2_set_tuning(1, 0, -1)
+    for m in (5, 17):
+        gen.manual_seed(100 + m)
+        ids = torch.randint(0, 32, (m, TOPK), device=dev, generator=gen).to(torch.int32)
+        w = torch.rand((m, TOPK), device=dev, generator=gen)
+        x = torch.randn((m, H), device=dev, generator=gen).half()
+        out = torch.empty((m, H), dtype=torch.float32, device=dev)
+        for variant in [v for v in VARIANTS if v >= 2]:
+            ext.lna2_moe_decode(x, out, *P, ids, w, 2, L_SWIGLU, scratch, 256, 1, variant)
+    ext.lna2_set_tuning(0, 0, -1)
+    torch.cuda.synchronize()
     log("smoke ok")
 
 
