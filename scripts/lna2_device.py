@@ -860,6 +860,25 @@ def cmd_bench(args):
     dump(f"bench_{inc_name}.json", result)
 
 
+def k2_cases(grid, dev, gen):
+    """The K2 MCG cases of sweep, ablate, trace and profile: per (shape, row counts) in `grid` one
+    random layer (the bench's weights and seeds order), then per row count its routing with the
+    kernel's int32 ids / fp32 weights and an fp32 output; a shape's layer is freed after its rows."""
+    import torch
+
+    for shape, ms in grid:
+        I = SHAPES[shape]
+        W = make_weights(I, 2, dev, gen)
+        L = Lna2Layer(W, 2, "mcg", I, dev)
+        for m in ms:
+            x, sel, rw = make_routing(m, 2, I, dev, gen)
+            yield types.SimpleNamespace(shape=shape, I=I, m=m, W=W, L=L, x=x, sel=sel, rw=rw,
+                                        ids32=sel.to(torch.int32).contiguous(), w32=rw.float().contiguous(),
+                                        out=torch.empty((m, H), dtype=torch.float32, device=dev))
+        del L, W
+        torch.cuda.empty_cache()
+
+
 def cmd_sweep(args):
     """v2-family tuning grid (CTAs per SM, gate/up item target) at the bench's shapes, K2 MCG, cold
     medians alternated in one process; the defaults in lna2_v2.cu are read off this table
@@ -875,28 +894,19 @@ def cmd_sweep(args):
     res = {"variant": args.variant, "lna2_build": lna.lna2_build_id(), "configs": configs,
            "config_key": "c<CTAs per SM, 0 = as fit>_i<items_x8: gate/up item target = grid * i / 8>_p<paired down items>",
            "rows": []}
-    for shape, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))):
-        I = SHAPES[shape]
-        W = make_weights(I, 2, dev, gen)
-        L = Lna2Layer(W, 2, "mcg", I, dev)
-        for m in ms:
-            x, sel, rw = make_routing(m, 2, I, dev, gen)
-            ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
-            out = torch.empty((m, H), dtype=torch.float32, device=dev)
+    for c in k2_cases((("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))), dev, gen):
 
-            def run_with(cfg):
-                def fn():
-                    lna.lna2_set_tuning(*cfg)  # host-side only: the next launch reads it
-                    L.run(x, ids32, w32, out, args.variant)
-                return fn
+        def run_with(cfg, c=c):
+            def fn():
+                lna.lna2_set_tuning(*cfg)  # host-side only: the next launch reads it
+                c.L.run(c.x, c.ids32, c.w32, c.out, args.variant)
+            return fn
 
-            cold, _ = alternate({"c%d_i%d_p%d" % cfg: run_with(cfg) for cfg in configs}, 3, 10, True)
-            row = {"shape": shape, "m": m, "U": int(torch.unique(sel).numel()), **cold}
-            res["rows"].append(row)
-            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
-            dump("sweep.json", res)
-        del L, W
-        torch.cuda.empty_cache()
+        cold, _ = alternate({"c%d_i%d_p%d" % cfg: run_with(cfg) for cfg in configs}, 3, 10, True)
+        row = {"shape": c.shape, "m": c.m, "U": int(torch.unique(c.sel).numel()), **cold}
+        res["rows"].append(row)
+        log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
+        dump("sweep.json", res)
     lna.lna2_set_tuning(0, 11, 1)
 
 
@@ -915,31 +925,24 @@ def cmd_ablate(args):
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
     res = {"lna2_build": lna.lna2_build_id(), "ablations": ABLATIONS, "rows": []}
-    for shape, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 8, 16))):
-        I = SHAPES[shape]
-        W = make_weights(I, 2, dev, gen)
-        L = Lna2Layer(W, 2, "mcg", I, dev)
-        for m in ms:
-            x, sel, rw = make_routing(m, 2, I, dev, gen)
-            ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
-            none = torch.full_like(ids32, -1)
-            out = torch.empty((m, H), dtype=torch.float32, device=dev)
-            fns = {"v4": lambda: L.run(x, ids32, w32, out, 4)}
-            for v, name in ABLATIONS.items():
-                fns[name] = (lambda v=v: L.run(x, ids32, w32, out, v))
-            fns["empty"] = lambda: L.run(x, none, w32, out, 4)
-            cold, p = alternate(fns, 3, 10, True)
-            # the real variant still computes the op after the ablations shared its scratch
-            L.run(x, ids32, w32, out, 4)
-            ref = DenseCache(as_layer(W, 2, "mcg", I)).moe(x, sel, rw.float()) if m == 1 else None
-            row = {"shape": shape, "m": m, "U": int(torch.unique(sel).numel()), "cold_us": cold, "p10_p90": p}
-            if ref is not None:
-                row["v4_rel_err_after"] = float(((out.double() - ref).norm() / ref.norm()).item())
-            res["rows"].append(row)
-            log(shape, "m=%2d" % m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
-            dump("ablate.json", res)
-        del L, W
-        torch.cuda.empty_cache()
+    for c in k2_cases((("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 8, 16))), dev, gen):
+        L, x, ids32, w32, out = c.L, c.x, c.ids32, c.w32, c.out
+        none = torch.full_like(ids32, -1)
+        fns = {"v4": lambda: L.run(x, ids32, w32, out, 4)}
+        for v, name in ABLATIONS.items():
+            fns[name] = (lambda v=v: L.run(x, ids32, w32, out, v))
+        fns["empty"] = lambda: L.run(x, none, w32, out, 4)
+        cold, p = alternate(fns, 3, 10, True)
+        # the real variant still computes the op after the ablations shared its scratch
+        L.run(x, ids32, w32, out, 4)
+        row = {"shape": c.shape, "m": c.m, "U": int(torch.unique(c.sel).numel()), "cold_us": cold, "p10_p90": p}
+        if c.m == 1:
+            ref = DenseCache(as_layer(c.W, 2, "mcg", c.I)).moe(x, c.sel, c.rw.float())
+            row["v4_rel_err_after"] = float(((out.double() - ref).norm() / ref.norm()).item())
+        res["rows"].append(row)
+        log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
+        dump("ablate.json", res)
+
 
 EVENTS = ["start", "plan", "item", "stage0", "mma", "arrived", "finished", "ready", "gathered", "exit", "next"]
 
@@ -953,35 +956,27 @@ def cmd_trace(args):
     lna = lna2_mod()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     res = []
-    for shape, ms in (("tp8", (1, 8)), ("tp1", (1, 8))):
-        I = SHAPES[shape]
-        W = make_weights(I, 2, dev, gen)
-        L = Lna2Layer(W, 2, "mcg", I, dev)
-        grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
-        for m in ms:
-            x, sel, rw = make_routing(m, 2, I, dev, gen)
-            ids32, w32 = sel.to(torch.int32).contiguous(), rw.float().contiguous()
-            out = torch.empty((m, H), dtype=torch.float32, device=dev)
-            for _ in range(3):
-                L.run(x, ids32, w32, out, args.variant)
-            for rep in range(3):
-                tr = torch.zeros(grid * 64 * 2, dtype=torch.int64, device=dev)
-                flush.fill_(rep)
-                L.run(x, ids32, w32, out, args.variant, tr)
-                torch.cuda.synchronize()
-                t = tr.view(-1, 64, 2).cpu()
-                ctas = []
-                t0 = min(int(v) for v in t[:, 0, 0].tolist() if v > 0)
-                for cta in range(t.shape[0]):
-                    evs = [(int(ns) - t0, int(code) & 255, (int(code) >> 8) - 1) for ns, code in t[cta].tolist() if ns > 0]
-                    if evs:
-                        ctas.append(evs)
-                res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
-                end = max(e[0] for c in ctas for e in c)
-                log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
-            dump("trace.json", {"events": EVENTS, "runs": res})
-        del L, W
-        torch.cuda.empty_cache()
+    grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
+    for case in k2_cases((("tp8", (1, 8)), ("tp1", (1, 8))), dev, gen):
+        shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
+        for _ in range(3):
+            L.run(x, ids32, w32, out, args.variant)
+        for rep in range(3):
+            tr = torch.zeros(grid * 64 * 2, dtype=torch.int64, device=dev)
+            flush.fill_(rep)
+            L.run(x, ids32, w32, out, args.variant, tr)
+            torch.cuda.synchronize()
+            t = tr.view(-1, 64, 2).cpu()
+            ctas = []
+            t0 = min(int(v) for v in t[:, 0, 0].tolist() if v > 0)
+            for cta in range(t.shape[0]):
+                evs = [(int(ns) - t0, int(code) & 255, (int(code) >> 8) - 1) for ns, code in t[cta].tolist() if ns > 0]
+                if evs:
+                    ctas.append(evs)
+            res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
+            end = max(e[0] for c in ctas for e in c)
+            log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
+        dump("trace.json", {"events": EVENTS, "runs": res})
 
 
 def summarize_trace(doc):
@@ -1052,19 +1047,11 @@ def cmd_profile(args):
     variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "4"))
     shapes = [(s_, tuple(int(m_) for m_ in ms_.split("+"))) for s_, ms_ in
               (p_.split(":") for p_ in os.environ.get("LNA2_PROFILE_SHAPES", "tp8:1+16,tp1:8").split(","))]
-    for shape, ms in shapes:
-        I = SHAPES[shape]
-        W = make_weights(I, 2, dev, gen)
-        L = Lna2Layer(W, 2, "mcg", I, dev)
-        for m in ms:
-            x, sel, rw = make_routing(m, 2, I, dev, gen)
-            out = torch.empty((m, H), dtype=torch.float32, device=dev)
-            for _ in range(3):
-                L.run(x, sel.to(torch.int32), rw.float(), out, variant)
-            torch.cuda.synchronize()
-            log(f"profiled {shape} m={m}")
-        del L, W
-        torch.cuda.empty_cache()
+    for c in k2_cases(shapes, dev, gen):
+        for _ in range(3):
+            c.L.run(c.x, c.ids32, c.w32, c.out, variant)
+        torch.cuda.synchronize()
+        log(f"profiled {c.shape} m={c.m}")
 
 
 def cmd_reconstruct(args):
