@@ -912,9 +912,13 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
     }
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
+        // 6: v3 (one MMA per tile, the format's fp16 lo + hi) at v4's register budget
+        if (variant == 6) return bits == 2 ? moe_decode_v2<2, CB_MCG, false, M2> : moe_decode_v2<3, CB_MCG, false, M2>;
         if (variant == 2) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M3> : moe_decode_v2<3, CB_MCG, true, M3>;
         return bits == 2 ? moe_decode_v2<2, CB_MCG, false, M3> : moe_decode_v2<3, CB_MCG, false, M3>;
     }
+    if (codebook == CB_MUL1 && variant == 6)
+        return bits == 2 ? moe_decode_v2<2, CB_MUL1, false, M2> : moe_decode_v2<3, CB_MUL1, false, M2>;
     if (codebook == CB_MUL1)
         return bits == 2 ? moe_decode_v2<2, CB_MUL1, false, M3> : moe_decode_v2<3, CB_MUL1, false, M3>;
     return nullptr;
