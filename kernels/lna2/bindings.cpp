@@ -111,7 +111,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     LNA2_CHECK(bits == 2 || bits == 3, "bits must be 2 or 3, got ", bits);
     LNA2_CHECK(codebook == lna2::CB_MCG || codebook == lna2::CB_MUL1, "codebook must be 1 (mcg) or 2 (mul1)");
     LNA2_CHECK(lna2::variant_known(static_cast<int>(variant)),
-               "variant must be 0..4, or 10..13 for a timing ablation (see lna2_api.h), got ", variant);
+               "variant must be 0..4, 6, or 10..13 for a timing ablation (see lna2_api.h), got ", variant);
     LNA2_CHECK(variant < lna2::ABLATION_VARIANT_BASE || (bits == 2 && codebook == lna2::CB_MCG),
                "timing ablations (variants 10..13) exist for K2 MCG only");
     LNA2_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0, "swiglu_limit must be finite and > 0");

@@ -137,7 +137,7 @@ constexpr int TRACE_EVENTS = 64;  // per CTA
 // trellis decode, 11: no trellis copies, 12: no down phase, 13: neither decode nor copies). Their
 // outputs are garbage by design; only a benchmark asks for them (scripts/lna2_device.py ablate).
 constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
-inline bool variant_known(int v) { return (v >= 0 && v <= 4) || (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS); }
+inline bool variant_known(int v) { return (v >= 0 && v <= 4) || v == 6 || (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS); }
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).
 // `n_experts`, `m` and `top_k` size v2's shared memory (its pointer cache); v0/v1 ignore them.

@@ -238,6 +238,7 @@ struct Cfg {
 struct Item {
     int kind, g, u, blk, kc, nst;  // u: the expert's compact index (pointer cache row); blk: ib for
                                    // gate/up, cb for down/zero; kc: the item's k-split
+    const char* src;               // this warp's first trellis row (set by V2Kernel::locate)
 };
 
 template <class Pl>
@@ -404,20 +405,29 @@ struct V2Kernel {
     // ring slots and mbarriers, so no stage needs a CTA-wide barrier
     __device__ uint8_t* slot_row(int slot) const { return dyn + D.ring + ((threadIdx.x >> 5) * S + slot) * ROW; }
 
+    // This warp's first trellis row of an item, once per item: copy_row runs at every stage of both
+    // phases (a gate/up stage may be prefetching a down item), so its per-stage part is kept to an
+    // offset from here (NOTES.md: the per-stage index arithmetic showed up at TP1).
+    __device__ void locate(Item& it) const {
+        const int w = threadIdx.x >> 5;
+        if (it.kind == IT_GU) {
+            const int kt0 = it.kc * c.R * c.KCI + (w >> 1) * (1 << c.kws);
+            it.src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
+                     (size_t(kt0) * (a.inter / 16) + it.blk * 8) * TILE;
+        } else if (it.kind == IT_DN) {
+            const int kt0 = (it.kc * c.WB + (w & (c.WB - 1))) * c.KWd;
+            const int cb = it.blk * c.DB + (w >> c.wbs);
+            it.src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt0) * (a.hidden / 16) + cb * 8) * TILE;
+        }
+    }
+
     __device__ void copy_row(const Item& it, int st, int slot) {
         const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const char* src;
-        if (it.kind == IT_GU) {
-            const int kw = 1 << c.kws;
-            const int kt = (it.kc * c.R + (st >> c.kws)) * c.KCI + (w >> 1) * kw + (st & (kw - 1));
-            src = reinterpret_cast<const char*>(ptr[it.u * 9 + ((w & 1) ? 3 : 0)]) +
-                  (size_t(kt) * (a.inter / 16) + it.blk * 8) * TILE;
-        } else {
-            // shifts, not divisions by a runtime value: this runs at every stage
-            const int kt = (it.kc * c.WB + (w & (c.WB - 1))) * c.KWd + st;
-            const int cb = it.blk * c.DB + (w >> c.wbs);
-            src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt) * (a.hidden / 16) + cb * 8) * TILE;
-        }
+        if (it.kind == IT_GU)  // stage st: chunk st >> kws, k-tile st & (kw - 1) of this warp's share
+            src = it.src + size_t((st >> c.kws) * c.KCI + (st & ((1 << c.kws) - 1))) * (a.inter / 16) * TILE;
+        else
+            src = it.src + size_t(st) * (a.hidden / 16) * TILE;
         uint8_t* dst = slot_row(slot);
         if constexpr ((ABL & ABL_NO_COPY) == 0)
             for (int p = lane; p < PIECES; p += 32) cp16(dst + p * 16, src + p * 16);
@@ -440,6 +450,7 @@ struct V2Kernel {
     __device__ void learn_next() {
         const int tk = atomicAdd(&s.q, 0);
         nxt = item_of(tk, c, ng, s);
+        locate(nxt);
         nxt_known = true;
         trace(EV_NEXT, tk);
         if (nxt.kind == IT_NONE) {
@@ -822,6 +833,7 @@ struct V2Kernel {
         __syncthreads();
         int cur_ticket = s.q;
         cur = item_of(cur_ticket, c, ng, s);
+        locate(cur);
         trace(EV_PLAN, cur_ticket);
         nxt = Item{IT_NONE, 0, 0, 0, 0, 0};
         raw_ready = false;
@@ -900,9 +912,13 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
     }
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
+        // 6: v3 (one MMA per tile, the format's fp16 lo + hi) at v4's register budget
+        if (variant == 6) return bits == 2 ? moe_decode_v2<2, CB_MCG, false, M2> : moe_decode_v2<3, CB_MCG, false, M2>;
         if (variant == 2) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M3> : moe_decode_v2<3, CB_MCG, true, M3>;
         return bits == 2 ? moe_decode_v2<2, CB_MCG, false, M3> : moe_decode_v2<3, CB_MCG, false, M3>;
     }
+    if (codebook == CB_MUL1 && variant == 6)
+        return bits == 2 ? moe_decode_v2<2, CB_MUL1, false, M2> : moe_decode_v2<3, CB_MUL1, false, M2>;
     if (codebook == CB_MUL1)
         return bits == 2 ? moe_decode_v2<2, CB_MUL1, false, M3> : moe_decode_v2<3, CB_MUL1, false, M3>;
     return nullptr;
