@@ -23,14 +23,7 @@
 
 #include "lna2_api.h"
 #include "lna2_common.cuh"
-
-// Timing ablations of variant 4 (variants 10..13): each drops one stage so a benchmark can see
-// what that stage costs on the critical path. Their outputs are NOT the MoE op.
-enum Ablation : int {
-    ABL_NO_DECODE = 1,  // trellis words go into the MMA as they are: no state extraction, no codebook
-    ABL_NO_COPY = 2,    // the ring is never filled (stale shared memory): no trellis bytes move
-    ABL_NO_DOWN = 4,    // gate/up items and finishers only: no down items, no top-k gather
-};
+#include "lna2_tile.cuh"
 
 // Resident CTAs per SM the register budget is set for: 3 (80 registers, spills around the tile
 // loop) for variants 2/3, 2 (up to 128 registers, no spills) for variant 4 (NOTES.md compares them).
@@ -39,7 +32,6 @@ constexpr int V2_MIN_BLOCKS = 3, V4_MIN_BLOCKS = 2;
 namespace lna2 {
 namespace {
 
-constexpr int GR = 8;              // rows per group: the MMA's N
 constexpr int KSUB = 4;            // gate/up: warps per projection, splitting an item's k-range
 constexpr int KCI_MAX = 16;        // k-tiles per chunk (one rotation of the input)
 constexpr int RED_FLOATS = 4096;   // reduction buffer; aliases the B-fragment buffer
@@ -79,147 +71,6 @@ __host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
 __host__ __device__ inline int ucap_for(int n_experts, int m, int top_k) {
     const int p = m * top_k;
     return p < n_experts ? p : n_experts;
-}
-
-// ------------------------------------------------------------------------------------------------
-// small helpers
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-// The barrier's phase completes once every thread's cp.async copies issued before this have landed.
-__device__ __forceinline__ void mbar_arrive_cp(uint64_t* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// Spins are bounded: a protocol bug traps (a launch error the caller sees) instead of hanging the GPU.
-constexpr unsigned SPIN_LIMIT = 1u << 26;
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    const uint32_t addr = smem_u32(bar);
-    uint32_t done = 0;
-    for (unsigned spin = 0;; spin++) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(addr), "r"(parity)
-            : "memory");
-        if (done) return;
-        if (spin > SPIN_LIMIT) __trap();
-    }
-}
-
-__device__ __forceinline__ uint2 ldcg2(const uint32_t* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
-
-// A read-only 8-byte load the compiler keeps where it is written (not sunk into the branch that
-// uses it): the finisher's scales are requested before the arrival that decides who finishes.
-__device__ __forceinline__ uint2 ld_early(const void* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
-    const float2 a = __half22float2(u2h(u.x)), b = __half22float2(u2h(u.y));
-    v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
-}
-
-// The 8 16-bit states of this lane's positions in one tile, from the two words holding its window.
-// A state is moved to the top half by a multiply and shifted down, or cut out with one ALU op where
-// it sits byte-aligned. The multipliers come from kernel parameters (Args::kmul), which ptxas cannot
-// see through: with literal constants it turns every multiply into shift + mask on the ALU pipe,
-// which the codebook's lop3 already loads; this way the work is split across the ALU and the
-// integer-multiply pipe (kernels/lna2/NOTES.md, "decode instruction mix").
-template <int K>
-__device__ __forceinline__ void states8(uint32_t wa, uint32_t wb, int sh, const Args& a, uint32_t (&s)[8]) {
-    if constexpr (K == 2) {
-        const uint32_t W = __funnelshift_l(wb, wa, sh);  // state j: bits [14-2j, 30-2j)
-        s[0] = __umulhi(W * a.kmul[0], a.kmul[7]);       // both on the multiply pipe
-#pragma unroll
-        for (int j = 1; j < 7; j++)
-            if (j != 3) s[j] = (W * a.kmul[j]) >> 16;
-        s[3] = __byte_perm(W, 0u, 0x4421);               // bits [8, 24)
-        s[7] = W & 0xffffu;
-    } else {
-        const uint32_t hi = __funnelshift_l(wb, wa, sh);  // stream bits [b0, b0+32)
-        const uint32_t lo = wb << sh;                     // stream bits [b0+32, b0+37) on top
-        const uint32_t F = __funnelshift_l(lo, hi, 18);   // stream bits [b0+18, b0+50)
-        s[0] = hi >> 16;
-        s[1] = __umulhi(hi * a.kmul[1], a.kmul[7]);
-        s[2] = __umulhi(hi * a.kmul[2], a.kmul[7]);
-#pragma unroll
-        for (int j = 3; j < 6; j++) s[j] = (hi * a.kmul[j]) >> 16;
-        s[6] = F >> 16;
-        s[7] = (F * a.kmul[6]) >> 16;
-    }
-}
-
-// One decoded tile x one B fragment: acc[n][row] += W^T[n][k] x^T[k][row] for this tile's 16 n.
-// Lane (g, t) holds positions j = 0..7 of the tile: W[2t][g], W[2t+1][g], W[2t+8][g], W[2t+9][g]
-// and the same four rows of column g+8 (exl3-reference §1.2) -- the A fragment of W^T.
-template <int CB, bool DUP>
-__device__ __forceinline__ void tile_mma_t(const uint32_t (&s)[8], const uint32_t (&b)[4], float (&acc)[4]) {
-    if constexpr (CB == CB_MCG && DUP) {
-        uint32_t L[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) L[j] = lop3_mcg(s[j] * MCG_MULT);
-        // virtual k pair (2t, 2t+1) <- real k 2t, (2t+8, 2t+9) <- real k 2t+1 (b[0], b[1] duplicate them)
-        mma16816(acc, L[0], L[4], L[1], L[5], b[0], b[1]);
-        mma16816(acc, L[2], L[6], L[3], L[7], b[2], b[3]);
-    } else {
-        const uint32_t a0 = decode_pair<CB>(s[0], s[1]);
-        const uint32_t a1 = decode_pair<CB>(s[4], s[5]);
-        const uint32_t a2 = decode_pair<CB>(s[2], s[3]);
-        const uint32_t a3 = decode_pair<CB>(s[6], s[7]);
-        mma16816(acc, a0, a1, a2, a3, b[0], b[1]);
-    }
-}
-
-// B fragment registers for one k-tile from the stored pair (x[2t], x[2t+1]), (x[2t+8], x[2t+9]).
-template <int CB, bool DUP>
-__device__ __forceinline__ void b_frag(uint2 v, uint32_t (&b)[4]) {
-    if constexpr (CB == CB_MCG && DUP) {
-        b[0] = prmt(v.x, v.x, 0x1010);  // (x[2t], x[2t])
-        b[1] = prmt(v.x, v.x, 0x3232);  // (x[2t+1], x[2t+1])
-        b[2] = prmt(v.y, v.y, 0x1010);
-        b[3] = prmt(v.y, v.y, 0x3232);
-    } else {
-        b[0] = v.x;
-        b[1] = v.y;
-        b[2] = b[3] = 0;
-    }
-}
-
-// A warp's share of one ring stage: 8 consecutive n-tiles of one k-tile row.
-template <int K, int CB, bool DUP, int ABL = 0>
-__device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)[4], int w0i, int w1i, int sh,
-                                        const Args& a, float (&acc)[8][4]) {
-    constexpr int WPT = 8 * K;
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
-        if constexpr ((ABL & ABL_NO_DECODE) != 0) {
-            const uint32_t wa = row[nt * WPT + w0i], wb = row[nt * WPT + w1i];
-            mma16816(acc[nt], wa, wb, wb, wa, b[0], b[1]);
-            if constexpr (CB == CB_MCG && DUP) mma16816(acc[nt], wb, wa, wa, wb, b[2], b[3]);
-            continue;
-        }
-        uint32_t s[8];
-        states8<K>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
-        tile_mma_t<CB, DUP>(s, b, acc[nt]);
-    }
-}
-
-// Where a value of B-fragment order goes: element kk (0..15) of a k-tile for row j.
-// Lane L of a Hadamard warp holds kk = 4(L%4) .. 4(L%4)+3 of its k-tile L/4; it writes two words.
-__device__ __forceinline__ void store_frag_pairs(uint32_t* tile_base, int j, int lane, const float (&v)[4]) {
-    const int q = lane & 3, t0 = 2 * (q & 1), sl = q >> 1;
-    const uint2 p = pack4_half(v);
-    tile_base[(4 * j + t0) * 2 + sl] = p.x;
-    tile_base[(4 * j + t0 + 1) * 2 + sl] = p.y;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -269,43 +120,6 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
     }
     it.u = s.ubase[s.gexp[it.g]];
     return it;
-}
-
-// ------------------------------------------------------------------------------------------------
-// route plan: every CTA builds the same one; groups of <= 8 rows of one expert
-
-__device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
-    const int t = threadIdx.x;
-    // Every expert's nine pointers are requested before the ids are known (one thread per expert):
-    // the unused ones cost an L2 hit each, the used ones arrive with the ids instead of one HBM
-    // round trip after them (kernels/lna2/NOTES.md, "serial HBM trips").
-    const void* mine[9];
-#pragma unroll
-    for (int i = 0; i < 9; i++)
-        mine[i] = t < a.n_experts ? reinterpret_cast<const void*>(__ldg(a.tables[i] + t)) : nullptr;
-    s.mask[t] = 0;
-    __syncthreads();
-    const int pairs = a.m * a.top_k;
-    for (int p = t; p < pairs; p += THREADS) {
-        const int e = a.expert_ids[p];
-        const bool ok = e >= 0 && e < a.n_experts;
-        s.rid[p] = static_cast<int16_t>(ok ? e : -1);
-        s.rw[p] = a.weights[p];
-        if (ok) atomicOr(&s.mask[e], 1u << (p / a.top_k));
-    }
-    __syncthreads();
-    const int c = t < a.n_experts ? __popc(s.mask[t]) : 0;
-    const int used = c > 0;
-    const int ng = (c + GR - 1) / GR;
-    const int v[3] = {c, ng, used};
-    int excl[3];
-    block_excl_scan3(v, excl, s.wsum);
-    store_groups<GR>(s, t, c, ng, excl);
-    if (used) {
-#pragma unroll
-        for (int i = 0; i < 9; i++) ptr[excl[2] * 9 + i] = mine[i];
-    }
-    __syncthreads();
 }
 
 __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
@@ -582,23 +396,6 @@ struct V2Kernel {
         }
         trace(EV_MMA, ticket);
         epilogue_gu(it, acc, ticket);
-    }
-
-    // acc[nt] of lane (g, t): (n = 16nt + g, rows 2t, 2t+1) and (n = 16nt + g + 8, rows 2t, 2t+1).
-    __device__ void write_red(float* red, int rc, const float (&acc)[8][4]) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int g = lane >> 2, t = lane & 3;
-        const int rr = 2 * t - 4 * rc;
-        if (rr < 0 || rr >= 4) return;
-        float* w = red + warp * 512;
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            const int n = nt * 16 + g;
-            w[rr * 128 + n] = acc[nt][0];
-            w[(rr + 1) * 128 + n] = acc[nt][1];
-            w[rr * 128 + n + 8] = acc[nt][2];
-            w[(rr + 1) * 128 + n + 8] = acc[nt][3];
-        }
     }
 
     __device__ bool arrive(int* counter, int last_old) {

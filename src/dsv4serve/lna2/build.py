@@ -15,7 +15,7 @@ from dsv4serve.resources import kernels_dir
 
 MODULE = "dsv4serve_lna2"
 SOURCES = ("bindings.cpp", "lna2_moe.cu", "lna2_v2.cu")
-HEADERS = ("lna2_api.h", "lna2_common.cuh")
+HEADERS = ("lna2_api.h", "lna2_common.cuh", "lna2_tile.cuh")
 
 
 def source_digest(src_dir: Path | None = None) -> str:
