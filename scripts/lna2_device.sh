@@ -123,7 +123,7 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     [ "$(left)" -lt 200 ] && { echo "skip sanitizer $tool: $(left)s left" | tee -a "$LOG"; continue; }
     step "compute-sanitizer $tool"
-    LNA2_VARIANTS=2,3,4 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
+    LNA2_VARIANTS=${SAN_VARIANTS:-4,7} timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
       > "$OUT/sanitizer_$tool.log" 2>&1; echo "exit $?" >> "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
   done
@@ -158,7 +158,7 @@ if has bench; then
     [ "$(left)" -lt 60 ] && { echo "skip bench vs $INC: $(left)s left" | tee -a "$LOG"; continue; }
     step "bench vs $INC"
     PYTHONPATH=/tmp/site$INC timeout $(( $(left) > 280 ? 280 : $(left) )) python3 scripts/lna2_device.py bench \
-      --incumbent $INC --ms $MS --variants $BV > "$OUT/bench_$INC.log" 2>&1; echo "exit $?" >> "$OUT/bench_$INC.log"
+      --incumbent $INC --ms $MS --variants $BV ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} > "$OUT/bench_$INC.log" 2>&1; echo "exit $?" >> "$OUT/bench_$INC.log"
     grep -E "^tp|exit|Error" "$OUT/bench_$INC.log" | tee -a "$LOG"
   done
 fi

@@ -249,6 +249,22 @@ __device__ __forceinline__ void cp_wait(int pending) {
     else asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
+// Four consecutive outputs at element offset o, in the caller's output dtype.
+__device__ __forceinline__ void store_out4(const Args& a, size_t o, const float4& acc) {
+    if (a.out_dtype == DT_F32) {
+        *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.out) + o) = acc;
+    } else if (a.out_dtype == DT_BF16) {
+        uint2 u;
+        __nv_bfloat162 p0 = __floats2bfloat162_rn(acc.x, acc.y), p1 = __floats2bfloat162_rn(acc.z, acc.w);
+        u.x = *reinterpret_cast<uint32_t*>(&p0);
+        u.y = *reinterpret_cast<uint32_t*>(&p1);
+        *reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(a.out) + o) = u;
+    } else {
+        float v[4] = {acc.x, acc.y, acc.z, acc.w};
+        *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(a.out) + o) = pack4_half(v);
+    }
+}
+
 // Output columns [128 cb, 128 cb + 128) of every row: the routing-weighted sum of the row's top-k
 // slots in slot order (no atomics: bitwise repeatable). `y` holds one fp32 row per routed entry;
 // with a k-split down projection it holds `nsplit` such partials `split_stride` floats apart, and
@@ -282,19 +298,7 @@ __device__ void gather_cols(const Args& a, const float* y, const Plan& s, int cb
                 }
             }
         }
-        const size_t o = size_t(r) * a.hidden + c;
-        if (a.out_dtype == DT_F32) {
-            *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.out) + o) = acc;
-        } else if (a.out_dtype == DT_BF16) {
-            uint2 u;
-            __nv_bfloat162 p0 = __floats2bfloat162_rn(acc.x, acc.y), p1 = __floats2bfloat162_rn(acc.z, acc.w);
-            u.x = *reinterpret_cast<uint32_t*>(&p0);
-            u.y = *reinterpret_cast<uint32_t*>(&p1);
-            *reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(a.out) + o) = u;
-        } else {
-            float v[4] = {acc.x, acc.y, acc.z, acc.w};
-            *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(a.out) + o) = pack4_half(v);
-        }
+        store_out4(a, size_t(r) * a.hidden + c, acc);
     }
 }
 

@@ -14,7 +14,7 @@ from dsv4serve.errors import BadInput, JobFailed
 from dsv4serve.resources import kernels_dir
 
 MODULE = "dsv4serve_lna2"
-SOURCES = ("bindings.cpp", "lna2_moe.cu", "lna2_v2.cu")
+SOURCES = ("bindings.cpp", "lna2_moe.cu", "lna2_v2.cu", "lna2_v7.cu")
 HEADERS = ("lna2_api.h", "lna2_common.cuh", "lna2_tile.cuh")
 
 

@@ -1,0 +1,455 @@
+// lna2 v7: the routed-expert MoE decode for small intermediates (the TP8 slice), one thread-block
+// cluster per (row group, 128-block of the intermediate).
+//
+// Why (kernels/lna2/NOTES.md, "Ablations"): at TP8 the v2 family spends most of its time neither
+// decoding nor reading weights but in the chain around them: k-split partials through global
+// memory, an arrival counter, a finisher that reloads them, a ready flag that down items poll, and
+// per-item scheduling. Here a cluster of 8 CTAs owns one unit of work end to end:
+//  * CTA r of the cluster takes k-tiles [r K/8, (r+1) K/8) of the unit's gate and up block (8
+//    n-tiles each) and output columns [r H/8, (r+1) H/8) of the down projection over the unit's
+//    128 intermediate rows; it issues every trellis byte of the unit at once (<= 72 KB), so the
+//    weights stream while the route plan is read and x is rotated;
+//  * gate/up k-split partials are reduced through distributed shared memory (one cluster barrier),
+//    CTA r finishes row r's activation (SwiGLU, rotations) and writes it into every CTA's shared
+//    memory (a second cluster barrier): no partials, flags or activations go through global memory;
+//  * each CTA writes its down columns for the unit (one fp32 row per entry and intermediate block)
+//    and the last unit to arrive on a column slice sums the slice's top-k slots and blocks in a
+//    fixed order (bitwise repeatable), as v2 does;
+//  * clusters are persistent: a cluster walks units cid, cid + clusters, ...; the next unit's
+//    gate/up trellis is requested as soon as this unit's gate/up MMAs are done, its down trellis
+//    once the down MMAs are. No CTA ever waits on another cluster, so any residency is safe.
+// Unit = (group of <= 8 rows of one expert, intermediate block ib); a down projection over one
+// block is a k-split of the whole, so an entry's output is the sum over blocks of its y rows:
+// intermediate <= 4 blocks (512), hidden a multiple of 1024 up to 8192 (v7_geometry).
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "lna2_api.h"
+#include "lna2_common.cuh"
+#include "lna2_tile.cuh"
+
+namespace cg = cooperative_groups;
+
+namespace lna2 {
+namespace {
+
+constexpr int C7 = 8;  // CTAs per cluster (the portable maximum: sm_90 and sm_120)
+
+struct Geo {
+    int nblk;  // 128-blocks of the hidden size per CTA: its k-range of gate/up, its down columns
+    int kpc;   // gate/up k-tiles per CTA (8 nblk)
+    int kpw;   // gate/up k-tiles per warp (4 warps split the CTA's k-range per projection)
+    int n_ib;  // intermediate blocks: units per group, y partials per entry
+};
+
+__host__ __device__ inline bool geometry(int hidden, int inter, Geo& g) {
+    if (hidden <= 0 || inter <= 0 || hidden % (128 * C7) != 0 || inter % 128 != 0) return false;
+    g.nblk = hidden / (128 * C7);
+    g.kpc = 8 * g.nblk;
+    g.kpw = g.kpc / 4;
+    g.n_ib = inter / 128;
+    return (g.nblk == 1 || g.nblk == 2 || g.nblk == 4 || g.nblk == 8) && g.n_ib <= V2_DOWN_SPLITS;
+}
+
+struct Dyn7 {
+    int gu, dn, xs, cpart, act, ptr, bar, total;
+};
+
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap) {
+    const int row = 256 * bits;  // 8 tiles of one k-tile
+    Dyn7 d{};
+    int off = 0;
+    d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
+    d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
+    d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
+    d.cpart = off; off += 2 * GR * 128 * 4;                // this CTA's gate/up partials [proj][row][128]
+    d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
+    off = (off + 15) & ~15;
+    d.ptr = off;   off += ucap * 9 * 8;
+    off = (off + 15) & ~15;
+    d.bar = off;   off += (g.kpw + 1) * 8;                 // one per gate/up step, one for down
+    d.total = (off + 15) & ~15;
+    return d;
+}
+
+__host__ __device__ inline int ucap7(int n_experts, int m, int top_k) {
+    const int p = m * top_k;
+    return p < n_experts ? p : n_experts;
+}
+
+struct Plan7 : RoutePlan<GR> {
+    int flag;
+};
+
+template <int K, int CB, bool DUP>
+struct V7Kernel {
+    static constexpr int TILE = 32 * K;  // bytes per tile
+    static constexpr int ROW = 8 * TILE;
+    static constexpr int PR = ROW / 16;  // 16-byte pieces per row
+
+    const Args& a;
+    Plan7& s;
+    uint8_t* dyn;
+    Geo g;
+    Dyn7 D;
+    const void** ptr;
+    uint64_t* bar;
+    int r;  // rank in the cluster
+
+    __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
+
+    __device__ const char* P(int gi, int i) const {
+        return reinterpret_cast<const char*>(ptr[s.ubase[s.gexp[gi]] * 9 + i]);
+    }
+
+    // The unit's gate/up trellis for this CTA's k-range: step st holds k-tile ksub * kpw + st of
+    // each warp (ksub, proj), so every warp can start on its first k-tile when step 0 lands.
+    __device__ void issue_gu(int u) {
+        const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
+        const char* src[2] = {P(gi, 0), P(gi, 3)};
+        uint8_t* gu = dyn + D.gu;
+        for (int st = 0; st < g.kpw; st++) {
+            for (int p = threadIdx.x; p < 8 * PR; p += THREADS) {
+                const int rw = p / PR, piece = p - rw * PR;
+                const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
+                cp16(gu + (st * 8 + rw) * ROW + piece * 16,
+                     src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE + piece * 16);
+            }
+            mbar_arrive_cp(bar + st);
+        }
+    }
+
+    // The unit's down trellis for this CTA's columns: the block's 8 k-tiles x nblk 8-tile rows.
+    __device__ void issue_dn(int u) {
+        const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
+        const char* src = P(gi, 6);
+        const int per_kt = g.nblk * PR;
+        for (int p = threadIdx.x; p < 8 * per_kt; p += THREADS) {
+            const int kt8 = p / per_kt, rest = p - kt8 * per_kt;
+            cp16(dyn + D.dn + kt8 * g.nblk * ROW + rest * 16,
+                 src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE + rest * 16);
+        }
+        mbar_arrive_cp(bar + g.kpw);
+    }
+
+    // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
+    __device__ void rotate(int gi) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int rows = s.gnr[gi];
+        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
+        for (int task = warp; task < 2 * rows * g.nblk; task += WARPS) {
+            const int proj = task & 1, rest = task >> 1;
+            const int j = rest % rows, b = rest / rows;
+            const int k = (r * g.nblk + b) * 128 + 4 * lane;
+            float v[4], sc[4];
+            load4_x(a.x, a.x_dtype, size_t(s.grows[gi][j]) * a.hidden + k, v);
+            load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
+#pragma unroll
+            for (int i = 0; i < 4; i++) v[i] *= sc[i];
+            fwht128(v, lane);
+#pragma unroll
+            for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
+            store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
+        }
+    }
+
+    // Slice r of the output (blocks r nblk ..): every row's top-k slots, each the sum of its n_ib
+    // y rows, in a fixed order (block, then slot), all of one item's loads in flight together.
+    __device__ void gather(const float* y) {
+        const size_t split = size_t(MAX_PAIRS) * a.hidden;
+        const int per_row = g.nblk * 32;
+        for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
+            const int row = idx / per_row, rest = idx - row * per_row;
+            const int c = (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31);
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int k0 = 0; k0 < g.n_ib; k0 += 2) {
+                float4 v[2][MAX_TOPK];
+                float w[MAX_TOPK];
+#pragma unroll
+                for (int slot = 0; slot < MAX_TOPK; slot++) {
+                    const int e = slot < a.top_k ? s.rid[row * a.top_k + slot] : -1;
+                    w[slot] = e >= 0 ? s.rw[row * a.top_k + slot] : 0.f;
+                    const int ent = e >= 0 ? s.rbase[e] + __popc(s.mask[e] & ((1u << row) - 1u)) : 0;
+#pragma unroll
+                    for (int kk = 0; kk < 2; kk++) {
+                        v[kk][slot] = make_float4(0.f, 0.f, 0.f, 0.f);
+                        if (e >= 0 && k0 + kk < g.n_ib)
+                            v[kk][slot] = __ldcg(reinterpret_cast<const float4*>(
+                                y + (k0 + kk) * split + size_t(ent) * a.hidden + c));
+                    }
+                }
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+#pragma unroll
+                    for (int slot = 0; slot < MAX_TOPK; slot++) {
+                        if (slot < a.top_k && w[slot] != 0.f && k0 + kk < g.n_ib) {
+                            acc.x += w[slot] * v[kk][slot].x; acc.y += w[slot] * v[kk][slot].y;
+                            acc.z += w[slot] * v[kk][slot].z; acc.w += w[slot] * v[kk][slot].w;
+                        }
+                    }
+                }
+            }
+            store_out4(a, size_t(row) * a.hidden + c, acc);
+        }
+    }
+
+    __device__ void run() {
+        cg::cluster_group cluster = cg::this_cluster();
+        const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+        r = static_cast<int>(cluster.block_rank());
+        const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
+        geometry(a.hidden, a.inter, g);  // validated by the launch
+        D = dyn7_layout(K, g, ucap7(a.n_experts, a.m, a.top_k));
+        ptr = reinterpret_cast<const void**>(dyn + D.ptr);
+        bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
+        const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
+        float* y = reinterpret_cast<float*>(a.scratch + L.y);
+        int* done = reinterpret_cast<int*>(a.scratch + L.done) + r;
+
+        if (t <= g.kpw) mbar_init(bar + t, THREADS);
+        build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
+        const int units = s.ng * g.n_ib;
+        if (units == 0) {  // nothing routed: cluster 0 writes the zero output
+            if (cid == 0) gather(y);
+            return;
+        }
+        if (cid < units) {
+            issue_gu(cid);
+            issue_dn(cid);
+        }
+        int w0i, w1i, sh;
+        lane_window<K>(lane, w0i, w1i, sh);
+        float* red = reinterpret_cast<float*>(dyn + D.xs);
+        float* cpart = reinterpret_cast<float*>(dyn + D.cpart);
+        uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
+        const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
+        const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
+
+        for (int it = 0, u = cid; u < units; it++, u += ncl) {
+            const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
+            const int rows = s.gnr[gi], ent0 = s.gent[gi];
+            const uint32_t par = it & 1;
+            // the finisher's and the down epilogue's scales (cold in HBM) travel during the MMAs
+            const int jf = r + C7 * warp;  // the row this warp finishes, if any
+            uint2 sc[3] = {};
+            if (jf < rows) {
+                const int col = ib * 128 + 4 * lane;
+                sc[0] = ld_early(reinterpret_cast<const __half*>(P(gi, 2)) + col);
+                sc[1] = ld_early(reinterpret_cast<const __half*>(P(gi, 5)) + col);
+                sc[2] = ld_early(reinterpret_cast<const __half*>(P(gi, 7)) + col);
+            }
+            uint2 dsv[4] = {};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int tk = warp + WARPS * i;  // down epilogue task (block tk / 4, row tk % 4)
+                if (tk < 4 * g.nblk)
+                    dsv[i] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (tk >> 2)) * 128 + 4 * lane);
+            }
+
+            rotate(gi);
+            __syncthreads();
+
+            // ---- gate/up: warp (proj, ksub) over its kpw k-tiles, 8 n-tiles each
+            float acc[8][4];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            {
+                const int proj = warp & 1, ksub = warp >> 1;
+                for (int st = 0; st < g.kpw; st++) {
+                    mbar_wait(bar + st, par);
+                    uint32_t b[4];
+                    b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
+                    mma_row<K, CB, DUP>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                                        w1i, sh, a, acc);
+                }
+            }
+            __syncthreads();  // gate/up trellis and xs are free
+            if (u + ncl < units) issue_gu(u + ncl);
+
+            // ---- this CTA's partial over its k-range, per (proj, row), into its own cpart
+            for (int rc = 0; rc * 4 < rows; rc++) {
+                if (rc) __syncthreads();
+                write_red(red, rc, acc);
+                __syncthreads();
+                const int proj = warp & 1, rr = warp >> 1, j = rc * 4 + rr;
+                if (j < rows) {
+                    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                    for (int ks = 0; ks < 4; ks++) {
+                        const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
+                        v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
+                    }
+                    *reinterpret_cast<float4*>(cpart + (proj * GR + j) * 128 + 4 * lane) = v;
+                }
+            }
+            cluster.sync();  // every CTA's partials are visible cluster-wide
+
+            // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
+            // into the down input's Hadamard basis, written into every CTA's activation buffer
+            if (jf < rows) {
+                float4 pg[C7], pu[C7];
+#pragma unroll
+                for (int q = 0; q < C7; q++) {
+                    const float* rp = cluster.map_shared_rank(cpart, q);
+                    pg[q] = *reinterpret_cast<const float4*>(rp + jf * 128 + 4 * lane);
+                    pu[q] = *reinterpret_cast<const float4*>(rp + (GR + jf) * 128 + 4 * lane);
+                }
+                float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < C7; q++) {
+                    gv[0] += pg[q].x; gv[1] += pg[q].y; gv[2] += pg[q].z; gv[3] += pg[q].w;
+                    uv[0] += pu[q].x; uv[1] += pu[q].y; uv[2] += pu[q].z; uv[3] += pu[q].w;
+                }
+                float sg[4], su[4], sd[4], av[4];
+                half4(sc[0], sg);
+                half4(sc[1], su);
+                half4(sc[2], sd);
+                swiglu_rotate(gv, uv, sg, su, sd, a.swiglu_limit, lane, av);
+#pragma unroll
+                for (int q = 0; q < C7; q++)
+                    store_frag_pairs(cluster.map_shared_rank(act, q) + (lane >> 2) * 64, jf, lane, av);
+            }
+            cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
+
+            // ---- down: warp (block bw, k-quarter kq) over kpwd of the block's 8 k-tiles
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            {
+                const int bw = warp / wpb, kq = warp - bw * wpb;
+                mbar_wait(bar + g.kpw, par);
+                for (int i = 0; i < kpwd; i++) {
+                    const int kt8 = kq * kpwd + i;
+                    uint32_t b[4];
+                    b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
+                    mma_row<K, CB, DUP>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
+                                        w0i, w1i, sh, a, acc);
+                }
+            }
+            __syncthreads();  // down trellis is free
+            if (u + ncl < units) issue_dn(u + ncl);
+
+            // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
+            // x svh, one fp32 y row per entry and intermediate block
+            for (int rc = 0; rc * 4 < rows; rc++) {
+                if (rc) __syncthreads();
+                write_red(red, rc, acc);
+                __syncthreads();
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int tk = warp + WARPS * i, bsel = tk >> 2, rr = tk & 3, j = rc * 4 + rr;
+                    if (tk < 4 * g.nblk && j < rows) {
+                        float v[4] = {0.f, 0.f, 0.f, 0.f};
+                        for (int kq = 0; kq < wpb; kq++) {
+                            const float4 x = *reinterpret_cast<const float4*>(red + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
+                            v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+                        }
+                        fwht128(v, lane);
+                        float sv[4];
+                        half4(dsv[i], sv);
+                        __stcg(reinterpret_cast<float4*>(y + (size_t(ib) * MAX_PAIRS + ent0 + j) * a.hidden +
+                                                         (r * g.nblk + bsel) * 128 + 4 * lane),
+                               make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1], v[2] * RSQRT128 * sv[2],
+                                           v[3] * RSQRT128 * sv[3]));
+                    }
+                }
+            }
+            // ---- the last unit over column slice r sums it
+            __syncthreads();
+            if (t == 0) {
+                __threadfence();
+                const int last = atomicAdd(done, 1) == units - 1;
+                if (last) {
+                    *done = 0;  // its last user in this launch
+                    __threadfence();
+                }
+                s.flag = last;
+            }
+            __syncthreads();
+            if (s.flag) gather(y);
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
+};
+
+template <int K, int CB, bool DUP>
+__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
+    __shared__ Plan7 s;
+    extern __shared__ __align__(16) uint8_t dyn[];
+    V7Kernel<K, CB, DUP> k(a, s, dyn);
+    k.run();
+}
+
+using KernelFn = void (*)(Args);
+
+// MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
+KernelFn pick_v7(int bits, int codebook) {
+    if (codebook == CB_MCG) return bits == 2 ? moe_decode_v7<2, CB_MCG, true> : moe_decode_v7<3, CB_MCG, true>;
+    if (codebook == CB_MUL1) return bits == 2 ? moe_decode_v7<2, CB_MUL1, false> : moe_decode_v7<3, CB_MUL1, false>;
+    return nullptr;
+}
+
+int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
+
+}  // namespace
+
+bool v7_supports(int hidden, int inter) {
+    Geo g;
+    return geometry(hidden, inter, g);
+}
+
+void v7_set_spread(int ctas_per_sm) {
+    if (ctas_per_sm >= 0) g_spread = ctas_per_sm;
+}
+
+// Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
+cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
+                         int* num_sms) {
+    KernelFn fn = pick_v7(bits, codebook);
+    Geo g;
+    if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
+    cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    const int dyn = dyn7_layout(bits, g, ucap7(n_experts, m, top_k)).total;
+    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (err != cudaSuccess) return err;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
+}
+
+cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
+    KernelFn fn = pick_v7(a_in.bits, a_in.codebook);
+    Geo g;
+    if (!fn || !geometry(a_in.hidden, a_in.inter, g)) return cudaErrorInvalidValue;
+    Args a = a_in;
+    for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
+    a.kmul[7] = 1u << 16;
+    int device = 0, sms = 0, smem_sm = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    if (err != cudaSuccess) return err;
+    int dyn = dyn7_layout(a.bits, g, ucap7(a.n_experts, a.m, a.top_k)).total;
+    // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
+    // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
+    // one (the decode is issue-bound per SM).
+    const int groups = std::min(a.m * a.top_k, a.n_experts * ((a.m + GR - 1) / GR));
+    const int bound = groups * g.n_ib;
+    const bool spread = g_spread == 1 || (g_spread == 0 && bound * C7 <= sms);
+    if (spread) dyn = std::max(dyn, smem_sm / 2 + 1024);
+    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (err != cudaSuccess) return err;
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = size_t(dyn);
+    cfg.stream = stream;
+    cfg.gridDim = dim3(C7 * bound);
+    int max_clusters = 0;
+    err = cudaOccupancyMaxActiveClusters(&max_clusters, fn, &cfg);
+    if (err != cudaSuccess) return err;
+    if (max_clusters < 1) return cudaErrorInvalidConfiguration;
+    cfg.gridDim = dim3(C7 * std::min(bound, max_clusters));
+    return cudaLaunchKernelEx(&cfg, fn, a);
+}
+
+}  // namespace lna2
