@@ -39,12 +39,14 @@ OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "4,2,3,0,1").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
-V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
+CLUSTER_VARIANTS = (7, 8)  # the cluster kernel, 8 / 16 warps: small intermediates only (lna2_v7.cu)
 
 
 def serves(variant, hidden, inter):
-    """Whether `variant` takes a layer of this shape (the binding refuses v7 elsewhere)."""
-    return variant != V7 or (hidden % 1024 == 0 and hidden <= 8192 and inter <= 512)
+    """Whether `variant` takes a layer of this shape (the binding refuses the cluster kernel elsewhere)."""
+    if variant not in CLUSTER_VARIANTS:
+        return True
+    return hidden % 1024 == 0 and (2048 if variant == 8 else 1024) <= hidden <= 8192 and inter <= 512
 
 
 def log(*a):
@@ -337,7 +339,7 @@ def cmd_smoke(args):
             w = torch.rand((m, TOPK), device=dev, generator=gen)
             x = torch.randn((m, 1024), device=dev, generator=gen).half()
             out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
-            for variant in VARIANTS:
+            for variant in [v for v in VARIANTS if serves(v, 1024, 256)]:
                 ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2, variant)
         torch.cuda.synchronize()
     # Paired down items (lna2_v2.cu make_cfg, c.DB = 2) need >= 4 down items per CTA: a 4096-wide
@@ -834,6 +836,9 @@ def cmd_bench(args):
                         ids_none = torch.full_like(ids32, -1)
                         for v in [v for v in variants if serves(v, H, I)]:
                             fns[f"empty_v{v}"] = (lambda v=v: L.run(x, ids_none, w32, out_l, v))
+                        # the floor of any launch measured this way: one 4-byte add, same cold flush
+                        tiny = torch.zeros(1, device=dev)
+                        fns["empty_noop"] = lambda t=tiny: t.add_(1.0)
                     cold, cold_p = alternate(fns, 3, 10, True, pre)
                     warm, _ = alternate(fns, 3, 16, False, pre)
                     wop, _ = alternate(whole, 3, 10, True)

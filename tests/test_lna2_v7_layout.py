@@ -1,0 +1,249 @@
+"""The index and fragment math of lna2's v7 (cluster) kernel, checked on the CPU against the fp64 reference.
+
+A model, not the CUDA kernel: numpy follows ``kernels/lna2/lna2_v7.cu`` CTA by CTA and warp by
+warp with the kernel's own index formulas -- each CTA's k-range of gate/up and the trellis rows
+its warps read per step, the rotated input in B-fragment order, the in-CTA reduction over k
+warps, the rank-ordered cluster sum and the finisher rows per (rank, warp), the activation in
+B-fragment order, each CTA's down columns with its (block, k-quarter) warps, one y row per entry
+and intermediate block, and the slice gather. The lane arithmetic (windows, states, fragments, the
+emulated m16n8k16) is the v2 model's. The kernel's cluster is 8 CTAs; the model takes the cluster
+size as a parameter so most cases stay small (the formulas are the kernel's with C7 = C). What it
+cannot cover (barriers, DSMEM ordering, the async copies, the hardware MMA) is the GPU parity run's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4serve.lna2.reference import moe_reference, random_expert_layer
+from tests.test_lna2_v2_layout import M32, a_frag, b_regs, fwht128, lane_window, mma, states8, store_frag_pairs
+
+
+def geometry(H, I, C, nw=8):
+    """lna2_v7.cu geometry(): None where the kernel refuses the layer."""
+    if H % (128 * C) or I % 128:
+        return None
+    nblk = H // (128 * C)
+    kpw, wpb = 2 * 8 * nblk // nw, nw // nblk
+    if nblk not in (1, 2, 4, 8) or I // 128 > 4 or kpw < 1 or not 1 <= wpb <= 8:
+        return None
+    return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
+
+
+def model_v7(x, ids, w, layer, cb, dup, C=8, nw=8, limit=10.0):
+    K, H, I = layer.K, layer.hidden, layer.inter
+    geo = geometry(H, I, C, nw)
+    assert geo is not None
+    nblk, kpc, kpw, wpb, n_ib = geo["nblk"], geo["kpc"], geo["kpw"], geo["wpb"], geo["n_ib"]
+    m, top_k = ids.shape
+    n_e = layer.gate_trellis.shape[0]
+    words = {name: getattr(layer, name + "_trellis").contiguous().view(torch.int32).numpy().astype(np.int64) & M32
+             for name in ("gate", "up", "down")}
+    suh = {n: getattr(layer, n + "_suh").double().numpy() for n in ("gate", "up", "down")}
+    svh = {n: getattr(layer, n + "_svh").double().numpy() for n in ("gate", "up", "down")}
+    mask = [0] * n_e
+    for p in range(m * top_k):
+        e = int(ids.view(-1)[p])
+        if 0 <= e < n_e:
+            mask[e] |= 1 << (p // top_k)
+    rbase, groups, gr = [0] * n_e, [], 0
+    for e in range(n_e):
+        rows = [r for r in range(32) if mask[e] >> r & 1]
+        rbase[e] = gr
+        for i in range(0, len(rows), 8):
+            groups.append((e, gr + i, rows[i:i + 8]))
+        gr += len(rows)
+    WPT, ntn_gu, ntn_dn = 8 * K, I // 16, H // 16
+    y = np.zeros((n_ib, gr, H))
+    xh = x.numpy()
+
+    def tile_words(proj, e, kt_, nt_):
+        ntn = ntn_dn if proj == "down" else ntn_gu
+        return words[proj][e].reshape(-1)[(kt_ * ntn + nt_) * WPT:(kt_ * ntn + nt_ + 1) * WPT]
+
+    def mma_row(proj, e, kt_, nt0, b_of_lane, acc):
+        for nt in range(8):
+            tw = tile_words(proj, e, kt_, nt0 + nt)
+            afr = []
+            for ln in range(32):
+                w0, w1, sh = lane_window(K, ln)
+                afr.append(a_frag(cb, dup, states8(K, int(tw[w0]), int(tw[w1]), sh)))
+            bfr = [b_regs(cb, dup, b_of_lane(ln)) for ln in range(32)]
+            for h in range(len(afr[0])):
+                acc[nt] = mma([afr[ln][h] for ln in range(32)], [bfr[ln][h] for ln in range(32)], acc[nt])
+
+    def warp_rows(acc):
+        """write_red: one warp's C fragments -> [8 rows][128]."""
+        out = np.zeros((8, 128))
+        for nt in range(8):
+            for ln in range(32):
+                g, t = ln >> 2, ln & 3
+                for i, (dn, dr) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                    out[2 * t + dr, nt * 16 + g + dn] = acc[nt][ln][i]
+        return out
+
+    def zero_acc():
+        return [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
+
+    units = len(groups) * n_ib
+    done = [0] * C
+    out = np.full((m, H), np.nan)
+    for u in range(units):  # the clusters' order does not matter: nothing crosses units but y
+        gi, ib = divmod(u, n_ib)
+        e, ent0, rws = groups[gi]
+        rows = len(rws)
+        cpart = np.zeros((C, 2, 8, 128))
+        for r in range(C):
+            # rotate(): tasks (proj, row j, block b) of this CTA's k-range into xs[proj][kt][lane][2]
+            xs = np.zeros((2, kpc, 32, 2), dtype=np.int64)
+            for task in range(2 * rows * nblk):
+                proj, rest = task & 1, task >> 1
+                j, b = rest % rows, rest // rows
+                k0 = (r * nblk + b) * 128
+                v = xh[rws[j], k0:k0 + 128].astype(np.float64) * suh[("gate", "up")[proj]][e, k0:k0 + 128]
+                v = fwht128(v) / np.sqrt(128)
+                for ln in range(32):
+                    store_frag_pairs(xs[proj, b * 8 + (ln >> 2)], j, ln, v[4 * ln:4 * ln + 4])
+            # gate/up: warp = 2 ksub + proj over steps st; k-tile r kpc + ksub kpw + st
+            red = {}
+            for warp in range(nw):
+                proj, ksub = warp & 1, warp >> 1
+                acc = zero_acc()
+                for st in range(kpw):
+                    kl = ksub * kpw + st
+                    mma_row(("gate", "up")[proj], e, r * kpc + kl, ib * 8,
+                            lambda ln, p=proj, kl=kl: (int(xs[p, kl, ln, 0]), int(xs[p, kl, ln, 1])), acc)
+                red[warp] = warp_rows(acc)
+            for proj in range(2):
+                tot = np.zeros((8, 128))
+                for ks in range(nw // 2):
+                    tot = tot + red[2 * ks + proj]
+                cpart[r, proj, :rows] = tot[:rows]
+        # finisher: rank r's warp w finishes row r + C w; the activation lands in every CTA
+        act = np.zeros((8, 32, 2), dtype=np.int64)
+        finished = set()
+        for r in range(C):
+            for warp in range(nw):
+                jf = r + C * warp
+                if jf >= rows:
+                    continue
+                finished.add(jf)
+                gsum = np.zeros(128)
+                usum = np.zeros(128)
+                for q in range(C):
+                    gsum = gsum + cpart[q, 0, jf]
+                    usum = usum + cpart[q, 1, jf]
+                col = slice(ib * 128, ib * 128 + 128)
+                gv = fwht128(gsum) / np.sqrt(128) * svh["gate"][e, col]
+                uv = fwht128(usum) / np.sqrt(128) * svh["up"][e, col]
+                gg = np.minimum(gv, limit)
+                uu = np.clip(uv, -limit, limit)
+                av = fwht128(gg / (1 + np.exp(-gg)) * uu * suh["down"][e, col]) / np.sqrt(128)
+                for ln in range(32):
+                    store_frag_pairs(act[ln >> 2], jf, ln, av[4 * ln:4 * ln + 4])
+        assert finished == set(range(rows))
+        # down: CTA r's columns; warp = bw wpb + kq over kpwd of the block's 8 k-tiles
+        kpwd = 8 // wpb
+        for r in range(C):
+            red = {}
+            for warp in range(nw):
+                bw, kq = divmod(warp, wpb)
+                acc = zero_acc()
+                for i in range(kpwd):
+                    kt8 = kq * kpwd + i
+                    mma_row("down", e, ib * 8 + kt8, r * kpc + bw * 8,
+                            lambda ln, kt8=kt8: (int(act[kt8, ln, 0]), int(act[kt8, ln, 1])), acc)
+                red[warp] = warp_rows(acc)
+            covered = set()
+            for tk in range(4 * nblk):  # epilogue tasks (block tk >> 2, row tk & 3) per 4-row chunk
+                bsel, rr = tk >> 2, tk & 3
+                for rc in range((rows + 3) // 4):
+                    j = rc * 4 + rr
+                    if j >= rows:
+                        continue
+                    v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
+                    c0 = (r * nblk + bsel) * 128
+                    y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
+                    covered.add((bsel, j))
+            assert covered == {(b, j) for b in range(nblk) for j in range(rows)}
+            done[r] += 1
+            if done[r] == units:  # the last unit over slice r gathers it: blocks, then slots
+                for row in range(m):
+                    for b in range(nblk):
+                        c0 = (r * nblk + b) * 128
+                        acc4 = np.zeros(128)
+                        for k in range(n_ib):
+                            for s_ in range(top_k):
+                                e2 = int(ids[row, s_])
+                                if 0 <= e2 < n_e:
+                                    ent = rbase[e2] + bin(mask[e2] & ((1 << row) - 1)).count("1")
+                                    acc4 = acc4 + float(w[row, s_]) * y[k, ent, c0:c0 + 128]
+                        out[row, c0:c0 + 128] = acc4
+    if units == 0:
+        out[:] = 0.0
+    return out, {"units": units, "groups": len(groups)}
+
+
+def _check(layer, ids, w, x, cb, dup, C, nw=8):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, nw=nw)
+    E = layer.gate_trellis.shape[0]
+    ref_ids, ref_w = ids.clone(), w.clone()
+    ref_w[ref_ids >= E] = 0.0
+    ref_ids[ref_ids >= E] = 0
+    ref = moe_reference(x, layer, ref_ids, ref_w).numpy()
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert rel.max() < 2e-3, (rel, cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("K, cb, dup, I", [(2, "mcg", True, 256), (3, "mul1", False, 128)])
+def test_v7_dataflow_matches_reference(K, cb, dup, I):
+    """Cluster of 2 over a 256-wide layer: 9 rows on one expert (two groups), an out-of-range id."""
+    H, E, top_k = 256, 10, 2
+    layer = random_expert_layer(E, H, I, K, cb, seed=31 + K)
+    gen = torch.Generator().manual_seed(6 + K)
+    m = 10
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(m)])
+    ids[:9, 0] = 4
+    ids[ids[:, 1] == 4, 1] = 5
+    ids[3, 1] = E + 2
+    w = torch.softmax(torch.randn(m, top_k, generator=gen), -1) * 1.5
+    x = torch.randn(m, H, generator=gen).half()
+    cfg = _check(layer, ids, w, x, cb, dup, C=2)
+    assert cfg["groups"] > len(torch.unique(ids[ids < E]))
+
+
+def test_v7_cluster_of_eight_matches_reference():
+    """The kernel's own cluster size at the smallest hidden it takes (1024: one block per CTA)."""
+    H, I, E = 1024, 256, 6
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=41)
+    gen = torch.Generator().manual_seed(42)
+    ids = torch.tensor([[1, 3], [3, 5]])
+    w = torch.rand(2, 2, generator=gen)
+    x = torch.randn(2, H, generator=gen).half()
+    _check(layer, ids, w, x, "mcg", True, C=8)
+
+
+def test_v7_sixteen_warps_match_reference():
+    """Variant 8's roles: 8 k-warps per projection, 8 warps per output block over one k-tile each."""
+    H, I, E = 512, 128, 5
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=51)
+    gen = torch.Generator().manual_seed(52)
+    ids = torch.tensor([[0, 2], [2, 4], [1, 2]])
+    w = torch.rand(3, 2, generator=gen)
+    x = torch.randn(3, H, generator=gen).half()
+    _check(layer, ids, w, x, "mcg", True, C=2, nw=16)
+
+
+def test_v7_geometry_matches_the_binding():
+    """What the kernel takes: the seat's TP8 slice and TP4, not TP1's 2048-wide intermediate."""
+    assert geometry(4096, 256, 8) == {"nblk": 4, "kpc": 32, "kpw": 8, "wpb": 2, "n_ib": 2}
+    assert geometry(4096, 512, 8) is not None
+    assert geometry(4096, 2048, 8) is None
+    assert geometry(1536, 256, 8) is None
+    assert geometry(16384, 256, 8) is None
+    assert geometry(1024, 256, 8, nw=16) is None  # 16 warps need two blocks per CTA
+    assert geometry(4096, 256, 8, nw=16)["kpw"] == 4
