@@ -39,14 +39,12 @@ OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "4,2,3,0,1").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
-CLUSTER_VARIANTS = (7, 8)  # the cluster kernel, 8 / 16 warps: small intermediates only (lna2_v7.cu)
+V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
 
 
 def serves(variant, hidden, inter):
-    """Whether `variant` takes a layer of this shape (the binding refuses the cluster kernel elsewhere)."""
-    if variant not in CLUSTER_VARIANTS:
-        return True
-    return hidden % 1024 == 0 and (2048 if variant == 8 else 1024) <= hidden <= 8192 and inter <= 512
+    """Whether `variant` takes a layer of this shape (the binding refuses v7 elsewhere)."""
+    return variant != V7 or (hidden % 1024 == 0 and hidden <= 8192 and inter <= 512)
 
 
 def log(*a):
@@ -339,7 +337,7 @@ def cmd_smoke(args):
             w = torch.rand((m, TOPK), device=dev, generator=gen)
             x = torch.randn((m, 1024), device=dev, generator=gen).half()
             out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
-            for variant in [v for v in VARIANTS if serves(v, 1024, 256)]:
+            for variant in VARIANTS:
                 ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2, variant)
         torch.cuda.synchronize()
     # Paired down items (lna2_v2.cu make_cfg, c.DB = 2) need >= 4 down items per CTA: a 4096-wide
@@ -901,11 +899,14 @@ def cmd_sweep(args):
     lna = lna2_mod()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
-    configs = [(0, int(i), int(p)) for i in args.items.split(",") for p in args.pair.split(",")]  # (CTAs/SM, items_x8, pair)
+    configs = [(int(c_), int(i), int(p)) for c_ in args.ctas.split(",") for i in args.items.split(",")
+               for p in args.pair.split(",")]  # (CTAs/SM, items_x8, pair)
     res = {"variant": args.variant, "lna2_build": lna.lna2_build_id(), "configs": configs,
-           "config_key": "c<CTAs per SM, 0 = as fit>_i<items_x8: gate/up item target = grid * i / 8>_p<paired down items>",
+           "config_key": "c<CTAs per SM, 0 = as fit (v7: 0 auto, 1 one per SM, 2 as fit)>_i<items_x8: gate/up item "
+                         "target = grid * i / 8>_p<paired down items>",
            "rows": []}
-    for c in k2_cases((("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))), dev, gen):
+    grid = [(sh, ms) for sh, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))) if serves(args.variant, H, SHAPES[sh])]
+    for c in k2_cases(grid, dev, gen):
 
         def run_with(cfg, c=c):
             def fn():
@@ -1165,6 +1166,7 @@ def main():
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
     sw.add_argument("--pair", default="1", help="paired down items: 0, 1 or 0,1")
+    sw.add_argument("--ctas", default="0", help="CTAs per SM (set_tuning): 0 = as fit; for v7 0 auto, 1, 2")
     sub.add_parser("ablate")
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=4)

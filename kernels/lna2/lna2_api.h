@@ -137,12 +137,10 @@ constexpr int TRACE_EVENTS = 64;  // per CTA
 // trellis decode, 11: no trellis copies, 12: no down phase, 13: neither decode nor copies). Their
 // outputs are garbage by design; only a benchmark asks for them (scripts/lna2_device.py ablate).
 constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
-// Variants 7 and 8 are the cluster kernel (lna2_v7.cu) for small intermediates, with 8 and 16
-// warps per CTA: v7_supports() says which layers they take.
-constexpr int V7_VARIANT = 7, V8_VARIANT = 8;
-inline bool is_v7(int v) { return v == V7_VARIANT || v == V8_VARIANT; }
+// Variant 7 is the cluster kernel (lna2_v7.cu) for small intermediates: v7_supports() says which.
+constexpr int V7_VARIANT = 7;
 inline bool variant_known(int v) {
-    return (v >= 0 && v <= 4) || v == 6 || is_v7(v) ||
+    return (v >= 0 && v <= 4) || v == 6 || v == V7_VARIANT ||
            (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS);
 }
 
@@ -161,14 +159,13 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down);
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                          int* blocks_per_sm, int* num_sms);
 cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
-// The cluster kernel's own entry points (lna2_v7.cu). It needs hidden a multiple of 1024 up to
-// 8192 (2048 with 16 warps) and an intermediate of at most 512 (4 blocks); it sizes its own
-// (cluster) grid. v7_set_spread: 0 lets an 8-warp launch keep one CTA per SM when its units'
-// clusters all fit that way, 1 always, 2 never.
-bool v7_supports(int hidden, int inter, int variant);
+// v7's own entry points (lna2_v7.cu). It needs hidden a multiple of 1024 up to 8192 and an
+// intermediate of at most 512 (4 blocks); it sizes its own (cluster) grid. v7_set_spread: 0 lets a
+// launch keep one CTA per SM when its units' clusters all fit that way, 1 always, 2 never.
+bool v7_supports(int hidden, int inter);
 void v7_set_spread(int ctas_per_sm);
-cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
-                         int* blocks_per_sm, int* num_sms);
+cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
+                         int* num_sms);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);
 const char* build_id();
 

@@ -39,27 +39,20 @@ namespace {
 constexpr int C7 = 8;  // CTAs per cluster (the portable maximum: sm_90 and sm_120)
 
 struct Geo {
-    int nw;    // warps per CTA: 8 (variant 7) or 16 (variant 8)
     int nblk;  // 128-blocks of the hidden size per CTA: its k-range of gate/up, its down columns
     int kpc;   // gate/up k-tiles per CTA (8 nblk)
-    int kpw;   // gate/up k-tiles per warp (nw / 2 warps split the CTA's k-range per projection)
-    int wpb;   // down: warps per 128-column output block (nw / nblk), each over 8 / wpb k-tiles
+    int kpw;   // gate/up k-tiles per warp (4 warps split the CTA's k-range per projection)
     int n_ib;  // intermediate blocks: units per group, y partials per entry
 };
 
-__host__ __device__ inline bool geometry(int hidden, int inter, int nw, Geo& g) {
+__host__ __device__ inline bool geometry(int hidden, int inter, Geo& g) {
     if (hidden <= 0 || inter <= 0 || hidden % (128 * C7) != 0 || inter % 128 != 0) return false;
-    g.nw = nw;
     g.nblk = hidden / (128 * C7);
     g.kpc = 8 * g.nblk;
-    g.kpw = 2 * g.kpc / nw;
-    g.wpb = nw / g.nblk;
+    g.kpw = g.kpc / 4;
     g.n_ib = inter / 128;
-    const bool pow2 = g.nblk == 1 || g.nblk == 2 || g.nblk == 4 || g.nblk == 8;
-    return pow2 && g.kpw >= 1 && g.wpb >= 1 && g.wpb <= 8 && g.n_ib <= V2_DOWN_SPLITS;
+    return (g.nblk == 1 || g.nblk == 2 || g.nblk == 4 || g.nblk == 8) && g.n_ib <= V2_DOWN_SPLITS;
 }
-
-__host__ __device__ inline int warps_of(int variant) { return variant == 8 ? 16 : 8; }
 
 struct Dyn7 {
     int gu, dn, xs, cpart, act, ptr, bar, total;
@@ -69,9 +62,9 @@ __host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
-    d.gu = off;    off += g.kpw * g.nw * row;              // [step][ksub][proj] rows
+    d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
-    d.xs = off;    off += 2 * g.kpc * 256 > g.nw * 512 * 4 ? 2 * g.kpc * 256 : g.nw * 512 * 4;  // B fragments, later the reduction buffer
+    d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
     d.cpart = off; off += 2 * GR * 128 * 4;                // this CTA's gate/up partials [proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
@@ -87,20 +80,18 @@ __host__ __device__ inline int ucap7(int n_experts, int m, int top_k) {
     return p < n_experts ? p : n_experts;
 }
 
-template <int NW>
-struct Plan7 : RoutePlan<GR, NW> {
+struct Plan7 : RoutePlan<GR> {
     int flag;
 };
 
-template <int K, int CB, bool DUP, int NW>
+template <int K, int CB, bool DUP>
 struct V7Kernel {
-    static constexpr int NT = NW * 32;
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
 
     const Args& a;
-    Plan7<NW>& s;
+    Plan7& s;
     uint8_t* dyn;
     Geo g;
     Dyn7 D;
@@ -108,7 +99,7 @@ struct V7Kernel {
     uint64_t* bar;
     int r;  // rank in the cluster
 
-    __device__ V7Kernel(const Args& a_, Plan7<NW>& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
+    __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
 
     __device__ const char* P(int gi, int i) const {
         return reinterpret_cast<const char*>(ptr[s.ubase[s.gexp[gi]] * 9 + i]);
@@ -121,10 +112,10 @@ struct V7Kernel {
         const char* src[2] = {P(gi, 0), P(gi, 3)};
         uint8_t* gu = dyn + D.gu;
         for (int st = 0; st < g.kpw; st++) {
-            for (int p = threadIdx.x; p < NW * PR; p += NT) {
-                const int rw = p / PR, piece = p - rw * PR;  // row rw = warp (ksub, proj) that reads it
+            for (int p = threadIdx.x; p < 8 * PR; p += THREADS) {
+                const int rw = p / PR, piece = p - rw * PR;
                 const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
-                cp16(gu + (st * NW + rw) * ROW + piece * 16,
+                cp16(gu + (st * 8 + rw) * ROW + piece * 16,
                      src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE + piece * 16);
             }
             mbar_arrive_cp(bar + st);
@@ -136,7 +127,7 @@ struct V7Kernel {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src = P(gi, 6);
         const int per_kt = g.nblk * PR;
-        for (int p = threadIdx.x; p < 8 * per_kt; p += NT) {
+        for (int p = threadIdx.x; p < 8 * per_kt; p += THREADS) {
             const int kt8 = p / per_kt, rest = p - kt8 * per_kt;
             cp16(dyn + D.dn + kt8 * g.nblk * ROW + rest * 16,
                  src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE + rest * 16);
@@ -149,7 +140,7 @@ struct V7Kernel {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[gi];
         uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
-        for (int task = warp; task < 2 * rows * g.nblk; task += NW) {
+        for (int task = warp; task < 2 * rows * g.nblk; task += WARPS) {
             const int proj = task & 1, rest = task >> 1;
             const int j = rest % rows, b = rest / rows;
             const int k = (r * g.nblk + b) * 128 + 4 * lane;
@@ -170,7 +161,7 @@ struct V7Kernel {
     __device__ void gather(const float* y) {
         const size_t split = size_t(MAX_PAIRS) * a.hidden;
         const int per_row = g.nblk * 32;
-        for (int idx = threadIdx.x; idx < a.m * per_row; idx += NT) {
+        for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
             const int row = idx / per_row, rest = idx - row * per_row;
             const int c = (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31);
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -210,7 +201,7 @@ struct V7Kernel {
         const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
         r = static_cast<int>(cluster.block_rank());
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
-        geometry(a.hidden, a.inter, NW, g);  // validated by the launch
+        geometry(a.hidden, a.inter, g);  // validated by the launch
         D = dyn7_layout(K, g, ucap7(a.n_experts, a.m, a.top_k));
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
@@ -218,8 +209,8 @@ struct V7Kernel {
         float* y = reinterpret_cast<float*>(a.scratch + L.y);
         int* done = reinterpret_cast<int*>(a.scratch + L.done) + r;
 
-        if (t <= g.kpw) mbar_init(bar + t, NT);
-        build_plan<NT>(a, s, ptr);  // its barriers also publish the mbarrier init
+        if (t <= g.kpw) mbar_init(bar + t, THREADS);
+        build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
             if (cid == 0) gather(y);
@@ -235,7 +226,7 @@ struct V7Kernel {
         float* cpart = reinterpret_cast<float*>(dyn + D.cpart);
         uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
-        const int wpb = g.wpb, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
+        const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
 
         for (int it = 0, u = cid; u < units; it++, u += ncl) {
             const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
@@ -253,7 +244,7 @@ struct V7Kernel {
             uint2 dsv[4] = {};
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int tk = warp + NW * i;  // down epilogue task (block tk / 4, row tk % 4)
+                const int tk = warp + WARPS * i;  // down epilogue task (block tk / 4, row tk % 4)
                 if (tk < 4 * g.nblk)
                     dsv[i] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (tk >> 2)) * 128 + 4 * lane);
             }
@@ -271,7 +262,7 @@ struct V7Kernel {
                     mbar_wait(bar + st, par);
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * NW + warp) * ROW), b, w0i,
+                    mma_row<K, CB, DUP>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
                                         w1i, sh, a, acc);
                 }
             }
@@ -284,10 +275,10 @@ struct V7Kernel {
                 write_red(red, rc, acc);
                 __syncthreads();
                 const int proj = warp & 1, rr = warp >> 1, j = rc * 4 + rr;
-                if (rr < 4 && j < rows) {
+                if (j < rows) {
                     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-                    for (int ks = 0; ks < NW / 2; ks++) {
+                    for (int ks = 0; ks < 4; ks++) {
                         const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
                         v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
                     }
@@ -348,7 +339,7 @@ struct V7Kernel {
                 __syncthreads();
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const int tk = warp + NW * i, bsel = tk >> 2, rr = tk & 3, j = rc * 4 + rr;
+                    const int tk = warp + WARPS * i, bsel = tk >> 2, rr = tk & 3, j = rc * 4 + rr;
                     if (tk < 4 * g.nblk && j < rows) {
                         float v[4] = {0.f, 0.f, 0.f, 0.f};
                         for (int kq = 0; kq < wpb; kq++) {
@@ -383,74 +374,84 @@ struct V7Kernel {
     }
 };
 
-// 8 warps: two CTAs per SM (128 registers); 16 warps: one CTA per SM, half the decode per warp.
-template <int K, int CB, bool DUP, int NW>
-__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(NW * 32, NW == 8 ? 2 : 1)
-    moe_decode_v7(const __grid_constant__ Args a) {
-    __shared__ Plan7<NW> s;
+template <int K, int CB, bool DUP>
+__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
+    __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, NW> k(a, s, dyn);
+    V7Kernel<K, CB, DUP> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
-template <int NW>
-KernelFn pick_nw(int bits, int codebook) {
-    if (codebook == CB_MCG) return bits == 2 ? moe_decode_v7<2, CB_MCG, true, NW> : moe_decode_v7<3, CB_MCG, true, NW>;
-    if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, NW> : moe_decode_v7<3, CB_MUL1, false, NW>;
+KernelFn pick_v7(int bits, int codebook) {
+    if (codebook == CB_MCG) return bits == 2 ? moe_decode_v7<2, CB_MCG, true> : moe_decode_v7<3, CB_MCG, true>;
+    if (codebook == CB_MUL1) return bits == 2 ? moe_decode_v7<2, CB_MUL1, false> : moe_decode_v7<3, CB_MUL1, false>;
     return nullptr;
-}
-
-KernelFn pick_v7(int bits, int codebook, int variant) {
-    return warps_of(variant) == 16 ? pick_nw<16>(bits, codebook) : pick_nw<8>(bits, codebook);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
-// cudaFuncSetAttribute + cudaOccupancyMaxActiveClusters per launch would cost host time on every
-// eager call; they depend only on (kernel, shared memory, device).
-struct ClusterKey {
+// Per (kernel, device): the dynamic shared memory the kernel is allowed, and the resident clusters
+// per request size, so an eager launch does not pay two driver queries. The allowance only grows:
+// a launch with a smaller request than the last one must not shrink it under a later, larger one.
+struct KernelSlot {
     KernelFn fn;
-    int dyn, device;
-    bool operator==(const ClusterKey& o) const { return fn == o.fn && dyn == o.dyn && device == o.device; }
+    int device, allowed;
+    int dyn[8], clusters[8], n;
 };
-constexpr int CLUSTER_CACHE = 32;
-ClusterKey g_ckey[CLUSTER_CACHE];
-int g_cval[CLUSTER_CACHE];
-int g_cn = 0;
-std::mutex g_cmu;
+constexpr int SLOTS = 16;
+KernelSlot g_slots[SLOTS];
+int g_nslots = 0;
+std::mutex g_slots_mu;
 
-cudaError_t max_clusters(KernelFn fn, int dyn, int device, int nt, int* out) {
-    std::lock_guard<std::mutex> lk(g_cmu);
-    const ClusterKey key{fn, dyn, device};
-    for (int i = 0; i < g_cn; i++)
-        if (g_ckey[i] == key) {
-            *out = g_cval[i];
+// The slot of (fn, device), its allowance raised to at least dyn. Caller holds g_slots_mu.
+cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
+    KernelSlot* sl = nullptr;
+    for (int i = 0; i < g_nslots; i++)
+        if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
+    if (!sl) {
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 4 kernels x 4 devices fit
+        sl = &g_slots[g_nslots++];
+        *sl = KernelSlot{fn, device, 0, {}, {}, 0};
+    }
+    if (dyn > sl->allowed) {
+        const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+        if (err != cudaSuccess) return err;
+        sl->allowed = dyn;
+    }
+    *slot = sl;
+    return cudaSuccess;
+}
+
+cudaError_t max_clusters(KernelFn fn, int dyn, int device, int* out) {
+    std::lock_guard<std::mutex> lk(g_slots_mu);
+    KernelSlot* sl = nullptr;
+    const cudaError_t aerr = allow(fn, dyn, device, &sl);
+    if (aerr != cudaSuccess) return aerr;
+    for (int i = 0; i < sl->n; i++)
+        if (sl->dyn[i] == dyn) {
+            *out = sl->clusters[i];
             return cudaSuccess;
         }
-    cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
-    if (err != cudaSuccess) return err;
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(nt);
+    cfg.blockDim = dim3(THREADS);
     cfg.dynamicSmemBytes = size_t(dyn);
     cfg.gridDim = dim3(C7);
-    err = cudaOccupancyMaxActiveClusters(out, fn, &cfg);
+    const cudaError_t err = cudaOccupancyMaxActiveClusters(out, fn, &cfg);
     if (err != cudaSuccess) return err;
-    if (g_cn < CLUSTER_CACHE) {
-        g_ckey[g_cn] = key;
-        g_cval[g_cn++] = *out;
-    }
+    const int i = sl->n < 8 ? sl->n++ : 7;
+    sl->dyn[i] = dyn;
+    sl->clusters[i] = *out;
     return cudaSuccess;
 }
 
 }  // namespace
 
-bool v7_supports(int hidden, int inter, int variant) {
+bool v7_supports(int hidden, int inter) {
     Geo g;
-    return geometry(hidden, inter, warps_of(variant), g);
+    return geometry(hidden, inter, g);
 }
 
 void v7_set_spread(int ctas_per_sm) {
@@ -458,23 +459,27 @@ void v7_set_spread(int ctas_per_sm) {
 }
 
 // Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
-cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
-                         int* blocks_per_sm, int* num_sms) {
-    KernelFn fn = pick_v7(bits, codebook, variant);
+cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
+                         int* num_sms) {
+    KernelFn fn = pick_v7(bits, codebook);
     Geo g;
-    if (!fn || !geometry(4096, 256, warps_of(variant), g)) return cudaErrorInvalidValue;
+    if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
     const int dyn = dyn7_layout(bits, g, ucap7(n_experts, m, top_k)).total;
-    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    {
+        std::lock_guard<std::mutex> lk(g_slots_mu);
+        KernelSlot* sl = nullptr;
+        err = allow(fn, dyn, device, &sl);
+    }
     if (err != cudaSuccess) return err;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, g.nw * 32, dyn);
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
 }
 
 cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
-    KernelFn fn = pick_v7(a_in.bits, a_in.codebook, a_in.variant);
+    KernelFn fn = pick_v7(a_in.bits, a_in.codebook);
     Geo g;
-    if (!fn || !geometry(a_in.hidden, a_in.inter, warps_of(a_in.variant), g)) return cudaErrorInvalidValue;
+    if (!fn || !geometry(a_in.hidden, a_in.inter, g)) return cudaErrorInvalidValue;
     Args a = a_in;
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
@@ -485,18 +490,18 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     int dyn = dyn7_layout(a.bits, g, ucap7(a.n_experts, a.m, a.top_k)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
-    // of its own, an 8-warp CTA's request is padded past half an SM's shared memory so that no two
-    // CTAs share one (the decode is issue-bound per SM); 16-warp CTAs are one per SM anyway.
+    // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
+    // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
     const int groups = std::min(a.m * a.top_k, a.n_experts * ((a.m + GR - 1) / GR));
     const int bound = groups * g.n_ib;
-    const bool spread = g.nw == 8 && (g_spread == 1 || (g_spread == 0 && bound * C7 <= sms));
+    const bool spread = g_spread == 1 || (g_spread == 0 && bound * C7 <= sms);
     if (spread) dyn = std::max(dyn, smem_sm / 2 + 1024);
     int clusters = 0;
-    err = max_clusters(fn, dyn, device, g.nw * 32, &clusters);
+    err = max_clusters(fn, dyn, device, &clusters);
     if (err != cudaSuccess) return err;
     if (clusters < 1) return cudaErrorInvalidConfiguration;
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(g.nw * 32);
+    cfg.blockDim = dim3(THREADS);
     cfg.dynamicSmemBytes = size_t(dyn);
     cfg.stream = stream;
     cfg.gridDim = dim3(C7 * std::min(bound, clusters));
