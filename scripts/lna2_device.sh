@@ -139,7 +139,8 @@ BV=${BENCH_VARIANTS:-4,2,3,0,1}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
   step "tuning sweep (v2 family)"
-  timeout 150 python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} > "$OUT/sweep.log" 2>&1
+  timeout 150 python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} \
+    ${SWEEP_CTAS:+--ctas $SWEEP_CTAS} ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} > "$OUT/sweep.log" 2>&1
   echo "exit $?" >> "$OUT/sweep.log"
   grep -E "^tp|exit|Error" "$OUT/sweep.log" | tee -a "$LOG"
 fi

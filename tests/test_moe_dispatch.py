@@ -215,7 +215,7 @@ def test_lna2_serves_decode_rows_with_the_incumbents_result(rows, tmp_path):
     assert s.lna2_layers == 2 and not s.not_ready
     out, want = h.call(0, rows)
     torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
-    assert h.ext.seen == [{"rows": rows, "variant": variant_for(rows), "ids_shape": (rows, TOP_K)}]
+    assert h.ext.seen == [{"rows": rows, "variant": variant_for(rows, I, 2, H), "ids_shape": (rows, TOP_K)}]
     assert h.layers[0][1].quant_method.calls == 0  # the incumbent did not run
     assert h.counters.calls == {"lna2": 1, "incumbent": 0}
 
@@ -225,8 +225,10 @@ def test_variant_follows_the_policy():
     h.prepare()
     for rows in (1, 2, 3, 8):
         h.call(0, rows)
-    # the harness layer is a TP8-sized slice: v1 at one row, v4 above (dsv4serve.lna2.policy)
-    assert [s["variant"] for s in h.ext.seen] == [1, 4, 4, 4]
+    # the dispatch hands the policy the layer's hidden size: this 128-wide harness layer is not one
+    # the cluster kernel takes, so v4 serves it even at one row, where a 4096-wide slice gets v7
+    assert [s["variant"] for s in h.ext.seen] == [4, 4, 4, 4]
+    assert [variant_for(r, I, 2) for r in (1, 2, 3, 8)] == [7, 7, 4, 4]
 
 
 def test_flat_ids_are_reshaped(tmp_path):

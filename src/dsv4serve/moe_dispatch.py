@@ -589,7 +589,7 @@ class Runtime:
         if scratch is None:
             raise RuntimeError(f"no lna2 scratch for {g.device} (allocated at load only)")
         out = torch.empty_like(x2)
-        variant = variant_for(rows, g.inter, g.bits)
+        variant = variant_for(rows, g.inter, g.bits, g.hidden)
         self._ext.lna2_moe_decode(x2, out, *st.tables, ids, weights, g.bits, g.swiglu_limit, scratch,
                                   g.inter, g.codebook, variant)
         return out.view(x.shape)
