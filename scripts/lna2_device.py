@@ -969,7 +969,9 @@ def cmd_trace(args):
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     res = []
     grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
-    for case in k2_cases((("tp8", (1, 8)), ("tp1", (1, 8))), dev, gen):
+    events = EVENTS7 if args.variant in CLUSTER_VARIANTS else EVENTS
+    shapes = [(sh, ms) for sh, ms in (("tp8", (1, 2, 8)), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
+    for case in k2_cases(shapes, dev, gen):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
         for _ in range(3):
             L.run(x, ids32, w32, out, args.variant)
@@ -988,7 +990,50 @@ def cmd_trace(args):
             res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
             end = max(e[0] for c in ctas for e in c)
             log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
-        dump("trace.json", {"events": EVENTS, "runs": res})
+        dump("trace.json", {"events": events, "variant": args.variant, "runs": res})
+    if args.variant in CLUSTER_VARIANTS:
+        summary = summarize_trace_v7({"runs": res})
+        for row in summary:
+            log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
+                f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
+        dump("trace-summary-v7.json", summary)
+
+
+EVENTS7 = ["start", "plan", "rotated", "gu_mma", "partial", "sync1", "act", "dn_mma", "y", "arrived", "gathered",
+           "exit"]
+
+
+def summarize_trace_v7(doc):
+    """The cluster kernel's phases per CTA and unit (lna2_v7.cu Event7): median / max over all
+    (CTA, unit) pairs in us, plus when the plan was done, the last gather ended and the last CTA
+    left, from the first CTA's start."""
+    out = []
+    for run in doc["runs"]:
+        spans = {}
+        plan, gathered, exits = [], [], []
+        for evs in run["ctas"]:
+            last = None
+            for t, ev, unit in evs:
+                name = EVENTS7[ev]
+                if name == "plan":
+                    plan.append(t)
+                elif name == "gathered":
+                    gathered.append(t)
+                elif name == "exit":
+                    exits.append(t)
+                if last is not None and name not in ("gathered", "exit"):
+                    spans.setdefault(f"{last[1]}->{name}", []).append(t - last[0])
+                if name not in ("gathered", "exit"):
+                    last = (t, name)
+
+        def stat(v):
+            v = sorted(v)
+            return {"n": len(v), "median_us": round(v[len(v) // 2] / 1e3, 2), "max_us": round(v[-1] / 1e3, 2)} if v else None
+
+        out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
+                    "plan_done": stat(plan), "last_gather_done": stat(gathered), "exit": stat(exits),
+                    "phases": {k: stat(v) for k, v in spans.items()}})
+    return out
 
 
 def summarize_trace(doc):

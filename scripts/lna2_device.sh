@@ -131,8 +131,8 @@ fi
 
 if has trace && [ "$(left)" -gt 240 ]; then
   step "event trace (v2 family, variant 4 unless --variant)"
-  timeout 90 python3 scripts/lna2_device.py trace > "$OUT/trace.log" 2>&1; echo "exit $?" >> "$OUT/trace.log"
-  tail -6 "$OUT/trace.log" | tee -a "$LOG"
+  timeout 90 python3 scripts/lna2_device.py trace ${TRACE_VARIANT:+--variant $TRACE_VARIANT} > "$OUT/trace.log" 2>&1; echo "exit $?" >> "$OUT/trace.log"
+  tail -12 "$OUT/trace.log" | tee -a "$LOG"
 fi
 
 BV=${BENCH_VARIANTS:-4,2,3,0,1}

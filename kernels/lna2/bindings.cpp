@@ -153,7 +153,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     a.swiglu_limit = static_cast<float>(swiglu_limit);
     a.trace = nullptr;
     if (trace.has_value() && trace->defined()) {
-        LNA2_CHECK(variant >= 2 && variant != lna2::V7_VARIANT, "trace is recorded by variants 2, 3, 4 and 6 only");
+        LNA2_CHECK(variant >= 2 && variant < lna2::ABLATION_VARIANT_BASE, "trace is recorded by variants 2, 3, 4, 6 and 7 only");
         LNA2_CHECK(trace->device() == dev && trace->scalar_type() == torch::kInt64 && trace->is_contiguous() &&
                        trace->numel() >= int64_t(bps) * sms * lna2::TRACE_EVENTS * 2,
                    "trace must be a contiguous int64 CUDA tensor of >= grid x ", lna2::TRACE_EVENTS, " x 2 elements");

@@ -128,7 +128,7 @@ struct Args {
     int pair_down;              // v2: allow down items of two output blocks (set by launch())
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
-    unsigned long long* trace;  // v2, optional: per-CTA event timeline (TRACE_EVENTS x {ns, ticket<<8|event})
+    unsigned long long* trace;  // v2 family and v7, optional: per-CTA event timeline (TRACE_EVENTS x {ns, (ticket or unit + 1)<<8 | event})
 };
 
 constexpr int TRACE_EVENTS = 64;  // per CTA

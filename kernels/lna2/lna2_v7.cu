@@ -84,6 +84,13 @@ struct Plan7 : RoutePlan<GR> {
     int flag;
 };
 
+// Trace events (Args::trace, thread 0 of each CTA; the unit rides in the upper bits), for
+// scripts/lna2_device.py trace --variant 7.
+enum Event7 : int {
+    E7_START = 0, E7_PLAN = 1, E7_ROTATED = 2, E7_GU_MMA = 3, E7_PARTIAL = 4, E7_SYNC1 = 5, E7_ACT = 6,
+    E7_DN_MMA = 7, E7_Y = 8, E7_ARRIVED = 9, E7_GATHERED = 10, E7_EXIT = 11
+};
+
 template <int K, int CB, bool DUP>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
@@ -97,9 +104,20 @@ struct V7Kernel {
     Dyn7 D;
     const void** ptr;
     uint64_t* bar;
-    int r;  // rank in the cluster
+    int r;    // rank in the cluster
+    int nev;  // trace events recorded (thread 0)
 
     __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
+
+    __device__ void trace(int ev, int unit) {
+        if (a.trace == nullptr || threadIdx.x != 0 || nev >= TRACE_EVENTS) return;
+        unsigned long long ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        unsigned long long* tr = a.trace + (size_t(blockIdx.x) * TRACE_EVENTS + nev) * 2;
+        tr[0] = ns;
+        tr[1] = (static_cast<unsigned long long>(unit + 1) << 8) | unsigned(ev);
+        nev++;
+    }
 
     __device__ const char* P(int gi, int i) const {
         return reinterpret_cast<const char*>(ptr[s.ubase[s.gexp[gi]] * 9 + i]);
@@ -200,6 +218,8 @@ struct V7Kernel {
         cg::cluster_group cluster = cg::this_cluster();
         const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
         r = static_cast<int>(cluster.block_rank());
+        nev = 0;
+        trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         D = dyn7_layout(K, g, ucap7(a.n_experts, a.m, a.top_k));
@@ -212,6 +232,7 @@ struct V7Kernel {
         if (t <= g.kpw) mbar_init(bar + t, THREADS);
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
+        trace(E7_PLAN, -1);
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
             if (cid == 0) gather(y);
             return;
@@ -251,6 +272,7 @@ struct V7Kernel {
 
             rotate(gi);
             __syncthreads();
+            trace(E7_ROTATED, u);
 
             // ---- gate/up: warp (proj, ksub) over its kpw k-tiles, 8 n-tiles each
             float acc[8][4];
@@ -267,6 +289,7 @@ struct V7Kernel {
                 }
             }
             __syncthreads();  // gate/up trellis and xs are free
+            trace(E7_GU_MMA, u);
             if (u + ncl < units) issue_gu(u + ncl);
 
             // ---- this CTA's partial over its k-range, per (proj, row), into its own cpart
@@ -285,7 +308,9 @@ struct V7Kernel {
                     *reinterpret_cast<float4*>(cpart + (proj * GR + j) * 128 + 4 * lane) = v;
                 }
             }
+            trace(E7_PARTIAL, u);
             cluster.sync();  // every CTA's partials are visible cluster-wide
+            trace(E7_SYNC1, u);
 
             // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
             // into the down input's Hadamard basis, written into every CTA's activation buffer
@@ -313,6 +338,7 @@ struct V7Kernel {
                     store_frag_pairs(cluster.map_shared_rank(act, q) + (lane >> 2) * 64, jf, lane, av);
             }
             cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
+            trace(E7_ACT, u);
 
             // ---- down: warp (block bw, k-quarter kq) over kpwd of the block's 8 k-tiles
 #pragma unroll
@@ -329,6 +355,7 @@ struct V7Kernel {
                 }
             }
             __syncthreads();  // down trellis is free
+            trace(E7_DN_MMA, u);
             if (u + ncl < units) issue_dn(u + ncl);
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
@@ -358,6 +385,7 @@ struct V7Kernel {
             }
             // ---- the last unit over column slice r sums it
             __syncthreads();
+            trace(E7_Y, u);
             if (t == 0) {
                 __threadfence();
                 const int last = atomicAdd(done, 1) == units - 1;
@@ -368,9 +396,14 @@ struct V7Kernel {
                 s.flag = last;
             }
             __syncthreads();
-            if (s.flag) gather(y);
+            trace(E7_ARRIVED, u);
+            if (s.flag) {
+                gather(y);
+                trace(E7_GATHERED, u);
+            }
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
+        trace(E7_EXIT, -1);
     }
 };
 
