@@ -969,7 +969,7 @@ def cmd_trace(args):
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     res = []
     grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
-    events = EVENTS7 if args.variant in CLUSTER_VARIANTS else EVENTS
+    events = EVENTS7 if args.variant == V7 else EVENTS
     shapes = [(sh, ms) for sh, ms in (("tp8", (1, 2, 8)), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
     for case in k2_cases(shapes, dev, gen):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
@@ -991,7 +991,7 @@ def cmd_trace(args):
             end = max(e[0] for c in ctas for e in c)
             log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
         dump("trace.json", {"events": events, "variant": args.variant, "runs": res})
-    if args.variant in CLUSTER_VARIANTS:
+    if args.variant == V7:
         summary = summarize_trace_v7({"runs": res})
         for row in summary:
             log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
