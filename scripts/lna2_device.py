@@ -902,7 +902,8 @@ def cmd_sweep(args):
     configs = [(int(c_), int(i), int(p)) for c_ in args.ctas.split(",") for i in args.items.split(",")
                for p in args.pair.split(",")]  # (CTAs/SM, items_x8, pair)
     res = {"variant": args.variant, "lna2_build": lna.lna2_build_id(), "configs": configs,
-           "config_key": "c<CTAs per SM, 0 = as fit>_i<items_x8: gate/up item target = grid * i / 8>_p<paired down items>",
+           "config_key": "c<CTAs per SM, 0 = as fit (v7: 0 auto, 1 one per SM, 2 as fit)>_i<items_x8: gate/up item "
+                         "target = grid * i / 8>_p<paired down items>",
            "rows": []}
     grid = [(sh, ms) for sh, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))) if serves(args.variant, H, SHAPES[sh])]
     for c in k2_cases(grid, dev, gen):
@@ -1210,7 +1211,7 @@ def main():
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
     sw.add_argument("--pair", default="1", help="paired down items: 0, 1 or 0,1")
-    sw.add_argument("--ctas", default="0", help="v2 family's CTAs per SM (set_tuning): 0 = as fit")
+    sw.add_argument("--ctas", default="0", help="CTAs per SM (set_tuning): 0 = as fit; for v7 0 auto, 1, 2")
     sub.add_parser("ablate")
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=4)

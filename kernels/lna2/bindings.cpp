@@ -203,6 +203,7 @@ std::string lna2_build_id() { return lna2::build_id(); }
 void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8, int64_t pair_down) {
     std::lock_guard<std::mutex> lk(g_mu);
     lna2::set_tuning(static_cast<int>(ctas_per_sm), static_cast<int>(items_x8), static_cast<int>(pair_down));
+    lna2::v7_set_spread(static_cast<int>(ctas_per_sm));
     g_grid.clear();
 }
 
@@ -224,6 +225,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("hidden") = kDefaultHidden,
           py::arg("intermediate") = kDefaultInter);
     m.def("lna2_build_id", &lna2_build_id);
-    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep), item target x8 (0 = keep), paired down items (-1 = keep)",
+    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep; for v7 0 = auto, 1 = one CTA per SM, 2 = as many as fit), item target x8 (0 = keep), paired down items (-1 = keep)",
           py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0, py::arg("pair_down") = -1);
 }

@@ -160,8 +160,10 @@ cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_
                          int* blocks_per_sm, int* num_sms);
 cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
 // v7's own entry points (lna2_v7.cu). It needs hidden a multiple of 1024 up to 8192 and an
-// intermediate of at most 512 (4 blocks); it sizes its own (cluster) grid.
+// intermediate of at most 512 (4 blocks); it sizes its own (cluster) grid. v7_set_spread: 0 lets a
+// launch keep one CTA per SM when its units' clusters all fit that way, 1 always, 2 never.
 bool v7_supports(int hidden, int inter);
+void v7_set_spread(int ctas_per_sm);
 cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
                          int* num_sms);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);

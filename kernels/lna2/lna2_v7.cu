@@ -153,75 +153,24 @@ struct V7Kernel {
         mbar_arrive_cp(bar + g.kpw);
     }
 
-    // The raw x and suh words of a warp's first PRE rotation tasks, requested ahead: for a
-    // launch's first unit before its trellis, so these small loads do not queue behind ~48 KB of
-    // cp.async per CTA (the v7 trace: plan -> rotated was 3.4 us of a 22 us one-row launch).
-    static constexpr int PRE = 2;
-    struct RotInputs {
-        uint2 x[PRE], sc[PRE];
-    };
-
-    __device__ void rot_task(int gi, int task, int& proj, int& j, int& b, int& k) const {
-        const int rows = s.gnr[gi];
-        proj = task & 1;
-        const int rest = task >> 1;
-        j = rest % rows;
-        b = rest / rows;
-        k = (r * g.nblk + b) * 128 + 4 * (threadIdx.x & 31);
-    }
-
-    // Four x values of row grows[gi][j] from column k, as raw 2-byte words (fp16 or bf16).
-    __device__ uint2 x_raw(int gi, int j, int k) const {
-        return __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(a.x) +
-                                                    size_t(s.grows[gi][j]) * a.hidden + k));
-    }
-
-    __device__ void rot_load(int gi, RotInputs& in) const {
-        const int warp = threadIdx.x >> 5;
-#pragma unroll
-        for (int i = 0; i < PRE; i++) {
-            const int task = warp + WARPS * i;
-            if (task < 2 * s.gnr[gi] * g.nblk) {
-                int proj, j, b, k;
-                rot_task(gi, task, proj, j, b, k);
-                in.x[i] = x_raw(gi, j, k);
-                in.sc[i] = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k));
-            }
-        }
-    }
-
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
-    __device__ __forceinline__ void rot_one(int gi, int task, uint2 xr, uint2 sr) {
-        const int lane = threadIdx.x & 31;
-        int proj, j, b, k;
-        rot_task(gi, task, proj, j, b, k);
-        float v[4], sc[4];
-        if (a.x_dtype == DT_BF16) {
-            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xr.x));
-            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xr.y));
-            v[0] = lo.x; v[1] = lo.y; v[2] = hi.x; v[3] = hi.y;
-        } else {
-            half4(xr, v);
-        }
-        half4(sr, sc);
+    __device__ void rotate(int gi) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int rows = s.gnr[gi];
+        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
+        for (int task = warp; task < 2 * rows * g.nblk; task += WARPS) {
+            const int proj = task & 1, rest = task >> 1;
+            const int j = rest % rows, b = rest / rows;
+            const int k = (r * g.nblk + b) * 128 + 4 * lane;
+            float v[4], sc[4];
+            load4_x(a.x, a.x_dtype, size_t(s.grows[gi][j]) * a.hidden + k, v);
+            load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
 #pragma unroll
-        for (int q = 0; q < 4; q++) v[q] *= sc[q];
-        fwht128(v, lane);
+            for (int i = 0; i < 4; i++) v[i] *= sc[i];
+            fwht128(v, lane);
 #pragma unroll
-        for (int q = 0; q < 4; q++) v[q] *= RSQRT128;
-        store_frag_pairs(reinterpret_cast<uint32_t*>(dyn + D.xs) + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
-    }
-
-    __device__ void rotate(int gi, const RotInputs& in) {
-        const int warp = threadIdx.x >> 5, ntask = 2 * s.gnr[gi] * g.nblk;
-#pragma unroll
-        for (int i = 0; i < PRE; i++)
-            if (warp + WARPS * i < ntask) rot_one(gi, warp + WARPS * i, in.x[i], in.sc[i]);
-        for (int task = warp + WARPS * PRE; task < ntask; task += WARPS) {
-            int proj, j, b, k;
-            rot_task(gi, task, proj, j, b, k);
-            rot_one(gi, task, x_raw(gi, j, k),
-                    __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k)));
+            for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
+            store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
         }
     }
 
@@ -288,9 +237,7 @@ struct V7Kernel {
             if (cid == 0) gather(y);
             return;
         }
-        RotInputs rin;
         if (cid < units) {
-            rot_load(cid / g.n_ib, rin);  // first: ahead of the trellis flood
             issue_gu(cid);
             issue_dn(cid);
         }
@@ -323,8 +270,7 @@ struct V7Kernel {
                     dsv[i] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (tk >> 2)) * 128 + 4 * lane);
             }
 
-            if (it > 0) rot_load(gi, rin);
-            rotate(gi, rin);
+            rotate(gi);
             __syncthreads();
             trace(E7_ROTATED, u);
 
@@ -478,6 +424,7 @@ KernelFn pick_v7(int bits, int codebook) {
     return nullptr;
 }
 
+int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
 // Per (kernel, device): the dynamic shared memory the kernel is allowed, and the resident clusters
 // per request size, so an eager launch does not pay two driver queries. The allowance only grows:
@@ -540,6 +487,10 @@ bool v7_supports(int hidden, int inter) {
     return geometry(hidden, inter, g);
 }
 
+void v7_set_spread(int ctas_per_sm) {
+    if (ctas_per_sm >= 0) g_spread = ctas_per_sm;
+}
+
 // Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
 cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
                          int* num_sms) {
@@ -565,15 +516,19 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     Args a = a_in;
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
-    int device = 0;
+    int device = 0, sms = 0, smem_sm = 0;
     cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(a.bits, g, ucap7(a.n_experts, a.m, a.top_k)).total;
-    // Units are known only on the device; this bounds them. CTAs pack two per SM where they fit:
-    // keeping one per SM (padding the request) measured no faster at one row and 20-40 % slower
-    // from two rows up (NOTES.md, 2026-12-03 run 4).
+    int dyn = dyn7_layout(a.bits, g, ucap7(a.n_experts, a.m, a.top_k)).total;
+    // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
+    // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
+    // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
     const int groups = std::min(a.m * a.top_k, a.n_experts * ((a.m + GR - 1) / GR));
     const int bound = groups * g.n_ib;
+    const bool spread = g_spread == 1 || (g_spread == 0 && bound * C7 <= sms);
+    if (spread) dyn = std::max(dyn, smem_sm / 2 + 1024);
     int clusters = 0;
     err = max_clusters(fn, dyn, device, &clusters);
     if (err != cudaSuccess) return err;
