@@ -2,20 +2,20 @@
 
 All variants compute the same function (parity-checked against the fp64 reference on the H200;
 kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
-off the same-process benchmarks of 2026-12-03 (kernels/lna2/NOTES.md; the figures are in
-kernels/lna2/results/2026-12-03-h200.json):
+off the same-process benchmarks of 2026-12-03 (kernels/lna2/NOTES.md; the figures of run 14 are
+in kernels/lna2/results/2026-12-03-h200.json):
 
 * v7 (the cluster kernel: one 8-CTA cluster per row group and 128-block of the intermediate, the
   gate/up k-split reduced through distributed shared memory, nothing but the top-k sum through
   global memory) is the fastest variant at one and two rows of the TP8 slice (I <= 256), K2 and
-  K3: 1.2-1.3x v1/v4 at one row, up to 1.2x v4 at two. From four rows up its units take more than
-  one pass of the resident clusters and v4 wins. It takes hidden sizes that are a multiple of 1024
-  up to 8192 and intermediates up to 512 (the binding refuses others).
+  K3: 1.3x the next best (v1) at one row, 1.15-1.2x v4 at two (runs 12-14). From four rows up its
+  units take more than one pass of the resident clusters and v4 wins. It takes hidden sizes that
+  are a multiple of 1024 up to 8192 and intermediates up to 512 (the binding refuses others).
 * v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no spills)
   is the fastest variant everywhere else, and at every TP1 point.
 
-v0-v3 stay available for the benchmark and the parity grid; v3 (the format's fp16 lo+hi
-rounding) is also what every variant from 2 to 4 runs for MUL1 layers.
+v0-v3 and v6 stay available for the benchmark and the parity grid; v3 (the format's fp16 lo+hi
+rounding) is also what variants 2 to 4 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
 the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03)."""
