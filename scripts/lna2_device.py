@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "4,2,3,0,1").split(",")]
+VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "7,4,1,6,2,3,0").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
 
@@ -1206,7 +1206,7 @@ def main():
     b.add_argument("--shapes", default="tp8,tp1")
     b.add_argument("--ks", default="2,3")
     b.add_argument("--ms", default="1,2,4,8,16,24")
-    b.add_argument("--variants", default="4,2,3,0,1")
+    b.add_argument("--variants", default="7,4,1,6,2,3,0")
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")

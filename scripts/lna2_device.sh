@@ -10,6 +10,10 @@
 # 1.6.5 on 16 cores); a fresh JIT build is sent home the same way (16 MiB per returned file).
 # Each step has its own timeout and optional steps are skipped past DEADLINE seconds, so a slow
 # call still returns what it measured.
+# Environment: LNA2_VARIANTS (smoke, parity; the first two also get CUDA-graph cases),
+# BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT,
+# SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT, PARITY=quick|full, DEADLINE.
+# Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
 STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu}
@@ -17,6 +21,9 @@ DEADLINE=${DEADLINE:-540}
 T0=$(date +%s)
 FINAL=${OUT:-$PWD/.device-out}
 OUT=/tmp/lna2-work
+# A warm (or reused) machine keeps /tmp: files of an earlier call would ride home in this call's
+# tarball beside the new ones (2026-12-03: a bench JSON of another build did), so start empty.
+rm -rf "$OUT"
 mkdir -p "$OUT" "$FINAL"
 export OUT
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
@@ -105,7 +112,7 @@ PY
   cat "$OUT/checkseat.log" | tee -a "$LOG"
 fi
 
-export LNA2_VARIANTS=${LNA2_VARIANTS:-4,2,3,0,1}
+export LNA2_VARIANTS=${LNA2_VARIANTS:-7,4,1,6,2,3,0}
 if has smoke; then
   step "smoke (variants $LNA2_VARIANTS)"
   timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke.log" 2>&1; echo "exit $?" >> "$OUT/smoke.log"
@@ -135,7 +142,7 @@ if has trace && [ "$(left)" -gt 240 ]; then
   tail -12 "$OUT/trace.log" | tee -a "$LOG"
 fi
 
-BV=${BENCH_VARIANTS:-4,2,3,0,1}
+BV=${BENCH_VARIANTS:-7,4,1,6,2,3,0}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
   step "tuning sweep (v2 family)"
