@@ -20,6 +20,25 @@ constexpr int GR = 8;  // rows per group: the MMA's N
 // ------------------------------------------------------------------------------------------------
 // small helpers
 
+// v2's and v7's shared memory holds one pointer-table row per used expert: at most one per routed
+// (row, slot) pair, and no more than the table has.
+__host__ __device__ inline int ucap_for(int n_experts, int m, int top_k) {
+    const int p = m * top_k;
+    return p < n_experts ? p : n_experts;
+}
+
+// One event of a CTA's optional %globaltimer timeline (Args::trace, thread 0 only): the time and
+// (tag + 1) << 8 | ev, tag being a ticket (v2) or a unit (v7), -1 for none.
+__device__ __forceinline__ void trace_event(const Args& a, int& nev, int ev, int tag) {
+    if (a.trace == nullptr || threadIdx.x != 0 || nev >= TRACE_EVENTS) return;
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    unsigned long long* tr = a.trace + (size_t(blockIdx.x) * TRACE_EVENTS + nev) * 2;
+    tr[0] = ns;
+    tr[1] = (static_cast<unsigned long long>(tag + 1) << 8) | unsigned(ev);
+    nev++;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -68,10 +68,6 @@ __host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
     return d;
 }
 
-__host__ __device__ inline int ucap_for(int n_experts, int m, int top_k) {
-    const int p = m * top_k;
-    return p < n_experts ? p : n_experts;
-}
 
 // ------------------------------------------------------------------------------------------------
 // work items
@@ -205,15 +201,7 @@ struct V2Kernel {
 
     __device__ const void* P(int g, int i) const { return ptr[s.ubase[s.gexp[g]] * 9 + i]; }
 
-    __device__ void trace(int ev, int ticket) {
-        if (a.trace == nullptr || threadIdx.x != 0 || nev >= TRACE_EVENTS) return;
-        unsigned long long ns;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-        unsigned long long* tr = a.trace + (size_t(blockIdx.x) * TRACE_EVENTS + nev) * 2;
-        tr[0] = ns;
-        tr[1] = (static_cast<unsigned long long>(ticket + 1) << 8) | unsigned(ev);
-        nev++;
-    }
+    __device__ void trace(int ev, int ticket) { trace_event(a, nev, ev, ticket); }
 
     // ---- producer: each warp streams its own trellis rows (8 tiles of one k-tile) through its own
     // ring slots and mbarriers, so no stage needs a CTA-wide barrier

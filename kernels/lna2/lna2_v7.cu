@@ -75,10 +75,6 @@ __host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap) {
     return d;
 }
 
-__host__ __device__ inline int ucap7(int n_experts, int m, int top_k) {
-    const int p = m * top_k;
-    return p < n_experts ? p : n_experts;
-}
 
 struct Plan7 : RoutePlan<GR> {
     int flag;
@@ -109,15 +105,7 @@ struct V7Kernel {
 
     __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
 
-    __device__ void trace(int ev, int unit) {
-        if (a.trace == nullptr || threadIdx.x != 0 || nev >= TRACE_EVENTS) return;
-        unsigned long long ns;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-        unsigned long long* tr = a.trace + (size_t(blockIdx.x) * TRACE_EVENTS + nev) * 2;
-        tr[0] = ns;
-        tr[1] = (static_cast<unsigned long long>(unit + 1) << 8) | unsigned(ev);
-        nev++;
-    }
+    __device__ void trace(int ev, int unit) { trace_event(a, nev, ev, unit); }
 
     __device__ const char* P(int gi, int i) const {
         return reinterpret_cast<const char*>(ptr[s.ubase[s.gexp[gi]] * 9 + i]);
@@ -222,7 +210,7 @@ struct V7Kernel {
         trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
-        D = dyn7_layout(K, g, ucap7(a.n_experts, a.m, a.top_k));
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k));
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -499,7 +487,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int 
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap7(n_experts, m, top_k)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -521,7 +509,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap7(a.n_experts, a.m, a.top_k)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
