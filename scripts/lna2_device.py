@@ -44,7 +44,18 @@ V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
 
 def serves(variant, hidden, inter):
     """Whether `variant` takes a layer of this shape (the binding refuses v7 elsewhere)."""
-    return variant != V7 or (hidden % 1024 == 0 and hidden <= 8192 and inter <= 512)
+    from dsv4serve.lna2.policy import cluster_kernel_takes
+
+    return variant != V7 or cluster_kernel_takes(hidden, inter)
+
+
+def ns_stats(v, with_min=False):
+    """Median and maximum (and count, or minimum) of nanosecond values, in us; None when empty."""
+    v = sorted(v)
+    if not v:
+        return None
+    head = {"min_us": round(v[0] / 1e3, 2)} if with_min else {"n": len(v)}
+    return {**head, "median_us": round(v[len(v) // 2] / 1e3, 2), "max_us": round(v[-1] / 1e3, 2)}
 
 
 def log(*a):
@@ -1026,13 +1037,9 @@ def summarize_trace_v7(doc):
                 if name not in ("gathered", "exit"):
                     last = (t, name)
 
-        def stat(v):
-            v = sorted(v)
-            return {"n": len(v), "median_us": round(v[len(v) // 2] / 1e3, 2), "max_us": round(v[-1] / 1e3, 2)} if v else None
-
         out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
-                    "plan_done": stat(plan), "last_gather_done": stat(gathered), "exit": stat(exits),
-                    "phases": {k: stat(v) for k, v in spans.items()}})
+                    "plan_done": ns_stats(plan), "last_gather_done": ns_stats(gathered), "exit": ns_stats(exits),
+                    "phases": {k: ns_stats(v) for k, v in spans.items()}})
     return out
 
 
@@ -1064,13 +1071,10 @@ def summarize_trace(doc):
                     cur = None
 
         def span(lst, a, b):
-            v = sorted(x[b] - x[a] for x in lst if a in x and b in x)
-            return {"n": len(v), "median_us": round(v[len(v) // 2] / 1e3, 2), "max_us": round(v[-1] / 1e3, 2)} if v else None
+            return ns_stats(x[b] - x[a] for x in lst if a in x and b in x)
 
         def at(v):
-            v = sorted(v)
-            return {"min_us": round(v[0] / 1e3, 2), "median_us": round(v[len(v) // 2] / 1e3, 2),
-                    "max_us": round(v[-1] / 1e3, 2)} if v else None
+            return ns_stats(v, with_min=True)
 
         gu, dn = items["gu"], items["dn"]
         out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
