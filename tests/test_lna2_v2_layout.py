@@ -151,18 +151,22 @@ def store_frag_pairs(tile, j, lane, vals):
 
 
 # ---------------------------------------------------------------------------------------------
-# the launch, item by item
+# what every v2-family model reads: the layer's arrays, the route plan, one warp's ring row of MMAs
 
 
-def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
-    K, H, I = layer.K, layer.hidden, layer.inter
-    m, top_k = ids.shape
-    n_e = layer.gate_trellis.shape[0]
+def layer_arrays(layer):
+    """Trellis words (uint32 in int64) and suh / svh as float64, per projection name."""
     words = {name: getattr(layer, name + "_trellis").contiguous().view(torch.int32).numpy().astype(np.int64) & M32
              for name in ("gate", "up", "down")}
     suh = {n: getattr(layer, n + "_suh").double().numpy() for n in ("gate", "up", "down")}
     svh = {n: getattr(layer, n + "_svh").double().numpy() for n in ("gate", "up", "down")}
-    # plan: entries sorted by (expert, row); groups of <= 8 rows of one expert
+    return words, suh, svh
+
+
+def route_plan(ids, n_e):
+    """build_plan: per-expert row masks, first entries (entries sorted by expert, then row), and
+    groups (expert, first entry, rows) of <= 8 rows of one expert; and the entry count."""
+    m, top_k = ids.shape
     mask = [0] * n_e
     for p in range(m * top_k):
         e = int(ids.view(-1)[p])
@@ -175,6 +179,63 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
         for i in range(0, len(rows), 8):
             groups.append((e, gr + i, rows[i:i + 8]))
         gr += len(rows)
+    return mask, rbase, groups, gr
+
+
+def entry_of(mask, rbase, e, r):
+    """The entry of (expert e, row r): gather_cols' rbase + popc of the lower rows."""
+    return rbase[e] + bin(mask[e] & ((1 << r) - 1)).count("1")
+
+
+def zero_acc():
+    return [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
+
+
+def ring_row_mma(words, K, cb, dup, H, I):
+    """mma_row(proj, e, kt, nt0, b_of_lane, acc): one warp's ring row, 8 tiles of k-tile kt from
+    n-tile nt0, decoded per lane and fed to the emulated m16n8k16 (lna2_tile.cuh mma_row)."""
+    WPT, ntn_gu, ntn_dn = 8 * K, I // 16, H // 16
+
+    def tile_words(proj, e, kt_, nt_):
+        ntn = ntn_dn if proj == "down" else ntn_gu
+        return words[proj][e].reshape(-1)[(kt_ * ntn + nt_) * WPT:(kt_ * ntn + nt_ + 1) * WPT]
+
+    def mma_row(proj, e, kt_, nt0, b_of_lane, acc):
+        for nt in range(8):
+            tw = tile_words(proj, e, kt_, nt0 + nt)
+            afr = []
+            for ln in range(32):
+                w0, w1, sh = lane_window(K, ln)
+                afr.append(a_frag(cb, dup, states8(K, int(tw[w0]), int(tw[w1]), sh)))
+            bfr = [b_regs(cb, dup, b_of_lane(ln)) for ln in range(32)]
+            for h in range(len(afr[0])):
+                acc[nt] = mma([afr[ln][h] for ln in range(32)], [bfr[ln][h] for ln in range(32)], acc[nt])
+
+    return mma_row
+
+
+def warp_rows(acc):
+    """write_red: one warp's C fragments -> [8 rows][128]."""
+    out = np.zeros((8, 128))
+    for nt in range(8):
+        for ln in range(32):
+            g, t = ln >> 2, ln & 3
+            for i, (dn, dr) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                out[2 * t + dr, nt * 16 + g + dn] = acc[nt][ln][i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch, item by item
+
+
+def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
+    K, H, I = layer.K, layer.hidden, layer.inter
+    m, top_k = ids.shape
+    n_e = layer.gate_trellis.shape[0]
+    words, suh, svh = layer_arrays(layer)
+    # plan: entries sorted by (expert, row); groups of <= 8 rows of one expert
+    mask, rbase, groups, gr = route_plan(ids, n_e)
     ng = len(groups)
     # make_cfg
     n_ib, n_cb, kt = I // 128, H // 128, H // 16
@@ -187,44 +248,18 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
     while ks % 2 == 0 and (ng * n_ib * (ks // 2) >= target or ks * gr > 1024):
         ks //= 2
     KS, R, KW = ks, nchunk // ks, KCI // 4
-    ntn_gu, ntn_dn, WPT = I // 16, H // 16, 8 * K
     part = np.zeros((KS, gr, 2, I))
     act = np.zeros((ng, I // 16, 32, 2), dtype=np.int64)
     y = np.zeros((gr, H))
     xh = x.numpy()
-
-    def tile_words(proj, e, kt_, nt_):
-        ntn = ntn_dn if proj == "down" else ntn_gu
-        return words[proj][e].reshape(-1)[(kt_ * ntn + nt_) * WPT:(kt_ * ntn + nt_ + 1) * WPT]
-
-    def mma_row(proj, e, kt_, nt0, b_of_lane, acc):
-        """One warp's ring row: 8 tiles of k-tile kt_, n-tiles nt0..nt0+7."""
-        for nt in range(8):
-            tw = tile_words(proj, e, kt_, nt0 + nt)
-            afr = []
-            for ln in range(32):
-                w0, w1, sh = lane_window(K, ln)
-                afr.append(a_frag(cb, dup, states8(K, int(tw[w0]), int(tw[w1]), sh)))
-            bfr = [b_regs(cb, dup, b_of_lane(ln)) for ln in range(32)]
-            for h in range(len(afr[0])):
-                acc[nt] = mma([afr[ln][h] for ln in range(32)], [bfr[ln][h] for ln in range(32)], acc[nt])
-
-    def red_rows(acc, rows):
-        """write_red + the sums: C fragment -> [rows][128] of one warp."""
-        out = np.zeros((8, 128))
-        for nt in range(8):
-            for ln in range(32):
-                g, t = ln >> 2, ln & 3
-                for i, (dn, dr) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
-                    out[2 * t + dr, nt * 16 + g + dn] = acc[nt][ln][i]
-        return out[:rows]
+    mma_row = ring_row_mma(words, K, cb, dup, H, I)
 
     for gi, (e, ent0, rws) in enumerate(groups):
         rows = len(rws)
         # gate/up items (ib, kc) and their chunks
         for ib in range(n_ib):
             for kc in range(KS):
-                accs = {wp: [[[0.0] * 4 for _ in range(32)] for _ in range(8)] for wp in range(8)}
+                accs = {wp: zero_acc() for wp in range(8)}
                 for ch in range(R):
                     cols = KCI * 16
                     k0 = (kc * R + ch) * cols
@@ -246,7 +281,7 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
                                     lambda ln, pi=proj_i, kl=kl: (int(xs[pi, kl, ln, 0]), int(xs[pi, kl, ln, 1])),
                                     accs[wp])
                 for proj_i in range(2):
-                    tot = sum(red_rows(accs[2 * ks_ + proj_i], rows) for ks_ in range(4))
+                    tot = sum(warp_rows(accs[2 * ks_ + proj_i])[:rows] for ks_ in range(4))
                     part[kc, ent0:ent0 + rows, proj_i, ib * 128:ib * 128 + 128] = tot
             # finisher for (group, ib)
             col = slice(ib * 128, ib * 128 + 128)
@@ -267,12 +302,12 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
             tot = {cbk: np.zeros((rows, 128)) for cbk in range(blk * db, blk * db + db)}
             for wp in range(8):
                 cbk = blk * db + wp // wb
-                acc = [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
+                acc = zero_acc()
                 for st in range(kwd):
                     kt_ = (wp % wb) * kwd + st
                     mma_row("down", e, kt_, cbk * 8, lambda ln, kt_=kt_: (int(act[gi, kt_, ln, 0]),
                                                                          int(act[gi, kt_, ln, 1])), acc)
-                tot[cbk] += red_rows(acc, rows)
+                tot[cbk] += warp_rows(acc)[:rows]
             for cbk, t_ in tot.items():
                 for j in range(rows):
                     y[ent0 + j, cbk * 128:cbk * 128 + 128] = fwht128(t_[j]) / np.sqrt(128) * \
@@ -283,7 +318,7 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
         for s_ in range(top_k):
             e = int(ids[r, s_])
             if 0 <= e < n_e:
-                ent = rbase[e] + bin(mask[e] & ((1 << r) - 1)).count("1")
+                ent = entry_of(mask, rbase, e, r)
                 out[r] += float(w[r, s_]) * y[ent]
     return out, {"KS": KS, "R": R, "KCI": KCI, "groups": ng}
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dsv4serve.lna2.reference import moe_reference, random_expert_layer
-from tests.test_lna2_v2_layout import M32, a_frag, b_regs, fwht128, lane_window, mma, states8, store_frag_pairs
+from tests.test_lna2_v2_layout import (entry_of, fwht128, layer_arrays, ring_row_mma, route_plan, store_frag_pairs,
+                                       warp_rows, zero_acc)
 
 
 NW = 8  # warps per CTA
@@ -42,53 +43,11 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0):
     nblk, kpc, kpw, wpb, n_ib = geo["nblk"], geo["kpc"], geo["kpw"], geo["wpb"], geo["n_ib"]
     m, top_k = ids.shape
     n_e = layer.gate_trellis.shape[0]
-    words = {name: getattr(layer, name + "_trellis").contiguous().view(torch.int32).numpy().astype(np.int64) & M32
-             for name in ("gate", "up", "down")}
-    suh = {n: getattr(layer, n + "_suh").double().numpy() for n in ("gate", "up", "down")}
-    svh = {n: getattr(layer, n + "_svh").double().numpy() for n in ("gate", "up", "down")}
-    mask = [0] * n_e
-    for p in range(m * top_k):
-        e = int(ids.view(-1)[p])
-        if 0 <= e < n_e:
-            mask[e] |= 1 << (p // top_k)
-    rbase, groups, gr = [0] * n_e, [], 0
-    for e in range(n_e):
-        rows = [r for r in range(32) if mask[e] >> r & 1]
-        rbase[e] = gr
-        for i in range(0, len(rows), 8):
-            groups.append((e, gr + i, rows[i:i + 8]))
-        gr += len(rows)
-    WPT, ntn_gu, ntn_dn = 8 * K, I // 16, H // 16
+    words, suh, svh = layer_arrays(layer)
+    mask, rbase, groups, gr = route_plan(ids, n_e)
     y = np.zeros((n_ib, gr, H))
     xh = x.numpy()
-
-    def tile_words(proj, e, kt_, nt_):
-        ntn = ntn_dn if proj == "down" else ntn_gu
-        return words[proj][e].reshape(-1)[(kt_ * ntn + nt_) * WPT:(kt_ * ntn + nt_ + 1) * WPT]
-
-    def mma_row(proj, e, kt_, nt0, b_of_lane, acc):
-        for nt in range(8):
-            tw = tile_words(proj, e, kt_, nt0 + nt)
-            afr = []
-            for ln in range(32):
-                w0, w1, sh = lane_window(K, ln)
-                afr.append(a_frag(cb, dup, states8(K, int(tw[w0]), int(tw[w1]), sh)))
-            bfr = [b_regs(cb, dup, b_of_lane(ln)) for ln in range(32)]
-            for h in range(len(afr[0])):
-                acc[nt] = mma([afr[ln][h] for ln in range(32)], [bfr[ln][h] for ln in range(32)], acc[nt])
-
-    def warp_rows(acc):
-        """write_red: one warp's C fragments -> [8 rows][128]."""
-        out = np.zeros((8, 128))
-        for nt in range(8):
-            for ln in range(32):
-                g, t = ln >> 2, ln & 3
-                for i, (dn, dr) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
-                    out[2 * t + dr, nt * 16 + g + dn] = acc[nt][ln][i]
-        return out
-
-    def zero_acc():
-        return [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
+    mma_row = ring_row_mma(words, K, cb, dup, H, I)
 
     units = len(groups) * n_ib
     done = [0] * C
@@ -181,7 +140,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0):
                             for s_ in range(top_k):
                                 e2 = int(ids[row, s_])
                                 if 0 <= e2 < n_e:
-                                    ent = rbase[e2] + bin(mask[e2] & ((1 << row) - 1)).count("1")
+                                    ent = entry_of(mask, rbase, e2, row)
                                     acc4 = acc4 + float(w[row, s_]) * y[k, ent, c0:c0 + 128]
                         out[row, c0:c0 + 128] = acc4
     if units == 0:
