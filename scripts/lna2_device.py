@@ -40,13 +40,18 @@ E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "7,4,1,6,2,3,0").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
+CLUSTER_VARIANTS = {7, 9, 17, 18, 19}  # v7, v7 with bulk copies, v7's timing ablations (lna2_api.h)
+ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 
 
-def serves(variant, hidden, inter):
-    """Whether `variant` takes a layer of this shape (the binding refuses v7 elsewhere)."""
+def serves(variant, hidden, inter, K=None):
+    """Whether `variant` takes a layer of this shape (the binding refuses the cluster kernel
+    elsewhere, and the timing ablations at anything but K2 MCG)."""
     from dsv4serve.lna2.policy import cluster_kernel_takes
 
-    return variant != V7 or cluster_kernel_takes(hidden, inter)
+    if K is not None and K != 2 and variant in ABLATION_VARIANTS:
+        return False
+    return variant not in CLUSTER_VARIANTS or cluster_kernel_takes(hidden, inter)
 
 
 def ns_stats(v, with_min=False):
@@ -805,7 +810,7 @@ def cmd_bench(args):
                     w32 = rw.float().contiguous()
                     out_l = torch.empty((m, H), dtype=torch.float32, device=dev)
                     fns, pre = {}, {}
-                    for v in [v for v in variants if serves(v, H, I)]:
+                    for v in [v for v in variants if serves(v, H, I, K)]:
                         fns[f"lna2_v{v}"] = (lambda v=v: L.run(x, ids32, w32, out_l, v))
                     # the policy's variant, with the conversions this routing's int64 ids / fp16 weights need
                     pol = variant_for(m, I, K)
@@ -843,7 +848,7 @@ def cmd_bench(args):
                         row[f"{k_}_rel_err"] = float(((got.double() - ref).norm() / ref.norm()).item())
                     if m == 1:  # launch + route plan + zero output + retire: nothing routed anywhere
                         ids_none = torch.full_like(ids32, -1)
-                        for v in [v for v in variants if serves(v, H, I)]:
+                        for v in [v for v in variants if serves(v, H, I, K) and v not in ABLATION_VARIANTS]:
                             fns[f"empty_v{v}"] = (lambda v=v: L.run(x, ids_none, w32, out_l, v))
                         # the floor of any launch measured this way: one 4-byte add, same cold flush
                         tiny = torch.zeros(1, device=dev)
@@ -980,7 +985,8 @@ def cmd_trace(args):
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     res = []
     grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
-    events = EVENTS7 if args.variant == V7 else EVENTS
+    cluster = args.variant in CLUSTER_VARIANTS
+    events = EVENTS7 if cluster else EVENTS
     shapes = [(sh, ms) for sh, ms in (("tp8", (1, 2, 8)), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
     for case in k2_cases(shapes, dev, gen):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
@@ -1001,13 +1007,13 @@ def cmd_trace(args):
             res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
             end = max(e[0] for c in ctas for e in c)
             log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
-        dump("trace.json", {"events": events, "variant": args.variant, "runs": res})
-    if args.variant == V7:
+        dump(f"trace-v{args.variant}.json", {"events": events, "variant": args.variant, "runs": res})
+    if cluster:
         summary = summarize_trace_v7({"runs": res})
         for row in summary:
             log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
                 f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
-        dump("trace-summary-v7.json", summary)
+        dump(f"trace-summary-v{args.variant}.json", summary)
 
 
 EVENTS7 = ["start", "plan", "rotated", "gu_mma", "partial", "sync1", "act", "dn_mma", "y", "arrived", "gathered",

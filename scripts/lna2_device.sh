@@ -136,10 +136,13 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   done
 fi
 
+TRACE_VARIANT=${TRACE_VARIANT:-4}
 if has trace && [ "$(left)" -gt 240 ]; then
-  step "event trace (v2 family, variant 4 unless --variant)"
-  timeout 90 python3 scripts/lna2_device.py trace ${TRACE_VARIANT:+--variant $TRACE_VARIANT} > "$OUT/trace.log" 2>&1; echo "exit $?" >> "$OUT/trace.log"
-  tail -12 "$OUT/trace.log" | tee -a "$LOG"
+  for TV in ${TRACE_VARIANT//,/ }; do  # one variant (default 4) or a comma list
+    step "event trace of variant $TV"
+    timeout 90 python3 scripts/lna2_device.py trace --variant $TV > "$OUT/trace-v$TV.log" 2>&1; echo "exit $?" >> "$OUT/trace-v$TV.log"
+    tail -12 "$OUT/trace-v$TV.log" | tee -a "$LOG"
+  done
 fi
 
 BV=${BENCH_VARIANTS:-7,4,1,6,2,3,0}
@@ -171,13 +174,21 @@ if has bench; then
   done
 fi
 if has ncu && command -v ncu >/dev/null && [ "$(left)" -gt 90 ]; then
-  step "ncu (3 launches of each profiled shape)"
+  # the full section set (stall reasons, pipe utilisation, source-level counters) into a report,
+  # then its details, raw metrics and per-SASS-line source page as text for the trip home
   V=$(echo "$BV" | cut -d, -f1)
   NCU_N=$(( 3 * $(echo "${LNA2_PROFILE_SHAPES:-tp8:1+16,tp1:8}" | tr ',+' '\n\n' | wc -l) ))
-  LNA2_PROFILE_VARIANT=$V timeout ${NCU_TIMEOUT:-80} ncu --clock-control none -k regex:moe_decode_v --launch-count $NCU_N \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
-    --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1; echo "exit $?" >> "$OUT/ncu.log"
-  grep -E "Duration|Throughput|Achieved Occupancy|Issued Warp|No Eligible|Registers|exit" "$OUT/ncu.log" | tail -24 | tee -a "$LOG"
+  step "ncu --set full, variant $V, $NCU_N launches"
+  LNA2_PROFILE_VARIANT=$V timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --set full --import-source yes \
+    -k regex:moe_decode_v --launch-count $NCU_N -o "$OUT/ncu" -f python3 scripts/lna2_device.py profile > "$OUT/ncu.log" 2>&1
+  echo "exit $?" >> "$OUT/ncu.log"
+  if [ -f "$OUT/ncu.ncu-rep" ]; then
+    timeout 60 ncu -i "$OUT/ncu.ncu-rep" --page details --print-details all > "$OUT/ncu-details.txt" 2>&1
+    timeout 60 ncu -i "$OUT/ncu.ncu-rep" --page raw --csv > "$OUT/ncu-raw.csv" 2>&1
+    timeout 90 ncu -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
+    ls -la "$OUT"/ncu* | tee -a "$LOG"
+  fi
+  grep -E "Duration|Issue Slots Busy|Achieved Occupancy|Issued Warp|No Eligible|Registers|exit" "$OUT/ncu-details.txt" "$OUT/ncu.log" 2>/dev/null | tail -30 | tee -a "$LOG"
 fi
 
 for INC in ${INCS//,/ }; do [ "$INC" != none ] && [ -n "${PID[$INC]:-}" ] && ready_inc "$INC" >/dev/null; done

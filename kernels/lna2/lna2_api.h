@@ -122,7 +122,7 @@ struct Args {
     int m, top_k, n_experts, hidden, inter, bits, codebook, x_dtype, out_dtype;
     int variant;                // 0: register-streamed, 1: cp.async-pipelined, 2: v2, 3: v2 without the
                                 // MCG exact-sum MMA (see lna2_v2.cu), 4: v2 built for 2 CTAs per SM;
-                                // 10..13: timing ablations of 4 (K2 MCG only, see ABLATION_VARIANT_BASE)
+                                // 7, 9: the cluster kernel; 10..13, 17..19: timing ablations (K2 MCG only, below)
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x8;               // v2: aim for at least grid * items_x8 / 8 gate/up items (set by launch())
     int pair_down;              // v2: allow down items of two output blocks (set by launch())
@@ -138,11 +138,19 @@ constexpr int TRACE_EVENTS = 64;  // per CTA
 // outputs are garbage by design; only a benchmark asks for them (scripts/lna2_device.py ablate).
 constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // Variant 7 is the cluster kernel (lna2_v7.cu) for small intermediates: v7_supports() says which.
-constexpr int V7_VARIANT = 7;
-inline bool variant_known(int v) {
-    return (v >= 0 && v <= 4) || v == 6 || v == V7_VARIANT ||
-           (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS);
+// Variant 9 is the same kernel with its trellis moved by bulk (TMA) copies and x warmed in L2
+// before the route plan. Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis
+// decode, 18 no trellis copies, 19 neither.
+constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9;
+constexpr int V7_ABLATION_BASE = 17, V7_ABLATIONS = 3;
+inline bool is_ablation(int v) {
+    return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) ||
+           (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
+inline bool is_cluster_variant(int v) {
+    return v == V7_VARIANT || v == V7_BULK_VARIANT || (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
+}
+inline bool variant_known(int v) { return (v >= 0 && v <= 4) || v == 6 || is_cluster_variant(v) || is_ablation(v); }
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).
 // `n_experts`, `m` and `top_k` size v2's shared memory (its pointer cache); v0/v1 ignore them.
@@ -164,7 +172,7 @@ cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
 // launch keep one CTA per SM when its units' clusters all fit that way, 1 always, 2 never.
 bool v7_supports(int hidden, int inter);
 void v7_set_spread(int ctas_per_sm);
-cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
+cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
                          int* num_sms);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);
 const char* build_id();

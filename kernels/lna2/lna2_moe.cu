@@ -791,7 +791,8 @@ static cudaError_t prepare_fn(KernelFn fn, int variant, int bits, int device, si
 
 cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                       int* blocks_per_sm, int* num_sms) {
-    if (variant == V7_VARIANT) return v7_occupancy(bits, codebook, device, n_experts, m, top_k, blocks_per_sm, num_sms);
+    if (is_cluster_variant(variant))
+        return v7_occupancy(bits, codebook, variant, device, n_experts, m, top_k, blocks_per_sm, num_sms);
     if (variant >= 2)
         return v2_occupancy(bits, codebook, variant, device, n_experts, m, top_k, blocks_per_sm, num_sms);
     KernelFn fn = pick(bits, codebook, variant);
@@ -805,7 +806,7 @@ cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_exp
 }
 
 cudaError_t launch(const Args& a_in, int grid, cudaStream_t stream) {
-    if (a_in.variant == V7_VARIANT) return v7_launch(a_in, stream);  // sizes its own cluster grid
+    if (is_cluster_variant(a_in.variant)) return v7_launch(a_in, stream);  // sizes its own cluster grid
     if (a_in.variant >= 2) return v2_launch(a_in, grid, stream);
     KernelFn fn = pick(a_in.bits, a_in.codebook, a_in.variant);
     if (!fn) return cudaErrorInvalidValue;

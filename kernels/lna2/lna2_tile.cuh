@@ -52,6 +52,22 @@ __device__ __forceinline__ void mbar_arrive_cp(uint64_t* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// Bulk (TMA) copies, sm_90 and later: one instruction moves a contiguous run of bytes (a multiple of
+// 16, both ends 16-byte aligned) and completes on an mbarrier by its byte count. The barrier is
+// armed by one arrive that declares the bytes its phase waits for (init count 1).
+__device__ __forceinline__ void mbar_arm_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+// Generic-proxy accesses to shared memory (and barrier inits) ordered before later bulk copies.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 // Spins are bounded: a protocol bug traps (a launch error the caller sees) instead of hanging the GPU.
 constexpr unsigned SPIN_LIMIT = 1u << 26;
 

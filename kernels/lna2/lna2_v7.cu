@@ -87,7 +87,10 @@ enum Event7 : int {
     E7_DN_MMA = 7, E7_Y = 8, E7_ARRIVED = 9, E7_GATHERED = 10, E7_EXIT = 11
 };
 
-template <int K, int CB, bool DUP>
+// ABL: timing ablations (lna2_tile.cuh's Ablation bits; variants 17..19). BULK (variant 9): the
+// trellis moves by bulk copies, a few per warp-0 lane instead of 16-byte cp.async from every thread,
+// and x is warmed in L2 before the route plan (it does not depend on the routing).
+template <int K, int CB, bool DUP, int ABL, bool BULK>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -117,14 +120,29 @@ struct V7Kernel {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src[2] = {P(gi, 0), P(gi, 3)};
         uint8_t* gu = dyn + D.gu;
-        for (int st = 0; st < g.kpw; st++) {
-            for (int p = threadIdx.x; p < 8 * PR; p += THREADS) {
-                const int rw = p / PR, piece = p - rw * PR;
-                const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
-                cp16(gu + (st * 8 + rw) * ROW + piece * 16,
-                     src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE + piece * 16);
+        if constexpr (BULK) {  // lane st of warp 0 arms step st and issues its 8 rows
+            static_assert(PR * 16 == ROW, "a row is whole 16-byte pieces");
+            const int st = threadIdx.x;
+            if (st < g.kpw) {
+                fence_async_smem();
+                mbar_arm_tx(bar + st, 8 * ROW);
+                for (int rw = 0; rw < 8; rw++) {
+                    const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
+                    bulk_g2s(gu + (st * 8 + rw) * ROW, src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE, ROW,
+                             bar + st);
+                }
             }
-            mbar_arrive_cp(bar + st);
+        } else {
+            for (int st = 0; st < g.kpw; st++) {
+                for (int p = threadIdx.x; p < 8 * PR; p += THREADS) {
+                    const int rw = p / PR, piece = p - rw * PR;
+                    const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
+                    if constexpr ((ABL & ABL_NO_COPY) == 0)
+                        cp16(gu + (st * 8 + rw) * ROW + piece * 16,
+                             src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE + piece * 16);
+                }
+                mbar_arrive_cp(bar + st);
+            }
         }
     }
 
@@ -132,13 +150,24 @@ struct V7Kernel {
     __device__ void issue_dn(int u) {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src = P(gi, 6);
-        const int per_kt = g.nblk * PR;
-        for (int p = threadIdx.x; p < 8 * per_kt; p += THREADS) {
-            const int kt8 = p / per_kt, rest = p - kt8 * per_kt;
-            cp16(dyn + D.dn + kt8 * g.nblk * ROW + rest * 16,
-                 src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE + rest * 16);
+        if constexpr (BULK) {  // lane kpw of warp 0: the block's 8 k-tiles, nblk rows each in one run
+            if (threadIdx.x == g.kpw) {
+                fence_async_smem();
+                mbar_arm_tx(bar + g.kpw, 8 * g.nblk * ROW);
+                for (int kt8 = 0; kt8 < 8; kt8++)
+                    bulk_g2s(dyn + D.dn + kt8 * g.nblk * ROW, src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE,
+                             g.nblk * ROW, bar + g.kpw);
+            }
+        } else {
+            const int per_kt = g.nblk * PR;
+            for (int p = threadIdx.x; p < 8 * per_kt; p += THREADS) {
+                const int kt8 = p / per_kt, rest = p - kt8 * per_kt;
+                if constexpr ((ABL & ABL_NO_COPY) == 0)
+                    cp16(dyn + D.dn + kt8 * g.nblk * ROW + rest * 16,
+                         src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE + rest * 16);
+            }
+            mbar_arrive_cp(bar + g.kpw);
         }
-        mbar_arrive_cp(bar + g.kpw);
     }
 
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
@@ -217,7 +246,17 @@ struct V7Kernel {
         float* y = reinterpret_cast<float*>(a.scratch + L.y);
         int* done = reinterpret_cast<int*>(a.scratch + L.done) + r;
 
-        if (t <= g.kpw) mbar_init(bar + t, THREADS);
+        if (t <= g.kpw) {
+            mbar_init(bar + t, BULK ? 1 : THREADS);
+            if constexpr (BULK) fence_async_smem();
+        }
+        if constexpr (BULK) {  // this CTA's k-range of every row, whichever group it serves
+            const int lines = g.nblk * 2;  // 128-byte lines of nblk 128-element blocks of 2-byte x
+            for (int i = t; i < a.m * lines; i += THREADS) {
+                const int row = i / lines, l = i - row * lines;
+                prefetch_l2(reinterpret_cast<const char*>(a.x) + (size_t(row) * a.hidden + r * g.nblk * 128) * 2 + l * 128);
+            }
+        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
@@ -272,7 +311,7 @@ struct V7Kernel {
                     mbar_wait(bar + st, par);
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                    mma_row<K, CB, DUP, ABL>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
                                         w1i, sh, a, acc);
                 }
             }
@@ -338,7 +377,7 @@ struct V7Kernel {
                     const int kt8 = kq * kpwd + i;
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
+                    mma_row<K, CB, DUP, ABL>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
                                         w0i, w1i, sh, a, acc);
                 }
             }
@@ -395,21 +434,35 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP>
+template <int K, int CB, bool DUP, int ABL, bool BULK>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-// MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
-KernelFn pick_v7(int bits, int codebook) {
-    if (codebook == CB_MCG) return bits == 2 ? moe_decode_v7<2, CB_MCG, true> : moe_decode_v7<3, CB_MCG, true>;
-    if (codebook == CB_MUL1) return bits == 2 ? moe_decode_v7<2, CB_MUL1, false> : moe_decode_v7<3, CB_MUL1, false>;
+template <bool BULK>
+KernelFn pick_cb(int bits, int codebook) {
+    // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
+    if (codebook == CB_MCG) return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK> : moe_decode_v7<3, CB_MCG, true, 0, BULK>;
+    if (codebook == CB_MUL1)
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK> : moe_decode_v7<3, CB_MUL1, false, 0, BULK>;
     return nullptr;
+}
+
+KernelFn pick_v7(int bits, int codebook, int variant) {
+    if (variant == V7_VARIANT) return pick_cb<false>(bits, codebook);
+    if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
+    if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
+    switch (variant - V7_ABLATION_BASE) {
+        case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
+        case 1: return moe_decode_v7<2, CB_MCG, true, ABL_NO_COPY, false>;
+        case 2: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE | ABL_NO_COPY, false>;
+        default: return nullptr;
+    }
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -422,7 +475,7 @@ struct KernelSlot {
     int device, allowed;
     int dyn[8], clusters[8], n;
 };
-constexpr int SLOTS = 16;
+constexpr int SLOTS = 64;
 KernelSlot g_slots[SLOTS];
 int g_nslots = 0;
 std::mutex g_slots_mu;
@@ -433,7 +486,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     for (int i = 0; i < g_nslots; i++)
         if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
     if (!sl) {
-        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 4 kernels x 4 devices fit
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 11 kernels x 4 devices fit
         sl = &g_slots[g_nslots++];
         *sl = KernelSlot{fn, device, 0, {}, {}, 0};
     }
@@ -480,9 +533,9 @@ void v7_set_spread(int ctas_per_sm) {
 }
 
 // Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
-cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
-                         int* num_sms) {
-    KernelFn fn = pick_v7(bits, codebook);
+cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
+                         int* blocks_per_sm, int* num_sms) {
+    KernelFn fn = pick_v7(bits, codebook, variant);
     Geo g;
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
@@ -498,7 +551,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int device, int n_experts, int 
 }
 
 cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
-    KernelFn fn = pick_v7(a_in.bits, a_in.codebook);
+    KernelFn fn = pick_v7(a_in.bits, a_in.codebook, a_in.variant);
     Geo g;
     if (!fn || !geometry(a_in.hidden, a_in.inter, g)) return cudaErrorInvalidValue;
     Args a = a_in;
