@@ -67,6 +67,21 @@ def states8(K, wa, wb, sh):
     return s
 
 
+def byte_perm(x, y, sel):
+    """__byte_perm(x, y, sel): result byte i is byte (sel >> 4i) & 7 of the 8 bytes y:x."""
+    src = x | (y << 32)
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def states8_prm(wa, wb, sh):
+    """states8<2, PRM = true>: W << 2, 4, 6 by multiplies, each state cut out by one byte permute."""
+    km = kmul(2)
+    W = funnel_l(wb, wa, sh)
+    W2, W4, W6 = ((W * km[j]) & M32 for j in range(3))
+    return [byte_perm(W2, 0, 0x4432), byte_perm(W4, 0, 0x4432), byte_perm(W6, 0, 0x4432), byte_perm(W, 0, 0x4421),
+            byte_perm(W2, 0, 0x4421), byte_perm(W4, 0, 0x4421), byte_perm(W6, 0, 0x4421), byte_perm(W, 0, 0x4410)]
+
+
 def h16(bits):
     return float(np.array([bits & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
 
@@ -372,3 +387,12 @@ def test_v2_k_split_items_cover_k_once():
     assert cfg["KS"] > 1 and cfg["KCI"] == 8
     ref = moe_reference(x, layer, ids, w).numpy()
     assert (np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max() < 2e-3
+
+
+def test_byte_permute_states_match_the_shift_states():
+    """v7's PRM extraction (K2) cuts the same 8 states as the shift/multiply one, at every lane's window."""
+    rng = np.random.default_rng(7)
+    for lane in range(32):
+        w0, w1, sh = lane_window(2, lane)
+        for wa, wb in rng.integers(0, 2**32, size=(64, 2), dtype=np.uint64).tolist():
+            assert states8_prm(wa, wb, sh) == states8(2, wa, wb, sh)

@@ -66,7 +66,12 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
 }
 // Generic-proxy accesses to shared memory (and barrier inits) ordered before later bulk copies.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+// One device-scope acquire-release add: the old value.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
 
 // Spins are bounded: a protocol bug traps (a launch error the caller sees) instead of hanging the GPU.
 constexpr unsigned SPIN_LIMIT = 1u << 26;
@@ -105,9 +110,23 @@ __device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
 // see through: with literal constants it turns every multiply into shift + mask on the ALU pipe,
 // which the codebook's lop3 already loads; this way the work is split across the ALU and the
 // integer-multiply pipe (kernels/lna2/NOTES.md, "decode instruction mix").
-template <int K>
+// PRM (K2 only): three multiplies (W << 2, 4, 6, by the same kmul parameters) put every state on a
+// byte boundary of W or of one of them, and one byte permute cuts each out: 12 instructions per tile
+// instead of 15, 3 of them on the multiply pipe instead of 7.
+template <int K, bool PRM = false>
 __device__ __forceinline__ void states8(uint32_t wa, uint32_t wb, int sh, const Args& a, uint32_t (&s)[8]) {
-    if constexpr (K == 2) {
+    if constexpr (K == 2 && PRM) {
+        const uint32_t W = __funnelshift_l(wb, wa, sh);  // state j: bits [14-2j, 30-2j)
+        const uint32_t W2 = W * a.kmul[0], W4 = W * a.kmul[1], W6 = W * a.kmul[2];
+        s[0] = __byte_perm(W2, 0u, 0x4432);  // bits [16, 32) of W << 2
+        s[1] = __byte_perm(W4, 0u, 0x4432);
+        s[2] = __byte_perm(W6, 0u, 0x4432);
+        s[3] = __byte_perm(W, 0u, 0x4421);   // bits [8, 24)
+        s[4] = __byte_perm(W2, 0u, 0x4421);
+        s[5] = __byte_perm(W4, 0u, 0x4421);
+        s[6] = __byte_perm(W6, 0u, 0x4421);
+        s[7] = __byte_perm(W, 0u, 0x4410);   // bits [0, 16)
+    } else if constexpr (K == 2) {
         const uint32_t W = __funnelshift_l(wb, wa, sh);  // state j: bits [14-2j, 30-2j)
         s[0] = __umulhi(W * a.kmul[0], a.kmul[7]);       // both on the multiply pipe
 #pragma unroll
@@ -166,7 +185,7 @@ __device__ __forceinline__ void b_frag(uint2 v, uint32_t (&b)[4]) {
 }
 
 // A warp's share of one ring stage: 8 consecutive n-tiles of one k-tile row.
-template <int K, int CB, bool DUP, int ABL = 0>
+template <int K, int CB, bool DUP, int ABL = 0, bool PRM = false>
 __device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)[4], int w0i, int w1i, int sh,
                                         const Args& a, float (&acc)[8][4]) {
     constexpr int WPT = 8 * K;
@@ -179,7 +198,7 @@ __device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)
             continue;
         }
         uint32_t s[8];
-        states8<K>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
+        states8<K, PRM>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
         tile_mma_t<CB, DUP>(s, b, acc[nt]);
     }
 }

@@ -37,6 +37,7 @@ namespace lna2 {
 namespace {
 
 constexpr int C7 = 8;  // CTAs per cluster (the portable maximum: sm_90 and sm_120)
+constexpr int EARLY_STEPS = 2;  // BULK: gate/up steps of the first unit requested before x and suh
 
 struct Geo {
     int nblk;  // 128-blocks of the hidden size per CTA: its k-range of gate/up, its down columns
@@ -88,9 +89,12 @@ enum Event7 : int {
 };
 
 // ABL: timing ablations (lna2_tile.cuh's Ablation bits; variants 17..19). BULK (variant 9): the
-// trellis moves by bulk copies, a few per warp-0 lane instead of 16-byte cp.async from every thread,
-// and x is warmed in L2 before the route plan (it does not depend on the routing).
-template <int K, int CB, bool DUP, int ABL, bool BULK>
+// trellis moves by bulk copies, a few per warp-0 lane instead of 16-byte cp.async from every thread;
+// the first unit requests only its first gate/up steps before x and suh are read and the rest once
+// they have landed (run 1 of 2026-12-03b: the whole unit's trellis queued ahead of x and suh in HBM
+// doubled the rotation phase); the arrival is one acquire-release atomic instead of two SC fences.
+// PRM (variant 20, K2): v9 with states8's byte-permute extraction.
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -116,14 +120,15 @@ struct V7Kernel {
 
     // The unit's gate/up trellis for this CTA's k-range: step st holds k-tile ksub * kpw + st of
     // each warp (ksub, proj), so every warp can start on its first k-tile when step 0 lands.
-    __device__ void issue_gu(int u) {
+    // BULK requests steps [st0, st1) only.
+    __device__ void issue_gu(int u, int st0 = 0, int st1 = 1 << 30) {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src[2] = {P(gi, 0), P(gi, 3)};
         uint8_t* gu = dyn + D.gu;
         if constexpr (BULK) {  // lane st of warp 0 arms step st and issues its 8 rows
             static_assert(PR * 16 == ROW, "a row is whole 16-byte pieces");
             const int st = threadIdx.x;
-            if (st < g.kpw) {
+            if (st >= st0 && st < st1 && st < g.kpw) {
                 fence_async_smem();
                 mbar_arm_tx(bar + st, 8 * ROW);
                 for (int rw = 0; rw < 8; rw++) {
@@ -171,7 +176,8 @@ struct V7Kernel {
     }
 
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
-    __device__ void rotate(int gi) {
+    // late_u >= 0: warp 0 requests unit late_u's remaining trellis as soon as its x and suh are in.
+    __device__ void rotate(int gi, int late_u) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[gi];
         uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
@@ -184,6 +190,10 @@ struct V7Kernel {
             load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
+            if (BULK && late_u >= 0 && task == 0) {  // warp 0's first task: its loads have returned
+                issue_gu(late_u, EARLY_STEPS);
+                issue_dn(late_u);
+            }
             fwht128(v, lane);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
@@ -250,13 +260,6 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? 1 : THREADS);
             if constexpr (BULK) fence_async_smem();
         }
-        if constexpr (BULK) {  // this CTA's k-range of every row, whichever group it serves
-            const int lines = g.nblk * 2;  // 128-byte lines of nblk 128-element blocks of 2-byte x
-            for (int i = t; i < a.m * lines; i += THREADS) {
-                const int row = i / lines, l = i - row * lines;
-                prefetch_l2(reinterpret_cast<const char*>(a.x) + (size_t(row) * a.hidden + r * g.nblk * 128) * 2 + l * 128);
-            }
-        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
@@ -265,8 +268,12 @@ struct V7Kernel {
             return;
         }
         if (cid < units) {
-            issue_gu(cid);
-            issue_dn(cid);
+            if constexpr (BULK) {
+                issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
+            } else {
+                issue_gu(cid);
+                issue_dn(cid);
+            }
         }
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
@@ -297,7 +304,7 @@ struct V7Kernel {
                     dsv[i] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (tk >> 2)) * 128 + 4 * lane);
             }
 
-            rotate(gi);
+            rotate(gi, BULK && it == 0 ? u : -1);
             __syncthreads();
             trace(E7_ROTATED, u);
 
@@ -311,7 +318,7 @@ struct V7Kernel {
                     mbar_wait(bar + st, par);
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP, ABL>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
                                         w1i, sh, a, acc);
                 }
             }
@@ -377,7 +384,7 @@ struct V7Kernel {
                     const int kt8 = kq * kpwd + i;
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP, ABL>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
+                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
                                         w0i, w1i, sh, a, acc);
                 }
             }
@@ -414,11 +421,17 @@ struct V7Kernel {
             __syncthreads();
             trace(E7_Y, u);
             if (t == 0) {
-                __threadfence();
-                const int last = atomicAdd(done, 1) == units - 1;
-                if (last) {
-                    *done = 0;  // its last user in this launch
+                int last;
+                if constexpr (BULK) {  // release this CTA's y rows (ordered by the barrier), acquire the others'
+                    last = atomic_add_acq_rel(done, 1) == units - 1;
+                    if (last) *done = 0;  // its last user in this launch; the launch boundary publishes it
+                } else {
                     __threadfence();
+                    last = atomicAdd(done, 1) == units - 1;
+                    if (last) {
+                        *done = 0;  // its last user in this launch
+                        __threadfence();
+                    }
                 }
                 s.flag = last;
             }
@@ -434,28 +447,30 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK>
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK>
+template <bool BULK, bool PRM = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
-    if (codebook == CB_MCG) return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK> : moe_decode_v7<3, CB_MCG, true, 0, BULK>;
+    if (codebook == CB_MCG)
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM> : moe_decode_v7<3, CB_MCG, true, 0, BULK, false>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK> : moe_decode_v7<3, CB_MUL1, false, 0, BULK>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM> : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false>;
     return nullptr;
 }
 
 KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_VARIANT) return pick_cb<false>(bits, codebook);
     if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
+    if (variant == V7_PRM_VARIANT) return pick_cb<true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
