@@ -283,8 +283,9 @@ def cmd_parity(args):
                         if not (ok and rep):
                             res["fail"] += 1
                             log("FAIL", case)
-            log(f"K{K} {cb} I={I}: {idx} cases, worst "
-                f"{max(c['worst_rel'] for c in res['cases'] if c['K'] == K and c['cb'] == cb and c['I'] == I):.2e}"
+            worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
+                        default=None)  # None: no listed variant serves this shape
+            log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +
                 f" ({time.time() - t0:.1f} s)")
             # CUDA graph: capture at m, replay with fresh inputs copied into the static buffers
             for m, gvar in [(m_, v_) for m_ in ([1, 4, 16] if args.quick else [1, 4, 16, 24]) for v_ in VARIANTS[:2]]:

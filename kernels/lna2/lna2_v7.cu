@@ -89,7 +89,8 @@ enum Event7 : int {
 };
 
 // ABL: timing ablations (lna2_tile.cuh's Ablation bits; variants 17..19). BULK (variant 9): the
-// trellis moves by bulk copies, a few per warp-0 lane instead of 16-byte cp.async from every thread;
+// trellis moves by bulk copies, one per row (each warp requests the rows it consumes) instead of
+// 16-byte cp.async from every thread;
 // the first unit requests only its first gate/up steps before x and suh are read and the rest once
 // they have landed (run 1 of 2026-12-03b: the whole unit's trellis queued ahead of x and suh in HBM
 // doubled the rotation phase); the arrival is one acquire-release atomic instead of two SC fences.
@@ -125,17 +126,14 @@ struct V7Kernel {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src[2] = {P(gi, 0), P(gi, 3)};
         uint8_t* gu = dyn + D.gu;
-        if constexpr (BULK) {  // lane st of warp 0 arms step st and issues its 8 rows
+        if constexpr (BULK) {  // lane st of each warp requests the row the warp itself consumes at step st
             static_assert(PR * 16 == ROW, "a row is whole 16-byte pieces");
-            const int st = threadIdx.x;
+            const int st = threadIdx.x & 31, rw = threadIdx.x >> 5;
             if (st >= st0 && st < st1 && st < g.kpw) {
+                const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
                 fence_async_smem();
-                mbar_arm_tx(bar + st, 8 * ROW);
-                for (int rw = 0; rw < 8; rw++) {
-                    const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
-                    bulk_g2s(gu + (st * 8 + rw) * ROW, src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE, ROW,
-                             bar + st);
-                }
+                mbar_arm_tx(bar + st, ROW);
+                bulk_g2s(gu + (st * 8 + rw) * ROW, src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE, ROW, bar + st);
             }
         } else {
             for (int st = 0; st < g.kpw; st++) {
@@ -155,13 +153,13 @@ struct V7Kernel {
     __device__ void issue_dn(int u) {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src = P(gi, 6);
-        if constexpr (BULK) {  // lane kpw of warp 0: the block's 8 k-tiles, nblk rows each in one run
-            if (threadIdx.x == g.kpw) {
+        if constexpr (BULK) {  // lane 0 of warp w: k-tile w of the block, its nblk rows in one run
+            if ((threadIdx.x & 31) == 0) {
+                const int kt8 = threadIdx.x >> 5;
                 fence_async_smem();
-                mbar_arm_tx(bar + g.kpw, 8 * g.nblk * ROW);
-                for (int kt8 = 0; kt8 < 8; kt8++)
-                    bulk_g2s(dyn + D.dn + kt8 * g.nblk * ROW, src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE,
-                             g.nblk * ROW, bar + g.kpw);
+                mbar_arm_tx(bar + g.kpw, g.nblk * ROW);
+                bulk_g2s(dyn + D.dn + kt8 * g.nblk * ROW, src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE,
+                         g.nblk * ROW, bar + g.kpw);
             }
         } else {
             const int per_kt = g.nblk * PR;
@@ -176,7 +174,8 @@ struct V7Kernel {
     }
 
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
-    // late_u >= 0: warp 0 requests unit late_u's remaining trellis as soon as its x and suh are in.
+    // late_u >= 0: each warp requests its rows of unit late_u's remaining trellis as soon as its own
+    // x and suh are in (or at once if it has no rotation task).
     __device__ void rotate(int gi, int late_u) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[gi];
@@ -190,7 +189,7 @@ struct V7Kernel {
             load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
-            if (BULK && late_u >= 0 && task == 0) {  // warp 0's first task: its loads have returned
+            if (BULK && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
                 issue_gu(late_u, EARLY_STEPS);
                 issue_dn(late_u);
             }
@@ -198,6 +197,10 @@ struct V7Kernel {
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
             store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
+        }
+        if (BULK && late_u >= 0 && warp >= 2 * rows * g.nblk) {
+            issue_gu(late_u, EARLY_STEPS);
+            issue_dn(late_u);
         }
     }
 
@@ -257,7 +260,7 @@ struct V7Kernel {
         int* done = reinterpret_cast<int*>(a.scratch + L.done) + r;
 
         if (t <= g.kpw) {
-            mbar_init(bar + t, BULK ? 1 : THREADS);
+            mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
