@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "7,4,1,6,2,3,0").split(",")]
+VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "20,4,9,7,1,6,2,3,0").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
 CLUSTER_VARIANTS = {7, 9, 20, 17, 18, 19}  # v7, its bulk-copy builds 9 and 20, its timing ablations (lna2_api.h)
@@ -512,10 +512,11 @@ def cmd_dispatch(args):
         dump("dispatch.json", res)
 
     # a CUDA graph of the wrapped apply (what vLLM captures), replayed with fresh inputs; one row
-    # and four, so both of the policy's variants at this layer's shape are captured
+    # and four (the cluster kernel) and sixteen (v4), so both of the policy's variants at this
+    # layer's shape are captured
     name, m, dense, I, K = built[0]
     res["graph"] = []
-    for rows in (1, 4):
+    for rows in (1, 4, 16):
         xs = torch.zeros((rows, H), dtype=torch.bfloat16, device=dev)
         ids_s = torch.zeros((rows, TOPK), dtype=torch.int64, device=dev)
         w_s = torch.full((rows, TOPK), 1.0 / TOPK, dtype=torch.float32, device=dev)

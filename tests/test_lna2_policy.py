@@ -3,14 +3,15 @@
 from dsv4serve.lna2.policy import cluster_kernel_takes, variant_for
 
 
-def test_v4_serves_every_shape_but_one_and_two_rows_of_the_tp8_slice():
-    shapes = [(m, i, k) for m in (1, 2, 4, 7, 8, 16, 24, 32) for i in (256, 2048) for k in (2, 3)]
-    assert {variant_for(*s) for s in shapes if not (s[0] <= 2 and s[1] == 256)} == {4}
+def test_v4_serves_every_shape_but_up_to_eight_rows_of_the_tp8_slice():
+    shapes = [(m, i, k) for m in (1, 2, 4, 7, 8, 9, 16, 24, 32) for i in (256, 2048) for k in (2, 3)]
+    assert {variant_for(*s) for s in shapes if not (s[0] <= 8 and s[1] == 256)} == {4}
 
 
-def test_one_and_two_rows_of_the_tp8_slice_go_to_the_cluster_kernel():
-    assert {variant_for(m, 256, k) for m in (1, 2) for k in (2, 3)} == {7}
-    assert variant_for(1) == 7  # the defaults are the seat's shape
+def test_one_to_eight_rows_of_the_tp8_slice_go_to_the_cluster_kernel():
+    assert {variant_for(m, 256, k) for m in range(1, 9) for k in (2, 3)} == {20}
+    assert variant_for(1) == 20  # the defaults are the seat's shape
+    assert variant_for(9) == 4
     assert variant_for(1, 2048, 2) == 4  # TP1's intermediate is past what the cluster kernel takes
 
 

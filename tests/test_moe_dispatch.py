@@ -223,12 +223,12 @@ def test_lna2_serves_decode_rows_with_the_incumbents_result(rows, tmp_path):
 def test_variant_follows_the_policy():
     h = Harness()
     h.prepare()
-    for rows in (1, 2, 3, 8):
+    for rows in (1, 2, 3, 9):
         h.call(0, rows)
     # the dispatch hands the policy the layer's hidden size: this 128-wide harness layer is not one
-    # the cluster kernel takes, so v4 serves it even at one row, where a 4096-wide slice gets v7
+    # the cluster kernel takes, so v4 serves it even at one row, where a 4096-wide slice gets v20
     assert [s["variant"] for s in h.ext.seen] == [4, 4, 4, 4]
-    assert [variant_for(r, I, 2) for r in (1, 2, 3, 8)] == [7, 7, 4, 4]
+    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9)] == [20, 20, 20, 4]
 
 
 def test_flat_ids_are_reshaped(tmp_path):

@@ -2,19 +2,21 @@
 
 All variants compute the same function (parity-checked against the fp64 reference on the H200;
 kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
-off the same-process benchmarks of 2026-12-03 (kernels/lna2/NOTES.md; the figures of run 14 are
-in kernels/lna2/results/2026-12-03-h200.json):
+off the same-process benchmarks of 2026-12-03 (kernels/lna2/NOTES.md; the figures are in
+kernels/lna2/results/2026-12-03-h200.json):
 
-* v7 (the cluster kernel: one 8-CTA cluster per row group and 128-block of the intermediate, the
-  gate/up k-split reduced through distributed shared memory, nothing but the top-k sum through
-  global memory) is the fastest variant at one and two rows of the TP8 slice (I <= 256), K2 and
-  K3: 1.3x the next best (v1) at one row, 1.15-1.2x v4 at two (runs 12-14). From four rows up its
-  units take more than one pass of the resident clusters and v4 wins. It takes hidden sizes that
-  are a multiple of 1024 up to 8192 and intermediates up to 512 (the binding refuses others).
+* v20, the cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
+  intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
+  top-k sum through global memory), in its build with bulk-copied trellis rows requested by the
+  warps that consume them, the first unit's trellis requested around x and suh, an acquire-release
+  arrival and, at K2, byte-permute state extraction. It is the fastest variant at one to eight rows
+  of the TP8 slice (I <= 256), K2 and K3: 1.1-1.2x v7 (its first build) and 1.0-1.2x v4 from four
+  to eight rows, a tie with v4 at sixteen (2026-12-03 evening, runs 3 and 4). It takes hidden sizes
+  that are a multiple of 1024 up to 8192 and intermediates up to 512 (the binding refuses others).
 * v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no spills)
   is the fastest variant everywhere else, and at every TP1 point.
 
-v0-v3 and v6 stay available for the benchmark and the parity grid; v3 (the format's fp16 lo+hi
+v0-v3, v6, v7 and v9 (v20 without the byte-permute extraction) stay available for the benchmark and the parity grid; v3 (the format's fp16 lo+hi
 rounding) is also what variants 2 to 4 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
@@ -23,13 +25,14 @@ the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 20
 from __future__ import annotations
 
 SEAT_VARIANT = 4
-CLUSTER_VARIANT = 7
-CLUSTER_MAX_ROWS = 2
+CLUSTER_VARIANT = 20
+CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry: whole 1024-column slices for its 8 CTAs, <= 4 intermediate blocks."""
+    """lna2_v7.cu's geometry (variants 7, 9, 20): whole 1024-column slices for its 8 CTAs, <= 4
+    intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
 
