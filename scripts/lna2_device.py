@@ -40,7 +40,7 @@ E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "20,4,9,7,1,6,2,3,0").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 V7 = 7  # the cluster kernel: small intermediates only (lna2_v7.cu geometry)
-CLUSTER_VARIANTS = {7, 9, 20, 17, 18, 19}  # v7, its bulk-copy builds 9 and 20, its timing ablations (lna2_api.h)
+CLUSTER_VARIANTS = {7, 9, 20, 21, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 
 

@@ -59,14 +59,15 @@ struct Dyn7 {
     int gu, dn, xs, cpart, act, ptr, bar, total;
 };
 
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap) {
+// fin_local (variant 21): two partial buffers, used by alternate units (see V7Kernel's FIN).
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-    d.cpart = off; off += 2 * GR * 128 * 4;                // this CTA's gate/up partials [proj][row][128]
+    d.cpart = off; off += (fin_local ? 2 : 1) * 2 * GR * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
@@ -95,7 +96,13 @@ enum Event7 : int {
 // they have landed (run 1 of 2026-12-03b: the whole unit's trellis queued ahead of x and suh in HBM
 // doubled the rotation phase); the arrival is one acquire-release atomic instead of two SC fences.
 // PRM (variant 20, K2): v9 with states8's byte-permute extraction.
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM>
+// FIN (variant 21): v20 where every CTA finishes every row of the unit itself (warp w, row w) from the
+// cluster's partials and keeps the activation in its own shared memory: no remote activation
+// stores and no second cluster barrier. The partials alternate between two buffers by unit, so a
+// unit's partial write comes after the next unit's cluster barrier, which every CTA reaches only
+// after its reads of the previous unit's partials; one split barrier (arrive after the last
+// unit's reads, wait before exit) keeps every CTA's shared memory alive while its peers read it.
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -252,7 +259,7 @@ struct V7Kernel {
         trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k));
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -281,7 +288,7 @@ struct V7Kernel {
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float* red = reinterpret_cast<float*>(dyn + D.xs);
-        float* cpart = reinterpret_cast<float*>(dyn + D.cpart);
+        float* cpart0 = reinterpret_cast<float*>(dyn + D.cpart);
         uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
         const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
@@ -291,7 +298,8 @@ struct V7Kernel {
             const int rows = s.gnr[gi], ent0 = s.gent[gi];
             const uint32_t par = it & 1;
             // the finisher's and the down epilogue's scales (cold in HBM) travel during the MMAs
-            const int jf = r + C7 * warp;  // the row this warp finishes, if any
+            const int jf = FIN ? warp : r + C7 * warp;  // the row this warp finishes, if any
+            float* cpart = cpart0 + (FIN ? (it & 1) * 2 * GR * 128 : 0);
             uint2 sc[3] = {};
             if (jf < rows) {
                 const int col = ib * 128 + 4 * lane;
@@ -370,11 +378,20 @@ struct V7Kernel {
                 half4(sc[1], su);
                 half4(sc[2], sd);
                 swiglu_rotate(gv, uv, sg, su, sd, a.swiglu_limit, lane, av);
+                if constexpr (FIN) {
+                    store_frag_pairs(act + (lane >> 2) * 64, jf, lane, av);
+                } else {
 #pragma unroll
-                for (int q = 0; q < C7; q++)
-                    store_frag_pairs(cluster.map_shared_rank(act, q) + (lane >> 2) * 64, jf, lane, av);
+                    for (int q = 0; q < C7; q++)
+                        store_frag_pairs(cluster.map_shared_rank(act, q) + (lane >> 2) * 64, jf, lane, av);
+                }
             }
-            cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
+            if constexpr (FIN) {
+                if (u + ncl >= units) cluster_arrive();  // this CTA's last reads of its peers are done
+                __syncthreads();                          // the activation is in this CTA
+            } else {
+                cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
+            }
             trace(E7_ACT, u);
 
             // ---- down: warp (block bw, k-quarter kq) over kpwd of the block's 8 k-tiles
@@ -446,27 +463,31 @@ struct V7Kernel {
             }
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if constexpr (FIN) {
+            if (cid < units) cluster_wait();  // peers may still read this CTA's partials
+        }
         trace(E7_EXIT, -1);
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false>
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false>
+template <bool BULK, bool PRM = false, bool FIN = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM> : moe_decode_v7<3, CB_MCG, true, 0, BULK, false>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN> : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM> : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN>;
     return nullptr;
 }
 
@@ -474,6 +495,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_VARIANT) return pick_cb<false>(bits, codebook);
     if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
     if (variant == V7_PRM_VARIANT) return pick_cb<true, true>(bits, codebook);
+    if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -558,7 +580,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), variant == V7_FIN_VARIANT).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -580,7 +602,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), a.variant == V7_FIN_VARIANT).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
