@@ -5,14 +5,17 @@ kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. Th
 off the same-process benchmarks of 2026-12-03 (kernels/lna2/NOTES.md; the figures are in
 kernels/lna2/results/2026-12-03-h200.json):
 
-* v20, the cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
+* The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
-  top-k sum through global memory), in its build with bulk-copied trellis rows requested by the
-  warps that consume them, the first unit's trellis requested around x and suh, an acquire-release
-  arrival and, at K2, byte-permute state extraction. It is the fastest variant at one to eight rows
-  of the TP8 slice (I <= 256), K2 and K3: 1.1-1.2x v7 (its first build) and 1.0-1.2x v4 from four
-  to eight rows, a tie with v4 at sixteen (2026-12-03 evening, runs 3 and 4). It takes hidden sizes
-  that are a multiple of 1024 up to 8192 and intermediates up to 512 (the binding refuses others).
+  top-k sum through global memory) in its second build serves one to eight rows of the TP8 slice
+  (I <= 256): bulk-copied trellis rows requested by the warps that consume them, the first unit's
+  trellis requested around x and suh, an acquire-release arrival and, at K2, byte-permute state
+  extraction (v20). At K2 it runs as v21, where every CTA finishes the activation itself (no second
+  cluster barrier): 2-10 % faster than v20 at 1-8 rows (evening run 5). At K3 v21's second partial
+  buffer costs the second CTA per SM and it loses 15-25 % from two rows, so K3 runs v20. Against v4
+  the cluster kernel is 1.1-1.8x faster at 1-4 rows and 1.1x at eight at K2; at K3 and eight rows
+  they are within 2 % either way; at sixteen they tie. It takes hidden sizes that are a multiple
+  of 1024 up to 8192 and intermediates up to 512 (the binding refuses others).
 * v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no spills)
   is the fastest variant everywhere else, and at every TP1 point.
 
@@ -25,19 +28,19 @@ the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 20
 from __future__ import annotations
 
 SEAT_VARIANT = 4
-CLUSTER_VARIANT = 20
+CLUSTER_VARIANT = 20  # K3 (and any bits but 2)
+CLUSTER_VARIANT_K2 = 21
 CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20): whole 1024-column slices for its 8 CTAs, <= 4
+    """lna2_v7.cu's geometry (variants 7, 9, 20, 21): whole 1024-column slices for its 8 CTAs, <= 4
     intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
 
 def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -> int:
-    del bits  # K2 and K3 measured alike
     if rows <= CLUSTER_MAX_ROWS and inter <= CLUSTER_MAX_INTER and cluster_kernel_takes(hidden, inter):
-        return CLUSTER_VARIANT
+        return CLUSTER_VARIANT_K2 if bits == 2 else CLUSTER_VARIANT
     return SEAT_VARIANT
