@@ -36,7 +36,7 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -83,32 +83,38 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0):
                 for ks in range(NW // 2):
                     tot = tot + red[2 * ks + proj]
                 cpart[r, proj, :rows] = tot[:rows]
-        # finisher: rank r's warp w finishes row r + C w; the activation lands in every CTA
-        act = np.zeros((8, 32, 2), dtype=np.int64)
+        # finisher: rank r's warp w finishes row r + C w and the activation lands in every CTA; with
+        # fin_local (v21) every CTA's warp w finishes row w into its own activation
+        def finish(jf, act):
+            gsum = np.zeros(128)
+            usum = np.zeros(128)
+            for q in range(C):
+                gsum = gsum + cpart[q, 0, jf]
+                usum = usum + cpart[q, 1, jf]
+            col = slice(ib * 128, ib * 128 + 128)
+            gv = fwht128(gsum) / np.sqrt(128) * svh["gate"][e, col]
+            uv = fwht128(usum) / np.sqrt(128) * svh["up"][e, col]
+            gg = np.minimum(gv, limit)
+            uu = np.clip(uv, -limit, limit)
+            av = fwht128(gg / (1 + np.exp(-gg)) * uu * suh["down"][e, col]) / np.sqrt(128)
+            for ln in range(32):
+                store_frag_pairs(act[ln >> 2], jf, ln, av[4 * ln:4 * ln + 4])
+
+        acts = [np.zeros((8, 32, 2), dtype=np.int64) for _ in range(C if fin_local else 1)]
         finished = set()
         for r in range(C):
             for warp in range(NW):
-                jf = r + C * warp
+                jf = warp if fin_local else r + C * warp
                 if jf >= rows:
                     continue
-                finished.add(jf)
-                gsum = np.zeros(128)
-                usum = np.zeros(128)
-                for q in range(C):
-                    gsum = gsum + cpart[q, 0, jf]
-                    usum = usum + cpart[q, 1, jf]
-                col = slice(ib * 128, ib * 128 + 128)
-                gv = fwht128(gsum) / np.sqrt(128) * svh["gate"][e, col]
-                uv = fwht128(usum) / np.sqrt(128) * svh["up"][e, col]
-                gg = np.minimum(gv, limit)
-                uu = np.clip(uv, -limit, limit)
-                av = fwht128(gg / (1 + np.exp(-gg)) * uu * suh["down"][e, col]) / np.sqrt(128)
-                for ln in range(32):
-                    store_frag_pairs(act[ln >> 2], jf, ln, av[4 * ln:4 * ln + 4])
-        assert finished == set(range(rows))
+                finished.add((r, jf) if fin_local else jf)
+                finish(jf, acts[r if fin_local else 0])
+        # each row finished once (v7), or once in every CTA (v21)
+        assert finished == ({(r, j) for r in range(C) for j in range(rows)} if fin_local else set(range(rows)))
         # down: CTA r's columns; warp = bw wpb + kq over kpwd of the block's 8 k-tiles
         kpwd = 8 // wpb
         for r in range(C):
+            act = acts[r if fin_local else 0]
             red = {}
             for warp in range(NW):
                 bw, kq = divmod(warp, wpb)
@@ -148,8 +154,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0):
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -161,8 +167,9 @@ def _check(layer, ids, w, x, cb, dup, C):
     return cfg
 
 
+@pytest.mark.parametrize("fin_local", [False, True], ids=["v7", "v21-local-finisher"])
 @pytest.mark.parametrize("K, cb, dup, I", [(2, "mcg", True, 256), (3, "mul1", False, 128)])
-def test_v7_dataflow_matches_reference(K, cb, dup, I):
+def test_v7_dataflow_matches_reference(K, cb, dup, I, fin_local):
     """Cluster of 2 over a 256-wide layer: 9 rows on one expert (two groups), an out-of-range id."""
     H, E, top_k = 256, 10, 2
     layer = random_expert_layer(E, H, I, K, cb, seed=31 + K)
@@ -174,7 +181,7 @@ def test_v7_dataflow_matches_reference(K, cb, dup, I):
     ids[3, 1] = E + 2
     w = torch.softmax(torch.randn(m, top_k, generator=gen), -1) * 1.5
     x = torch.randn(m, H, generator=gen).half()
-    cfg = _check(layer, ids, w, x, cb, dup, C=2)
+    cfg = _check(layer, ids, w, x, cb, dup, C=2, fin_local=fin_local)
     assert cfg["groups"] > len(torch.unique(ids[ids < E]))
 
 
