@@ -91,10 +91,10 @@ enum Event7 : int {
 
 // ABL: timing ablations (lna2_tile.cuh's Ablation bits; variants 17..19). BULK (variant 9): the
 // trellis moves by bulk copies, one per row (each warp requests the rows it consumes) instead of
-// 16-byte cp.async from every thread;
-// the first unit requests only its first gate/up steps before x and suh are read and the rest once
-// they have landed (run 1 of 2026-12-03b: the whole unit's trellis queued ahead of x and suh in HBM
-// doubled the rotation phase); the arrival is one acquire-release atomic instead of two SC fences.
+// 16-byte cp.async from every thread; the first unit requests only its first gate/up steps before
+// x and suh are read and the rest once they have landed (with the whole unit's trellis queued
+// ahead of them, x and suh took 3.4 us instead of 1.5: NOTES.md, "ablations of v7"); the arrival
+// is one acquire-release atomic instead of two SC fences.
 // PRM (variant 20, K2): v9 with states8's byte-permute extraction.
 // FIN (variant 21): v20 where every CTA finishes every row of the unit itself (warp w, row w) from the
 // cluster's partials and keeps the activation in its own shared memory: no remote activation
@@ -515,7 +515,7 @@ struct KernelSlot {
     int device, allowed;
     int dyn[8], clusters[8], n;
 };
-constexpr int SLOTS = 64;
+constexpr int SLOTS = 80;
 KernelSlot g_slots[SLOTS];
 int g_nslots = 0;
 std::mutex g_slots_mu;
@@ -526,7 +526,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     for (int i = 0; i < g_nslots; i++)
         if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
     if (!sl) {
-        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 11 kernels x 4 devices fit
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 17 kernels x 4 devices fit
         sl = &g_slots[g_nslots++];
         *sl = KernelSlot{fn, device, 0, {}, {}, 0};
     }
