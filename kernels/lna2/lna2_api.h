@@ -122,7 +122,7 @@ struct Args {
     int m, top_k, n_experts, hidden, inter, bits, codebook, x_dtype, out_dtype;
     int variant;                // 0: register-streamed, 1: cp.async-pipelined, 2: v2, 3: v2 without the
                                 // MCG exact-sum MMA (see lna2_v2.cu), 4: v2 built for 2 CTAs per SM;
-                                // 7, 9: the cluster kernel; 10..13, 17..19: timing ablations (K2 MCG only, below)
+                                // 7, 9, 20, 21: the cluster kernel; 10..13, 17..19: timing ablations (K2 MCG only, below)
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x8;               // v2: aim for at least grid * items_x8 / 8 gate/up items (set by launch())
     int pair_down;              // v2: allow down items of two output blocks (set by launch())

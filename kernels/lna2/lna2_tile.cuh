@@ -53,8 +53,8 @@ __device__ __forceinline__ void mbar_arrive_cp(uint64_t* bar) {
 }
 
 // Bulk (TMA) copies, sm_90 and later: one instruction moves a contiguous run of bytes (a multiple of
-// 16, both ends 16-byte aligned) and completes on an mbarrier by its byte count. The barrier is
-// armed by one arrive that declares the bytes its phase waits for (init count 1).
+// 16, both ends 16-byte aligned) and completes on an mbarrier by its byte count. Each arming
+// arrive declares the bytes it adds to the phase (v7's bulk builds: one per warp, init count 8).
 __device__ __forceinline__ void mbar_arm_tx(uint64_t* bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
