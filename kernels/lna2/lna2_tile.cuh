@@ -64,12 +64,6 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
                  "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
 }
-// A hint: bytes (a multiple of 16) fetched into L2, no completion; skipped where src is not
-// 16-byte aligned (the instruction needs it, and a suh table entry may be an offset view).
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-    if ((reinterpret_cast<uintptr_t>(src) & 15) != 0) return;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 // Generic-proxy accesses to shared memory (and barrier inits) ordered before later bulk copies.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // A split cluster barrier: arrive (releasing this thread's earlier accesses) now, wait later.
@@ -123,24 +117,14 @@ __device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
 // PRM (K2 only): three multiplies (W << 2, 4, 6, by the same kmul parameters) put every state on a
 // byte boundary of W or of one of them, and one byte permute cuts each out: 12 instructions per tile
 // instead of 15, 3 of them on the multiply pipe instead of 7.
-// HI (with PRM): the three top-half states come from the multiply pipe's high word instead of a
-// permute. Integer ALU and multiply-pipe instructions both take two cycles per warp on sm_90; with
-// the codebook's 8 lop3 the permute form is 14 ALU against 11 multiply-pipe instructions per tile
-// (17 counting the funnel shift and the permutes, 34 cycles), this one 14 against 14 (28 cycles).
-template <int K, bool PRM = false, bool HI = false>
+template <int K, bool PRM = false>
 __device__ __forceinline__ void states8(uint32_t wa, uint32_t wb, int sh, const Args& a, uint32_t (&s)[8]) {
     if constexpr (K == 2 && PRM) {
         const uint32_t W = __funnelshift_l(wb, wa, sh);  // state j: bits [14-2j, 30-2j)
         const uint32_t W2 = W * a.kmul[0], W4 = W * a.kmul[1], W6 = W * a.kmul[2];
-        if constexpr (HI) {
-            s[0] = __umulhi(W2, a.kmul[7]);  // bits [16, 32) of W << 2, kmul[7] = 1 << 16
-            s[1] = __umulhi(W4, a.kmul[7]);
-            s[2] = __umulhi(W6, a.kmul[7]);
-        } else {
-            s[0] = __byte_perm(W2, 0u, 0x4432);  // bits [16, 32) of W << 2
-            s[1] = __byte_perm(W4, 0u, 0x4432);
-            s[2] = __byte_perm(W6, 0u, 0x4432);
-        }
+        s[0] = __byte_perm(W2, 0u, 0x4432);  // bits [16, 32) of W << 2
+        s[1] = __byte_perm(W4, 0u, 0x4432);
+        s[2] = __byte_perm(W6, 0u, 0x4432);
         s[3] = __byte_perm(W, 0u, 0x4421);   // bits [8, 24)
         s[4] = __byte_perm(W2, 0u, 0x4421);
         s[5] = __byte_perm(W4, 0u, 0x4421);
@@ -205,7 +189,7 @@ __device__ __forceinline__ void b_frag(uint2 v, uint32_t (&b)[4]) {
 }
 
 // A warp's share of one ring stage: 8 consecutive n-tiles of one k-tile row.
-template <int K, int CB, bool DUP, int ABL = 0, bool PRM = false, bool HI = false>
+template <int K, int CB, bool DUP, int ABL = 0, bool PRM = false>
 __device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)[4], int w0i, int w1i, int sh,
                                         const Args& a, float (&acc)[8][4]) {
     constexpr int WPT = 8 * K;
@@ -218,7 +202,7 @@ __device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)
             continue;
         }
         uint32_t s[8];
-        states8<K, PRM, HI>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
+        states8<K, PRM>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, s);
         tile_mma_t<CB, DUP>(s, b, acc[nt]);
     }
 }

@@ -60,16 +60,14 @@ struct Dyn7 {
 };
 
 // fin_local (variant 21): two partial buffers, used by alternate units (see V7Kernel's FIN).
-// rcap (variant 22): rows per partial buffer, min(m, 8), so that K3's two buffers fit two CTAs per
-// SM up to about six rows.
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false, int rcap = GR) {
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-    d.cpart = off; off += (fin_local ? 2 : 1) * 2 * rcap * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
+    d.cpart = off; off += (fin_local ? 2 : 1) * 2 * GR * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
@@ -104,10 +102,7 @@ enum Event7 : int {
 // unit's partial write comes after the next unit's cluster barrier, which every CTA reaches only
 // after its reads of the previous unit's partials; one split barrier (arrive after the last
 // unit's reads, wait before exit) keeps every CTA's shared memory alive while its peers read it.
-// NX (variant 22): v21 with states8's HI extraction at K2 (the ALU and multiply pipes balanced),
-// the next unit's suh and x rows prefetched into L2 when its trellis is requested (a later unit's
-// rotation otherwise waits on a cold HBM trip), and partial buffers of min(m, 8) rows.
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool NX = false>
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -122,7 +117,6 @@ struct V7Kernel {
     uint64_t* bar;
     int r;    // rank in the cluster
     int nev;  // trace events recorded (thread 0)
-    int RC;   // rows per partial buffer (dyn7_layout's rcap)
 
     __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
 
@@ -183,18 +177,6 @@ struct V7Kernel {
                          src + (size_t(ib * 8 + kt8) * (a.hidden / 16) + r * g.kpc) * TILE + rest * 16);
             }
             mbar_arrive_cp(bar + g.kpw);
-        }
-    }
-
-    // NX: unit u's suh ranges and x rows for this CTA's k-range, into L2 ahead of its rotation.
-    __device__ void prefetch_rotation_inputs(int u) {
-        const int gi = u / g.n_ib, t = threadIdx.x;
-        const int k0 = r * g.nblk * 128, span = g.nblk * 128;
-        if (t < 2) {
-            prefetch_l2(reinterpret_cast<const __half*>(P(gi, t ? 4 : 1)) + k0, span * 2);
-        } else if (t >= 32 && t < 32 + s.gnr[gi]) {
-            const int esz = a.x_dtype == DT_F32 ? 4 : 2;
-            prefetch_l2(reinterpret_cast<const char*>(a.x) + (size_t(s.grows[gi][t - 32]) * a.hidden + k0) * esz, span * esz);
         }
     }
 
@@ -277,8 +259,7 @@ struct V7Kernel {
         trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
-        RC = NX ? (a.m < GR ? a.m : GR) : GR;
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN, RC);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -318,7 +299,7 @@ struct V7Kernel {
             const uint32_t par = it & 1;
             // the finisher's and the down epilogue's scales (cold in HBM) travel during the MMAs
             const int jf = FIN ? warp : r + C7 * warp;  // the row this warp finishes, if any
-            float* cpart = cpart0 + (FIN ? (it & 1) * 2 * RC * 128 : 0);
+            float* cpart = cpart0 + (FIN ? (it & 1) * 2 * GR * 128 : 0);
             uint2 sc[3] = {};
             if (jf < rows) {
                 const int col = ib * 128 + 4 * lane;
@@ -348,16 +329,13 @@ struct V7Kernel {
                     mbar_wait(bar + st, par);
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP, ABL, PRM, NX>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
                                         w1i, sh, a, acc);
                 }
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            if (u + ncl < units) {
-                issue_gu(u + ncl);
-                if constexpr (NX) prefetch_rotation_inputs(u + ncl);
-            }
+            if (u + ncl < units) issue_gu(u + ncl);
 
             // ---- this CTA's partial over its k-range, per (proj, row), into its own cpart
             for (int rc = 0; rc * 4 < rows; rc++) {
@@ -372,7 +350,7 @@ struct V7Kernel {
                         const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
                         v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
                     }
-                    *reinterpret_cast<float4*>(cpart + (proj * RC + j) * 128 + 4 * lane) = v;
+                    *reinterpret_cast<float4*>(cpart + (proj * GR + j) * 128 + 4 * lane) = v;
                 }
             }
             trace(E7_PARTIAL, u);
@@ -387,7 +365,7 @@ struct V7Kernel {
                 for (int q = 0; q < C7; q++) {
                     const float* rp = cluster.map_shared_rank(cpart, q);
                     pg[q] = *reinterpret_cast<const float4*>(rp + jf * 128 + 4 * lane);
-                    pu[q] = *reinterpret_cast<const float4*>(rp + (RC + jf) * 128 + 4 * lane);
+                    pu[q] = *reinterpret_cast<const float4*>(rp + (GR + jf) * 128 + 4 * lane);
                 }
                 float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -426,7 +404,7 @@ struct V7Kernel {
                     const int kt8 = kq * kpwd + i;
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP, ABL, PRM, NX>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
+                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
                                         w0i, w1i, sh, a, acc);
                 }
             }
@@ -492,25 +470,24 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool NX = false>
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, NX> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool NX = false>
+template <bool BULK, bool PRM = false, bool FIN = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, NX>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, NX>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN> : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, NX>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, NX>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN>;
     return nullptr;
 }
 
@@ -519,7 +496,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
     if (variant == V7_PRM_VARIANT) return pick_cb<true, true>(bits, codebook);
     if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
-    if (variant == V7_NX_VARIANT) return pick_cb<true, true, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -528,9 +504,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
         default: return nullptr;
     }
 }
-
-bool fin_local(int variant) { return variant == V7_FIN_VARIANT || variant == V7_NX_VARIANT; }
-int rcap_for(int variant, int m) { return variant == V7_NX_VARIANT ? std::min(m, GR) : GR; }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
@@ -553,7 +526,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     for (int i = 0; i < g_nslots; i++)
         if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
     if (!sl) {
-        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 21 kernels x 3 devices fit
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 17 kernels x 4 devices fit
         sl = &g_slots[g_nslots++];
         *sl = KernelSlot{fn, device, 0, {}, {}, 0};
     }
@@ -607,7 +580,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), fin_local(variant), rcap_for(variant, m)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), variant == V7_FIN_VARIANT).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -629,7 +602,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), fin_local(a.variant), rcap_for(a.variant, a.m)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), a.variant == V7_FIN_VARIANT).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
