@@ -102,7 +102,11 @@ enum Event7 : int {
 // unit's partial write comes after the next unit's cluster barrier, which every CTA reaches only
 // after its reads of the previous unit's partials; one split barrier (arrive after the last
 // unit's reads, wait before exit) keeps every CTA's shared memory alive while its peers read it.
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false>
+// PAIR (variant 24): two k-steps per iteration of the decode loops, so that the scheduler has 16
+// tiles in one block instead of 8. Variants 23 and 24 are compiled for one CTA per SM (255
+// registers instead of 128): at one row each SM holds one CTA anyway and the decode loops are
+// latency-bound (two warps per scheduler; with two CTAs per SM a phase takes ~1.5x, not 2x).
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -325,12 +329,26 @@ struct V7Kernel {
             for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
             {
                 const int proj = warp & 1, ksub = warp >> 1;
-                for (int st = 0; st < g.kpw; st++) {
-                    mbar_wait(bar + st, par);
-                    uint32_t b[4];
-                    b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
-                                        w1i, sh, a, acc);
+                if constexpr (PAIR) {
+                    for (int st = 0; st < g.kpw; st += 2) {  // kpw = 2 nblk is even
+                        mbar_wait(bar + st, par);
+                        mbar_wait(bar + st + 1, par);
+                        uint32_t b0[4], b1[4];
+                        const uint32_t* xp = xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2;
+                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xp), b0);
+                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xp + 64), b1);
+                        const uint32_t* rp = reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp, b0, w0i, w1i, sh, a, acc);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp + 8 * ROW / 4, b1, w0i, w1i, sh, a, acc);
+                    }
+                } else {
+                    for (int st = 0; st < g.kpw; st++) {
+                        mbar_wait(bar + st, par);
+                        uint32_t b[4];
+                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
+                        mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                                            w1i, sh, a, acc);
+                    }
                 }
             }
             __syncthreads();  // gate/up trellis and xs are free
@@ -400,7 +418,19 @@ struct V7Kernel {
             {
                 const int bw = warp / wpb, kq = warp - bw * wpb;
                 mbar_wait(bar + g.kpw, par);
-                for (int i = 0; i < kpwd; i++) {
+                int i0 = 0;
+                if constexpr (PAIR) {
+                    for (; i0 + 1 < kpwd; i0 += 2) {
+                        const int kt8 = kq * kpwd + i0;
+                        uint32_t b0[4], b1[4];
+                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b0);
+                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + ((kt8 + 1) * 32 + lane) * 2), b1);
+                        const uint32_t* rp = reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp, b0, w0i, w1i, sh, a, acc);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp + g.nblk * ROW / 4, b1, w0i, w1i, sh, a, acc);
+                    }
+                }
+                for (int i = i0; i < kpwd; i++) {  // PAIR: an odd k-tile count's last one
                     const int kt8 = kq * kpwd + i;
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
@@ -470,24 +500,25 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false>
-__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2>
+__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, MINB) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN> : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, MINB>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, MINB>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, MINB>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, MINB>;
     return nullptr;
 }
 
@@ -496,6 +527,8 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
     if (variant == V7_PRM_VARIANT) return pick_cb<true, true>(bits, codebook);
     if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
+    if (variant == V7_WIDE_VARIANT) return pick_cb<true, true, true, false, 1>(bits, codebook);
+    if (variant == V7_PAIR_VARIANT) return pick_cb<true, true, true, true, 1>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -503,6 +536,10 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
         case 2: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE | ABL_NO_COPY, false>;
         default: return nullptr;
     }
+}
+
+bool fin_local(int variant) {
+    return variant == V7_FIN_VARIANT || variant == V7_WIDE_VARIANT || variant == V7_PAIR_VARIANT;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -526,7 +563,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     for (int i = 0; i < g_nslots; i++)
         if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
     if (!sl) {
-        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 17 kernels x 4 devices fit
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 25 kernels x 3 devices fit
         sl = &g_slots[g_nslots++];
         *sl = KernelSlot{fn, device, 0, {}, {}, 0};
     }
@@ -580,7 +617,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), variant == V7_FIN_VARIANT).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), fin_local(variant)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -602,7 +639,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), a.variant == V7_FIN_VARIANT).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), fin_local(a.variant)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
