@@ -9,11 +9,13 @@ def test_v4_serves_every_shape_but_up_to_eight_rows_of_the_tp8_slice():
 
 
 def test_one_to_eight_rows_of_the_tp8_slice_go_to_the_cluster_kernel():
-    # K2 runs the build that finishes the activation in every CTA; at K3 its second partial buffer
-    # costs the second CTA per SM, so K3 runs v20
-    assert {variant_for(m, 256, 2) for m in range(1, 9)} == {21}
-    assert {variant_for(m, 256, 3) for m in range(1, 9)} == {20}
-    assert variant_for(1) == 21  # the defaults are the seat's shape (K2)
+    # one row: the build for one CTA per SM (both K); from two rows K2 runs the build that finishes
+    # the activation in every CTA, and K3, where that build's second partial buffer costs the second
+    # CTA per SM, v20
+    assert {variant_for(1, 256, k) for k in (2, 3)} == {25}
+    assert {variant_for(m, 256, 2) for m in range(2, 9)} == {26}
+    assert {variant_for(m, 256, 3) for m in range(2, 9)} == {20}
+    assert variant_for(1) == 25  # the defaults are the seat's shape (K2)
     assert variant_for(9) == 4
     assert variant_for(1, 2048, 2) == 4  # TP1's intermediate is past what the cluster kernel takes
 

@@ -36,7 +36,7 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -124,8 +124,19 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False):
                     mma_row("down", e, ib * 8 + kt8, r * kpc + bw * 8,
                             lambda ln, kt8=kt8: (int(act[kt8, ln, 0]), int(act[kt8, ln, 1])), acc)
                 red[warp] = warp_rows(acc)
-            covered = set()
-            for tk in range(4 * nblk):  # epilogue tasks (block tk >> 2, row tk & 3) per 4-row chunk
+            covered = []
+            if epi:  # variants 25/26: tasks tk = warp, warp + 8, .. of nblk x (rows in the chunk), block warp mod nblk
+                for rc in range((rows + 3) // 4):
+                    ntask = nblk * min(4, rows - 4 * rc)
+                    for warp in range(NW):
+                        bsel = warp & (nblk - 1)  # also the block of the one svh vector the warp loaded
+                        for tk in range(warp, ntask, NW):
+                            j = rc * 4 + tk // nblk
+                            v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
+                            c0 = (r * nblk + bsel) * 128
+                            y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
+                            covered.append((bsel, j))
+            for tk in range(0 if epi else 4 * nblk):  # epilogue tasks (block tk >> 2, row tk & 3) per 4-row chunk
                 bsel, rr = tk >> 2, tk & 3
                 for rc in range((rows + 3) // 4):
                     j = rc * 4 + rr
@@ -134,8 +145,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False):
                     v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
                     c0 = (r * nblk + bsel) * 128
                     y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
-                    covered.add((bsel, j))
-            assert covered == {(b, j) for b in range(nblk) for j in range(rows)}
+                    covered.append((bsel, j))
+            assert sorted(covered) == [(b, j) for b in range(nblk) for j in range(rows)]
             done[r] += 1
             if done[r] == units:  # the last unit over slice r gathers it: blocks, then slots
                 for row in range(m):
@@ -154,8 +165,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False):
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -167,9 +178,10 @@ def _check(layer, ids, w, x, cb, dup, C, fin_local=False):
     return cfg
 
 
-@pytest.mark.parametrize("fin_local", [False, True], ids=["v7", "v21-local-finisher"])
+@pytest.mark.parametrize("fin_local, epi", [(False, False), (True, False), (True, True)],
+                         ids=["v7", "v21-local-finisher", "v26-dealt-epilogue"])
 @pytest.mark.parametrize("K, cb, dup, I", [(2, "mcg", True, 256), (3, "mul1", False, 128)])
-def test_v7_dataflow_matches_reference(K, cb, dup, I, fin_local):
+def test_v7_dataflow_matches_reference(K, cb, dup, I, fin_local, epi):
     """Cluster of 2 over a 256-wide layer: 9 rows on one expert (two groups), an out-of-range id."""
     H, E, top_k = 256, 10, 2
     layer = random_expert_layer(E, H, I, K, cb, seed=31 + K)
@@ -181,7 +193,7 @@ def test_v7_dataflow_matches_reference(K, cb, dup, I, fin_local):
     ids[3, 1] = E + 2
     w = torch.softmax(torch.randn(m, top_k, generator=gen), -1) * 1.5
     x = torch.randn(m, H, generator=gen).half()
-    cfg = _check(layer, ids, w, x, cb, dup, C=2, fin_local=fin_local)
+    cfg = _check(layer, ids, w, x, cb, dup, C=2, fin_local=fin_local, epi=epi)
     assert cfg["groups"] > len(torch.unique(ids[ids < E]))
 
 
@@ -194,6 +206,19 @@ def test_v7_cluster_of_eight_matches_reference():
     w = torch.rand(2, 2, generator=gen)
     x = torch.randn(2, H, generator=gen).half()
     _check(layer, ids, w, x, "mcg", True, C=8)
+
+
+def test_v26_epilogue_with_four_blocks_per_cta():
+    """v25/v26's dealt epilogue where a CTA owns several 128-column blocks (H 1024 over a cluster of 2:
+    four), with one row and with a 6-row group (two 4-row chunks, the second partial)."""
+    H, I, E = 1024, 128, 5
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=43)
+    gen = torch.Generator().manual_seed(44)
+    ids = torch.tensor([[2, 0]] * 6 + [[1, 4]])
+    w = torch.rand(7, 2, generator=gen)
+    x = torch.randn(7, H, generator=gen).half()
+    _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True)
+    _check(layer, ids[6:], w[6:], x[6:], "mcg", True, C=2, fin_local=True, epi=True)
 
 
 def test_v7_geometry_matches_the_binding():

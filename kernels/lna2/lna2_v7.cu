@@ -106,7 +106,13 @@ enum Event7 : int {
 // tiles in one block instead of 8. Variants 23 and 24 are compiled for one CTA per SM (255
 // registers instead of 128): at one row each SM holds one CTA anyway and the decode loops are
 // latency-bound (two warps per scheduler; with two CTAs per SM a phase takes ~1.5x, not 2x).
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false>
+// EPI (variants 25, 26): the down epilogue's (block, row) tasks are dealt to the warps in turn
+// (block = warp mod nblk, so each warp needs one svh vector) by a loop the compiler keeps rolled: at
+// one row four warps take one task each instead of two warps two each, through one copy of the
+// code instead of four. ncu (session 15 run 2, v24, one row): that phase's unrolled code (1,294
+// instructions, ~90 executed per warp) drew 10 % of all stall samples, 8.4 points of them waiting
+// on instruction fetch.
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -311,12 +317,16 @@ struct V7Kernel {
                 sc[1] = ld_early(reinterpret_cast<const __half*>(P(gi, 5)) + col);
                 sc[2] = ld_early(reinterpret_cast<const __half*>(P(gi, 7)) + col);
             }
-            uint2 dsv[4] = {};
+            uint2 dsv[EPI ? 1 : 4] = {};
+            if constexpr (EPI) {  // every task of this warp is on block warp mod nblk (WARPS % nblk == 0)
+                dsv[0] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (warp & (g.nblk - 1))) * 128 + 4 * lane);
+            } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int tk = warp + WARPS * i;  // down epilogue task (block tk / 4, row tk % 4)
-                if (tk < 4 * g.nblk)
-                    dsv[i] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (tk >> 2)) * 128 + 4 * lane);
+                for (int i = 0; i < 4; i++) {
+                    const int tk = warp + WARPS * i;  // down epilogue task (block tk / 4, row tk % 4)
+                    if (tk < 4 * g.nblk)
+                        dsv[i] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (tk >> 2)) * 128 + 4 * lane);
+                }
             }
 
             rotate(gi, BULK && it == 0 ? u : -1);
@@ -448,6 +458,27 @@ struct V7Kernel {
                 if (rc) __syncthreads();
                 write_red(red, rc, acc);
                 __syncthreads();
+                if constexpr (EPI) {
+                    const int ntask = g.nblk * min(4, rows - 4 * rc);
+                    const int bsel = warp & (g.nblk - 1);
+                    float sv[4];
+                    half4(dsv[0], sv);
+#pragma unroll 1
+                    for (int tk = warp; tk < ntask; tk += WARPS) {
+                        const int rr = tk / g.nblk, j = rc * 4 + rr;
+                        float v[4] = {0.f, 0.f, 0.f, 0.f};
+                        for (int kq = 0; kq < wpb; kq++) {
+                            const float4 x = *reinterpret_cast<const float4*>(red + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
+                            v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+                        }
+                        fwht128(v, lane);
+                        __stcg(reinterpret_cast<float4*>(y + (size_t(ib) * MAX_PAIRS + ent0 + j) * a.hidden +
+                                                         (r * g.nblk + bsel) * 128 + 4 * lane),
+                               make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1], v[2] * RSQRT128 * sv[2],
+                                           v[3] * RSQRT128 * sv[3]));
+                    }
+                    continue;
+                }
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const int tk = warp + WARPS * i, bsel = tk >> 2, rr = tk & 3, j = rc * 4 + rr;
@@ -500,25 +531,26 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2>
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2,
+          bool EPI = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, MINB) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2, bool EPI = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, MINB>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, MINB>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, MINB, EPI>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, MINB, EPI>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, MINB>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, MINB>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, MINB, EPI>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, MINB, EPI>;
     return nullptr;
 }
 
@@ -529,6 +561,8 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
     if (variant == V7_WIDE_VARIANT) return pick_cb<true, true, true, false, 1>(bits, codebook);
     if (variant == V7_PAIR_VARIANT) return pick_cb<true, true, true, true, 1>(bits, codebook);
+    if (variant == V7_EPI1_VARIANT) return pick_cb<true, true, true, true, 1, true>(bits, codebook);
+    if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, 2, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -539,7 +573,8 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 bool fin_local(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_WIDE_VARIANT || variant == V7_PAIR_VARIANT;
+    return variant == V7_FIN_VARIANT || variant == V7_WIDE_VARIANT || variant == V7_PAIR_VARIANT || variant == V7_EPI1_VARIANT ||
+           variant == V7_EPI_VARIANT;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -563,7 +598,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     for (int i = 0; i < g_nslots; i++)
         if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
     if (!sl) {
-        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 25 kernels x 3 devices fit
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 33 kernels x 2 devices fit
         sl = &g_slots[g_nslots++];
         *sl = KernelSlot{fn, device, 0, {}, {}, 0};
     }
