@@ -39,7 +39,7 @@ OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "21,4,20,9,7,1,6,2,3,0").split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
-CLUSTER_VARIANTS = {7, 9, 20, 21, 23, 24, 25, 26, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 23..26, its timing ablations (lna2_api.h)
+CLUSTER_VARIANTS = {7, 9, 20, 21, 23, 24, 25, 26, 27, 28, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 23..28, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 
 

@@ -563,6 +563,8 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_PAIR_VARIANT) return pick_cb<true, true, true, true, 1>(bits, codebook);
     if (variant == V7_EPI1_VARIANT) return pick_cb<true, true, true, true, 1, true>(bits, codebook);
     if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, 2, true>(bits, codebook);
+    if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, 2, true>(bits, codebook);
+    if (variant == V7_PE21_VARIANT) return pick_cb<true, true, true, true, 2, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -574,7 +576,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 
 bool fin_local(int variant) {
     return variant == V7_FIN_VARIANT || variant == V7_WIDE_VARIANT || variant == V7_PAIR_VARIANT || variant == V7_EPI1_VARIANT ||
-           variant == V7_EPI_VARIANT;
+           variant == V7_EPI_VARIANT || variant == V7_PE21_VARIANT;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
