@@ -12,13 +12,13 @@ def test_v4_serves_every_shape_the_cluster_kernel_does_not():
 
 
 def test_one_to_eight_rows_of_the_tp8_slice_go_to_the_cluster_kernel():
-    # K2 runs the build that finishes the activation in every CTA (v28) up to 24 rows; so does one K3
+    # K2 runs the build that finishes the activation in every CTA (v26) up to 24 rows; so does one K3
     # row, where every CTA has an SM of its own; from two K3 rows that build's second partial buffer
     # costs the second CTA per SM, and K3 runs v27
-    assert {variant_for(m, 256, 2) for m in range(1, 25)} == {28}
-    assert variant_for(1, 256, 3) == 28
+    assert {variant_for(m, 256, 2) for m in range(1, 25)} == {26}
+    assert variant_for(1, 256, 3) == 26
     assert {variant_for(m, 256, 3) for m in range(2, 9)} == {27}
-    assert variant_for(1) == 28  # the defaults are the seat's shape (K2)
+    assert variant_for(1) == 26  # the defaults are the seat's shape (K2)
     assert variant_for(25) == 4
     assert variant_for(9, 256, 3) == 4
     assert variant_for(1, 2048, 2) == 4  # TP1's intermediate is past what the cluster kernel takes
