@@ -209,7 +209,7 @@ def test_v7_cluster_of_eight_matches_reference():
 
 
 def test_v26_epilogue_with_four_blocks_per_cta():
-    """v25/v26's dealt epilogue where a CTA owns several 128-column blocks (H 1024 over a cluster of 2:
+    """v26/v27's dealt epilogue where a CTA owns several 128-column blocks (H 1024 over a cluster of 2:
     four), with one row and with a 6-row group (two 4-row chunks, the second partial)."""
     H, I, E = 1024, 128, 5
     layer = random_expert_layer(E, H, I, 2, "mcg", seed=43)

@@ -102,11 +102,10 @@ enum Event7 : int {
 // unit's partial write comes after the next unit's cluster barrier, which every CTA reaches only
 // after its reads of the previous unit's partials; one split barrier (arrive after the last
 // unit's reads, wait before exit) keeps every CTA's shared memory alive while its peers read it.
-// PAIR (variant 24): two k-steps per iteration of the decode loops, so that the scheduler has 16
-// tiles in one block instead of 8. Variants 23 and 24 are compiled for one CTA per SM (255
-// registers instead of 128): at one row each SM holds one CTA anyway and the decode loops are
-// latency-bound (two warps per scheduler; with two CTAs per SM a phase takes ~1.5x, not 2x).
-// EPI (variants 25, 26): the down epilogue's (block, row) tasks are dealt to the warps in turn
+// PAIR (variant 27): two k-steps per iteration of the decode loops, so that the scheduler has 16
+// tiles in one block instead of 8 (the one-row decode loops are latency-bound: with two CTAs per SM
+// a phase takes ~1.5x, not 2x). It paid in v20's build (v27) and not in v26's (NOTES.md).
+// EPI (variants 26, 27): the down epilogue's (block, row) tasks are dealt to the warps in turn
 // (block = warp mod nblk, so each warp needs one svh vector) by a loop the compiler keeps rolled: at
 // one row four warps take one task each instead of two warps two each, through one copy of the
 // code instead of four. ncu (session 15 run 2, v24, one row): that phase's unrolled code (1,294
@@ -477,24 +476,24 @@ struct V7Kernel {
                                make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1], v[2] * RSQRT128 * sv[2],
                                            v[3] * RSQRT128 * sv[3]));
                     }
-                    continue;
-                }
+                } else {
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int tk = warp + WARPS * i, bsel = tk >> 2, rr = tk & 3, j = rc * 4 + rr;
-                    if (tk < 4 * g.nblk && j < rows) {
-                        float v[4] = {0.f, 0.f, 0.f, 0.f};
-                        for (int kq = 0; kq < wpb; kq++) {
-                            const float4 x = *reinterpret_cast<const float4*>(red + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
-                            v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+                    for (int i = 0; i < 4; i++) {
+                        const int tk = warp + WARPS * i, bsel = tk >> 2, rr = tk & 3, j = rc * 4 + rr;
+                        if (tk < 4 * g.nblk && j < rows) {
+                            float v[4] = {0.f, 0.f, 0.f, 0.f};
+                            for (int kq = 0; kq < wpb; kq++) {
+                                const float4 x = *reinterpret_cast<const float4*>(red + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
+                                v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
+                            }
+                            fwht128(v, lane);
+                            float sv[4];
+                            half4(dsv[i], sv);
+                            __stcg(reinterpret_cast<float4*>(y + (size_t(ib) * MAX_PAIRS + ent0 + j) * a.hidden +
+                                                             (r * g.nblk + bsel) * 128 + 4 * lane),
+                                   make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1], v[2] * RSQRT128 * sv[2],
+                                               v[3] * RSQRT128 * sv[3]));
                         }
-                        fwht128(v, lane);
-                        float sv[4];
-                        half4(dsv[i], sv);
-                        __stcg(reinterpret_cast<float4*>(y + (size_t(ib) * MAX_PAIRS + ent0 + j) * a.hidden +
-                                                         (r * g.nblk + bsel) * 128 + 4 * lane),
-                               make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1], v[2] * RSQRT128 * sv[2],
-                                           v[3] * RSQRT128 * sv[3]));
                     }
                 }
             }
@@ -531,9 +530,8 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2,
-          bool EPI = false>
-__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, MINB) moe_decode_v7(const __grid_constant__ Args a) {
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false>
+__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
     V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI> k(a, s, dyn);
@@ -542,15 +540,15 @@ __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, MINB) moe_
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, int MINB = 2, bool EPI = false>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, MINB, EPI>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, MINB, EPI>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, MINB, EPI>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, MINB, EPI>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI>;
     return nullptr;
 }
 
@@ -559,12 +557,8 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
     if (variant == V7_PRM_VARIANT) return pick_cb<true, true>(bits, codebook);
     if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
-    if (variant == V7_WIDE_VARIANT) return pick_cb<true, true, true, false, 1>(bits, codebook);
-    if (variant == V7_PAIR_VARIANT) return pick_cb<true, true, true, true, 1>(bits, codebook);
-    if (variant == V7_EPI1_VARIANT) return pick_cb<true, true, true, true, 1, true>(bits, codebook);
-    if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, 2, true>(bits, codebook);
-    if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, 2, true>(bits, codebook);
-    if (variant == V7_PE21_VARIANT) return pick_cb<true, true, true, true, 2, true>(bits, codebook);
+    if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
+    if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -575,8 +569,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 bool fin_local(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_WIDE_VARIANT || variant == V7_PAIR_VARIANT || variant == V7_EPI1_VARIANT ||
-           variant == V7_EPI_VARIANT || variant == V7_PE21_VARIANT;
+    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -600,7 +593,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     for (int i = 0; i < g_nslots; i++)
         if (g_slots[i].fn == fn && g_slots[i].device == device) sl = &g_slots[i];
     if (!sl) {
-        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 33 kernels x 2 devices fit
+        if (g_nslots == SLOTS) return cudaErrorMemoryAllocation;  // 25 kernels x 3 devices fit
         sl = &g_slots[g_nslots++];
         *sl = KernelSlot{fn, device, 0, {}, {}, 0};
     }
