@@ -1181,7 +1181,9 @@ def cmd_merge(args):
                      "exl3_moe_us": round(r145["inc_cold_us"], 2),
                      "exl3_moe_165_us": None if v165 is None else round(v165, 2),
                      "exl3_moe_165_path": r165.get("inc_path") if r165 else None,
-                     "floor_us": round(r145["floor_us"], 3), "ratio": round(best_inc / lna2_us, 3),
+                     "floor_us": round(r145["floor_us"], 3),
+                     # from the stored (rounded) figures, so that the file recomputes on its own
+                     "ratio": round(round(best_inc, 2) / round(lna2_us, 2), 3),
                      "ratio_vs_145": round(r145["inc_cold_us"] / r145[col], 3),
                      "ratio_vs_165": None if v165 is None else round(v165 / r165[col], 3),
                      "lna2_rel_err": r145.get(f"lna2_v{pick}_rel_err"),
