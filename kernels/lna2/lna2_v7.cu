@@ -104,8 +104,8 @@ enum Event7 : int {
 // unit's reads, wait before exit) keeps every CTA's shared memory alive while its peers read it.
 // PAIR (variant 27): two k-steps per iteration of the decode loops, so that the scheduler has 16
 // tiles in one block instead of 8 (the one-row decode loops are latency-bound: with two CTAs per SM
-// a phase takes ~1.5x, not 2x). It paid in v20's build (v27), not in v26's at 128 registers (v28,
-// retired: NOTES.md).
+// a phase takes ~1.5x, not 2x). It cost in v26's build at 128 registers (v28, retired); v27 was
+// measured only with it and the dealt epilogue together (NOTES.md).
 // EPI (variants 26, 27): the down epilogue's (block, row) tasks are dealt to the warps in turn
 // (block = warp mod nblk, so each warp needs one svh vector) by a loop the compiler keeps rolled: at
 // one row four warps take one task each instead of two warps two each, through one copy of the

@@ -16,9 +16,9 @@ figures are in kernels/lna2/results/2026-12-03-h200.json):
     barrier). Session 15 run 4: 19.2 / 25.0 / 43.3 / 64.9 / 112.2 / 153.9 us at 1 / 2 / 4 / 8 / 16 /
     24 rows, against v4's 34.6 / 37.8 / 52.8 / 76.3 / 117.5 / 158.9; v28 (v26 with two k-steps per
     loop iteration) was slower at every K2 point.
-  - K3, two to eight rows: v27 (v20 with the dealt epilogue and the two-step loops). v26's second
-    partial buffer costs K3 its second CTA per SM (15-25 % slower from two rows). At eight K3 rows
-    v27 and v4 are within 1 % (76.8 / 76.2 us).
+  - K3, two to eight rows: v27 (v20 with the dealt epilogue and two k-steps per loop iteration).
+    v26's second partial buffer costs K3 its second CTA per SM (15-25 % slower from two rows). At
+    eight K3 rows v27 and v4 are within 1 % (76.8 / 76.2 us).
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
