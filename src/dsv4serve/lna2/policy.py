@@ -11,7 +11,7 @@ figures are in kernels/lna2/results/2026-12-03-h200.json):
   8 at K3, in its later builds: bulk-copied trellis rows requested by the warps that consume them,
   the first unit's trellis requested around x and suh, an acquire-release arrival, byte-permute
   state extraction at K2 (v20), and the down epilogue's tasks dealt to the warps in turn through one
-  rolled copy of its code (session 15: 3-5 % at every K2 point).
+  rolled copy of its code (session 15: 2-12 % at every K2 point, against v21).
   - K2, and one K3 row: v26, where every CTA also finishes the activation itself (no second cluster
     barrier). Session 15 run 4: 19.2 / 25.0 / 43.3 / 64.9 / 112.2 / 153.9 us at 1 / 2 / 4 / 8 / 16 /
     24 rows, against v4's 34.6 / 37.8 / 52.8 / 76.3 / 117.5 / 158.9; v28 (v26 with two k-steps per
