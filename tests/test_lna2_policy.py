@@ -11,7 +11,7 @@ def test_v4_serves_every_shape_the_cluster_kernel_does_not():
     assert 4 not in {variant_for(*s) for s in cluster}
 
 
-def test_one_to_eight_rows_of_the_tp8_slice_go_to_the_cluster_kernel():
+def test_the_tp8_slice_goes_to_the_cluster_kernel():
     # K2 runs the build that finishes the activation in every CTA (v26) up to 24 rows; so does one K3
     # row, where every CTA has an SM of its own; from two K3 rows that build's second partial buffer
     # costs the second CTA per SM, and K3 runs v27

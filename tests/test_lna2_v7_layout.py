@@ -125,7 +125,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                             lambda ln, kt8=kt8: (int(act[kt8, ln, 0]), int(act[kt8, ln, 1])), acc)
                 red[warp] = warp_rows(acc)
             covered = []
-            if epi:  # variants 25/26: tasks tk = warp, warp + 8, .. of nblk x (rows in the chunk), block warp mod nblk
+            if epi:  # variants 26/27: tasks tk = warp, warp + 8, .. of nblk x (rows in the chunk), block warp mod nblk
                 for rc in range((rows + 3) // 4):
                     ntask = nblk * min(4, rows - 4 * rc)
                     for warp in range(NW):
