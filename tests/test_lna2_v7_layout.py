@@ -124,28 +124,20 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                     mma_row("down", e, ib * 8 + kt8, r * kpc + bw * 8,
                             lambda ln, kt8=kt8: (int(act[kt8, ln, 0]), int(act[kt8, ln, 1])), acc)
                 red[warp] = warp_rows(acc)
+            # the epilogue's (block, row) tasks as the kernel deals them to its warps
             covered = []
-            if epi:  # variants 26/27: tasks tk = warp, warp + 8, .. of nblk x (rows in the chunk), block warp mod nblk
-                for rc in range((rows + 3) // 4):
+            for rc in range((rows + 3) // 4):
+                if epi:  # variants 26/27: tk = warp, warp + 8, .. of nblk x (rows in the chunk); block warp mod nblk,
+                    # also the block of the one svh vector the warp loaded
                     ntask = nblk * min(4, rows - 4 * rc)
-                    for warp in range(NW):
-                        bsel = warp & (nblk - 1)  # also the block of the one svh vector the warp loaded
-                        for tk in range(warp, ntask, NW):
-                            j = rc * 4 + tk // nblk
-                            v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
-                            c0 = (r * nblk + bsel) * 128
-                            y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
-                            covered.append((bsel, j))
-            for tk in range(0 if epi else 4 * nblk):  # epilogue tasks (block tk >> 2, row tk & 3) per 4-row chunk
-                bsel, rr = tk >> 2, tk & 3
-                for rc in range((rows + 3) // 4):
-                    j = rc * 4 + rr
-                    if j >= rows:
-                        continue
-                    v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
-                    c0 = (r * nblk + bsel) * 128
-                    y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
-                    covered.append((bsel, j))
+                    covered += [(warp & (nblk - 1), rc * 4 + tk // nblk) for warp in range(NW)
+                                for tk in range(warp, ntask, NW)]
+                else:  # tk = warp + 8 i: block tk >> 2, row tk & 3 of each 4-row chunk
+                    covered += [(tk >> 2, rc * 4 + (tk & 3)) for tk in range(4 * nblk) if rc * 4 + (tk & 3) < rows]
+            for bsel, j in covered:
+                v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
+                c0 = (r * nblk + bsel) * 128
+                y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
             assert sorted(covered) == [(b, j) for b in range(nblk) for j in range(rows)]
             done[r] += 1
             if done[r] == units:  # the last unit over slice r gathers it: blocks, then slots
