@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", "26,27,4,21,20,9,7,1,6,2,3,0").split(",")]
+DEFAULT_VARIANTS = "26,27,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
+VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 27, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 27, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
@@ -1219,7 +1220,7 @@ def main():
     b.add_argument("--shapes", default="tp8,tp1")
     b.add_argument("--ks", default="2,3")
     b.add_argument("--ms", default="1,2,4,8,16,24")
-    b.add_argument("--variants", default="26,27,4,21,20,9,7,1,6,2,3,0")
+    b.add_argument("--variants", default=DEFAULT_VARIANTS)
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
