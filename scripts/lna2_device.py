@@ -1206,6 +1206,83 @@ def cmd_merge(args):
     log(f"wrote {args.out}: {len(rows)} rows")
 
 
+# Each refusal: (name, what to break, a phrase the binding's one-line error must contain).
+REFUSALS = [
+    ("cluster-hidden", "variant 26 on a 1536-wide layer", "multiple of 1024"),
+    ("unknown-variant", "variant 5", "variant must be"),
+    ("bits", "bits 4", "bits must be 2 or 3"),
+    ("flat-ids", "expert_ids flattened to [m*top_k]", "expert_ids must be"),
+    ("small-scratch", "scratch one byte short", "scratch must be"),
+    ("offset-x", "x as a 2-byte offset view", "16-byte aligned"),
+]
+
+
+def cmd_refusal_case(args):
+    """One bad call to the binding (run in its own process by `refusals`, so a crash is a result)."""
+    import torch
+
+    from dsv4serve.lna2.reference import random_expert_layer
+
+    dev = torch.device("cuda:0")
+    hidden = 1536 if args.case == "cluster-hidden" else 1024
+    layer = random_expert_layer(8, hidden, 256, 2, "mcg", seed=5, device=dev)
+    W = [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
+         layer.down_trellis, layer.down_suh, layer.down_svh]
+    P = [torch.tensor([t[e].data_ptr() for e in range(8)], dtype=torch.long, device=dev) for t in W]
+    ext = lna2_mod()
+    need = ext.lna2_moe_scratch_bytes(hidden, 256)
+    scratch = torch.zeros(need - (args.case == "small-scratch"), dtype=torch.uint8, device=dev)
+    m = 2
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]], dtype=torch.int32, device=dev)
+    w = torch.rand((m, TOPK), device=dev)
+    x = torch.randn((m, hidden), device=dev).half()
+    if args.case == "offset-x":
+        x = torch.randn((m * hidden + 1,), device=dev).half()[1:].view(m, hidden)
+    if args.case == "flat-ids":
+        ids = ids.reshape(-1)
+    out = torch.empty((m, hidden), dtype=torch.float32, device=dev)
+    variant = {"cluster-hidden": 26, "unknown-variant": 5}.get(args.case, 4)
+    bits = 4 if args.case == "bits" else 2
+    try:
+        ext.lna2_moe_decode(x, out, *P, ids, w, bits, L_SWIGLU, scratch, 256, 1, variant)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the type is part of the result
+        raised = {"type": type(e).__name__, "message": str(e).splitlines()[0][:400]}
+    else:
+        raised = {"type": None, "message": "accepted"}
+    # then a good call in the same process: the refusal left nothing behind
+    good_x = torch.randn((m, hidden), device=dev).half()
+    good_ids = torch.tensor([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]], dtype=torch.int32, device=dev)
+    full = torch.zeros(need, dtype=torch.uint8, device=dev)
+    ext.lna2_moe_decode(good_x, out, *P, good_ids, w, 2, L_SWIGLU, full, 256, 1, 4)
+    torch.cuda.synchronize()
+    raised["good_call_after"] = bool(torch.isfinite(out).all().item())
+    print(json.dumps(raised))
+
+
+def cmd_refusals(args):
+    """The binding's argument checks on a GPU: each bad call must raise ValueError naming the problem,
+    and must not crash the process or poison the context (a good call follows in the same process)."""
+    results, fail = [], 0
+    for name, what, phrase in REFUSALS:
+        r = subprocess.run([sys.executable, __file__, "refusal-case", name], capture_output=True, text=True, timeout=120)
+        got = {}
+        try:
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            pass
+        ok = (r.returncode == 0 and got.get("type") == "ValueError" and phrase in got.get("message", "")
+              and got.get("good_call_after") is True)
+        fail += not ok
+        results.append({"case": name, "bad": what, "rc": r.returncode, "raised": got.get("type"),
+                        "message": got.get("message", r.stderr[-300:]), "ok": ok})
+        log(("ok  " if ok else "FAIL"), name, "rc", r.returncode, got.get("type"), (got.get("message") or "")[:160])
+    dump("refusals.json", {"cases": results, "fail": fail})
+    log(f"refusals: {len(results)} cases, fail={fail}")
+    if fail:
+        sys.exit(1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1213,6 +1290,9 @@ def main():
     p = sub.add_parser("parity")
     p.add_argument("--quick", action="store_true")
     sub.add_parser("smoke")
+    sub.add_parser("refusals")
+    rc = sub.add_parser("refusal-case")
+    rc.add_argument("case", choices=[c[0] for c in REFUSALS])
     sub.add_parser("dispatch")
     sub.add_parser("profile")
     b = sub.add_parser("bench")
@@ -1243,7 +1323,8 @@ def main():
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
      "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "ablate": cmd_ablate, "trace": cmd_trace,
-     "trace-summary": cmd_trace_summary, "dispatch": cmd_dispatch}[args.cmd](args)
+     "trace-summary": cmd_trace_summary, "dispatch": cmd_dispatch, "refusals": cmd_refusals,
+     "refusal-case": cmd_refusal_case}[args.cmd](args)
 
 
 if __name__ == "__main__":

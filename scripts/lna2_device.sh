@@ -117,6 +117,9 @@ if has smoke; then
   step "smoke (variants $LNA2_VARIANTS)"
   timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke.log" 2>&1; echo "exit $?" >> "$OUT/smoke.log"
   tail -4 "$OUT/smoke.log" | tee -a "$LOG"
+  step "refusals (the binding's argument checks, one process per bad call)"
+  timeout 200 python3 scripts/lna2_device.py refusals > "$OUT/refusals.log" 2>&1; echo "exit $?" >> "$OUT/refusals.log"
+  tail -8 "$OUT/refusals.log" | tee -a "$LOG"
 fi
 
 if has parity; then
