@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "lna2_api.h"
 
@@ -19,7 +20,32 @@ namespace {
 constexpr int kDefaultHidden = 4096;
 constexpr int kDefaultInter = 256;
 
-#define LNA2_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "lna2_moe_decode: ", __VA_ARGS__)
+// Error messages are assembled here, numbers through std::to_string, and reach torch as one string:
+// on the H200 image (extension built by /opt/gcc's g++, torch 2.11) every check whose message
+// streamed an integer through c10::str killed the process with SIGSEGV instead of raising, while
+// the checks with text-only messages raised (session 16 run 3, `lna2_device.py refusals`).
+template <class T>
+std::string piece(const T& v) {
+    if constexpr (std::is_same_v<T, bool>) {
+        return v ? "true" : "false";
+    } else if constexpr (std::is_arithmetic_v<T>) {
+        return std::to_string(v);
+    } else if constexpr (std::is_convertible_v<const T&, std::string>) {
+        return std::string(v);
+    } else if constexpr (std::is_same_v<T, c10::ScalarType>) {
+        return c10::toString(v);
+    } else {
+        return v.str();  // torch::Device
+    }
+}
+template <class... T>
+std::string message(const T&... v) {
+    std::string out;
+    ((out += piece(v)), ...);
+    return out;
+}
+
+#define LNA2_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, message("lna2_moe_decode: ", __VA_ARGS__))
 
 void check_table(const torch::Tensor& t, const char* name, int64_t n_experts, const torch::Device& dev) {
     LNA2_CHECK(t.is_cuda() && t.device() == dev, name, " must be a CUDA tensor on ", dev);
