@@ -20,10 +20,11 @@ namespace {
 constexpr int kDefaultHidden = 4096;
 constexpr int kDefaultInter = 256;
 
-// Error messages are assembled here, numbers through std::to_string, and reach torch as one string:
-// on the H200 image (extension built by /opt/gcc's g++, torch 2.11) every check whose message
-// streamed an integer through c10::str killed the process with SIGSEGV instead of raising, while
-// the checks with text-only messages raised (session 16 run 3, `lna2_device.py refusals`).
+// Error messages are assembled here, numbers through std::to_string, and reach torch as one string.
+// On the H200 image (extensions built by /opt/gcc's g++, torch 2.11) streaming an integer into a
+// std::ostringstream kills the process with SIGSEGV, in any extension built there (a four-line one
+// did the same), so every check whose message passed an integer to c10::str crashed instead of
+// raising; the text-only ones raised (session 16 runs 3 and 4, `lna2_device.py refusals`).
 template <class T>
 std::string piece(const T& v) {
     if constexpr (std::is_same_v<T, bool>) {
