@@ -17,7 +17,8 @@ def test_the_tp8_slice_goes_to_the_cluster_kernel():
     # costs the second CTA per SM, and K3 runs v27
     assert {variant_for(m, 256, 2) for m in range(1, 25)} == {26}
     assert variant_for(1, 256, 3) == 26
-    assert {variant_for(m, 256, 3) for m in range(2, 9)} == {27}
+    assert {variant_for(m, 256, 3) for m in range(2, 5)} == {31}
+    assert {variant_for(m, 256, 3) for m in range(5, 9)} == {27}
     assert variant_for(1) == 26  # the defaults are the seat's shape (K2)
     assert variant_for(25) == 4
     assert variant_for(9, 256, 3) == 4

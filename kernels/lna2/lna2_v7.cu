@@ -60,14 +60,15 @@ struct Dyn7 {
 };
 
 // fin_local (variant 21): two partial buffers, used by alternate units (see V7Kernel's FIN).
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false) {
+// prow (variant 31): rows per partial buffer, min(GR, m) instead of GR.
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false, int prow = GR) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-    d.cpart = off; off += (fin_local ? 2 : 1) * 2 * GR * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
+    d.cpart = off; off += (fin_local ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
@@ -112,7 +113,10 @@ enum Event7 : int {
 // code instead of four. ncu (session 15 run 2, v24, one row): that phase's unrolled code (1,294
 // instructions, ~90 executed per warp) drew 10 % of all stall samples, 8.4 points of them waiting
 // on instruction fetch.
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false>
+// RCAP (variant 31): the partial buffers hold min(GR, m) rows, not GR, so that K3's local-finisher
+// build keeps two CTAs per SM up to four rows (its two GR-row buffers cost it the second CTA).
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
+          bool RCAP = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -269,7 +273,8 @@ struct V7Kernel {
         trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN);
+        const int prow = RCAP ? min(GR, a.m) : GR;  // rows per partial buffer (a group has <= min(GR, m))
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -309,7 +314,7 @@ struct V7Kernel {
             const uint32_t par = it & 1;
             // the finisher's and the down epilogue's scales (cold in HBM) travel during the MMAs
             const int jf = FIN ? warp : r + C7 * warp;  // the row this warp finishes, if any
-            float* cpart = cpart0 + (FIN ? (it & 1) * 2 * GR * 128 : 0);
+            float* cpart = cpart0 + (FIN ? (it & 1) * 2 * prow * 128 : 0);
             uint2 sc[3] = {};
             if (jf < rows) {
                 const int col = ib * 128 + 4 * lane;
@@ -378,7 +383,7 @@ struct V7Kernel {
                         const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
                         v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
                     }
-                    *reinterpret_cast<float4*>(cpart + (proj * GR + j) * 128 + 4 * lane) = v;
+                    *reinterpret_cast<float4*>(cpart + (proj * prow + j) * 128 + 4 * lane) = v;
                 }
             }
             trace(E7_PARTIAL, u);
@@ -393,7 +398,7 @@ struct V7Kernel {
                 for (int q = 0; q < C7; q++) {
                     const float* rp = cluster.map_shared_rank(cpart, q);
                     pg[q] = *reinterpret_cast<const float4*>(rp + jf * 128 + 4 * lane);
-                    pu[q] = *reinterpret_cast<const float4*>(rp + (GR + jf) * 128 + 4 * lane);
+                    pu[q] = *reinterpret_cast<const float4*>(rp + (prow + jf) * 128 + 4 * lane);
                 }
                 float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -531,25 +536,26 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false>
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
+          bool RCAP = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     return nullptr;
 }
 
@@ -560,6 +566,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
     if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
+    if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -570,8 +577,10 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 bool fin_local(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT;
+    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
 }
+// rows per partial buffer for a launch of m rows
+int prow_of(int variant, int m) { return variant == V7_RCAP_VARIANT ? std::min(GR, m) : GR; }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
@@ -648,7 +657,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), fin_local(variant)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), fin_local(variant), prow_of(variant, m)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -670,7 +679,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), fin_local(a.variant)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), fin_local(a.variant), prow_of(a.variant, a.m)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).

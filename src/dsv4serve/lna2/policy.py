@@ -36,6 +36,8 @@ from __future__ import annotations
 SEAT_VARIANT = 4
 CLUSTER_VARIANT = 27  # K3 (and any bits but 2), two to eight rows
 CLUSTER_VARIANT_K2 = 26  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits
+RCAP_VARIANT = 31  # K3, two to RCAP_MAX_ROWS rows
+RCAP_MAX_ROWS = 4
 CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_ROWS_K2 = 24
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
@@ -52,4 +54,6 @@ def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) 
         return SEAT_VARIANT
     if rows == 1 or (bits == 2 and rows <= CLUSTER_MAX_ROWS_K2):
         return CLUSTER_VARIANT_K2
+    if rows <= RCAP_MAX_ROWS:
+        return RCAP_VARIANT
     return CLUSTER_VARIANT if rows <= CLUSTER_MAX_ROWS else SEAT_VARIANT
