@@ -2,8 +2,9 @@
 
 All variants compute the same function (parity-checked against the fp64 reference on the H200;
 kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
-off the same-process benchmarks of 2026-12-03, session 15 run 4 (kernels/lna2/NOTES.md; the
-figures are in kernels/lna2/results/2026-12-03-h200.json):
+off the same-process benchmarks of 2026-12-03, session 15 run 4, and for v31 of 2026-12-04,
+session 16 run 5 (kernels/lna2/NOTES.md; the figures are in kernels/lna2/results/2026-12-03-h200.json
+and 2026-12-04-h200-run5-tp8.json):
 
 * The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
@@ -16,9 +17,12 @@ figures are in kernels/lna2/results/2026-12-03-h200.json):
     barrier). Session 15 run 4: 19.2 / 25.0 / 43.3 / 64.9 / 112.2 / 153.9 us at 1 / 2 / 4 / 8 / 16 /
     24 rows, against v4's 34.6 / 37.8 / 52.8 / 76.3 / 117.5 / 158.9; v28 (v26 with two k-steps per
     loop iteration) was slower at every K2 point.
-  - K3, two to eight rows: v27 (v20 with the dealt epilogue and two k-steps per loop iteration).
+  - K3, two to four rows: v31 (v26 with partial buffers of min(8, m) rows, so that two K3 CTAs fit
+    per SM; session 16 run 5: 27.8 / 42.8 us against v27's 28.8 / 46.1 and v26's 34.3 / 52.1).
+  - K3, five to eight rows: v27 (v20 with the dealt epilogue and two k-steps per loop iteration).
     v26's second partial buffer costs K3 its second CTA per SM (15-25 % slower from two rows). At
-    eight K3 rows v27 and v4 are within 1 % (76.8 / 76.2 us).
+    eight K3 rows v27 and v4 are within 1 % (76.8 / 76.2 us). Five rows was not timed: v31 would
+    still fit two CTAs per SM there, v27 is the measured neighbour.
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
@@ -34,7 +38,7 @@ the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 20
 from __future__ import annotations
 
 SEAT_VARIANT = 4
-CLUSTER_VARIANT = 27  # K3 (and any bits but 2), two to eight rows
+CLUSTER_VARIANT = 27  # K3 (and any bits but 2), RCAP_MAX_ROWS + 1 to eight rows
 CLUSTER_VARIANT_K2 = 26  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits
 RCAP_VARIANT = 31  # K3, two to RCAP_MAX_ROWS rows
 RCAP_MAX_ROWS = 4
@@ -44,7 +48,7 @@ CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27): whole 1024-column slices for its 8 CTAs,
+    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31): whole 1024-column slices for its 8 CTAs,
     <= 4 intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
