@@ -21,8 +21,8 @@ and 2026-12-04-h200-run5-tp8.json):
     per SM; session 16 run 5: 27.8 / 42.8 us against v27's 28.8 / 46.1 and v26's 34.3 / 52.1).
   - K3, five to eight rows: v27 (v20 with the dealt epilogue and two k-steps per loop iteration).
     v26's second partial buffer costs K3 its second CTA per SM (15-25 % slower from two rows). At
-    eight K3 rows v27 and v4 are within 1 % (76.8 / 76.2 us). Five rows was not timed: v31 would
-    still fit two CTAs per SM there, v27 is the measured neighbour.
+    eight K3 rows v27 and v4 are within 1 % (76.8 / 76.2 us). Five and six rows were not timed: v31
+    would still fit two CTAs per SM there (not at seven), v27 is the measured neighbour.
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
