@@ -144,7 +144,7 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // cluster barrier); 26 is 21 with the down epilogue's tasks dealt to the warps in turn through one
 // rolled copy of its code; 27 is 20 with that epilogue and two k-steps per decode-loop iteration.
 // (22-25 and 28 were session 15's experiments, measured and retired: kernels/lna2/NOTES.md.)
-// 31 is 26 with partial buffers of min(8, m) rows, which keeps K3 at two CTAs per SM to four rows.
+// 31 is 26 with partial buffers of min(8, m) rows, which keeps K3 at two CTAs per SM up to six rows.
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
 // copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;

@@ -114,7 +114,7 @@ enum Event7 : int {
 // instructions, ~90 executed per warp) drew 10 % of all stall samples, 8.4 points of them waiting
 // on instruction fetch.
 // RCAP (variant 31): the partial buffers hold min(GR, m) rows, not GR, so that K3's local-finisher
-// build keeps two CTAs per SM up to four rows (its two GR-row buffers cost it the second CTA).
+// build keeps two CTAs per SM up to six rows (its two GR-row buffers cost it the second CTA).
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
           bool RCAP = false>
 struct V7Kernel {
