@@ -36,7 +36,7 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -50,13 +50,26 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     mma_row = ring_row_mma(words, K, cb, dup, H, I)
 
     units = len(groups) * n_ib
+    # each CTA's partial buffers as the kernel lays them out: [buf][proj][row][128] with prow rows per
+    # (buf, proj), two buffers with fin_local (alternate units), prow = min(8, m) with rcap (v31);
+    # NaN until written, so a read of a slot the unit did not write shows
+    prow = min(8, m) if rcap else 8
+    nbuf = 2 if fin_local else 1
+    cflat = np.full((C, nbuf * 2 * prow * 128), np.nan)
     done = [0] * C
     out = np.full((m, H), np.nan)
     for u in range(units):  # the clusters' order does not matter: nothing crosses units but y
         gi, ib = divmod(u, n_ib)
         e, ent0, rws = groups[gi]
         rows = len(rws)
-        cpart = np.zeros((C, 2, 8, 128))
+        assert rows <= prow
+        base = (u & 1) * 2 * prow * 128 if fin_local else 0
+
+        def cpart_at(r, proj, j):
+            o = base + (proj * prow + j) * 128
+            return cflat[r, o:o + 128]
+
+        cflat[:, base:base + 2 * prow * 128] = np.nan  # the unit two before's values are stale
         for r in range(C):
             # rotate(): tasks (proj, row j, block b) of this CTA's k-range into xs[proj][kt][lane][2]
             xs = np.zeros((2, kpc, 32, 2), dtype=np.int64)
@@ -82,15 +95,16 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 tot = np.zeros((8, 128))
                 for ks in range(NW // 2):
                     tot = tot + red[2 * ks + proj]
-                cpart[r, proj, :rows] = tot[:rows]
+                for j in range(rows):
+                    cpart_at(r, proj, j)[:] = tot[j]
         # finisher: rank r's warp w finishes row r + C w and the activation lands in every CTA; with
         # fin_local (v21) every CTA's warp w finishes row w into its own activation
         def finish(jf, act):
             gsum = np.zeros(128)
             usum = np.zeros(128)
             for q in range(C):
-                gsum = gsum + cpart[q, 0, jf]
-                usum = usum + cpart[q, 1, jf]
+                gsum = gsum + cpart_at(q, 0, jf)
+                usum = usum + cpart_at(q, 1, jf)
             col = slice(ib * 128, ib * 128 + 128)
             gv = fwht128(gsum) / np.sqrt(128) * svh["gate"][e, col]
             uv = fwht128(usum) / np.sqrt(128) * svh["up"][e, col]
@@ -157,8 +171,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -220,3 +234,16 @@ def test_v7_geometry_matches_the_binding():
     assert geometry(4096, 2048, 8) is None
     assert geometry(1536, 256, 8) is None
     assert geometry(16384, 256, 8) is None
+
+
+def test_v31_row_capped_partials_match_reference():
+    """Variant 31: partial buffers of min(8, m) rows, alternating by unit, at three rows (a group of
+    all three rows of one expert fills its buffer) and one row."""
+    H, I, E = 2048, 256, 4
+    layer = random_expert_layer(E, H, I, 3, "mcg", seed=47)
+    gen = torch.Generator().manual_seed(48)
+    ids = torch.tensor([[1, 2], [1, 3], [1, 0]])
+    w = torch.rand(3, 2, generator=gen)
+    x = torch.randn(3, H, generator=gen).half()
+    _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True)
+    _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, fin_local=True, epi=True, rcap=True)
