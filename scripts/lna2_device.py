@@ -82,6 +82,19 @@ def lna2_mod():
     return loader.load()
 
 
+def expert_tensors(layer):
+    """A reference layer's nine expert-stacked tensors, in the order of the kernels' pointer tables."""
+    return [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
+            layer.down_trellis, layer.down_suh, layer.down_svh]
+
+
+def pointer_tables(W, dev):
+    """Per stacked tensor, the int64 table of its experts' data pointers (lna2's and exl3_moe's tables)."""
+    import torch
+
+    return [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.long, device=dev) for t in W]
+
+
 class Lna2Layer:
     """Pointer tables + scratch for one synthetic layer (tensors stacked over experts)."""
 
@@ -89,7 +102,7 @@ class Lna2Layer:
         import torch
 
         self.W, self.K, self.cb, self.I = W, K, cb, I
-        self.P = [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.long, device=dev) for t in W]
+        self.P = pointer_tables(W, dev)
         ext = lna2_mod()
         self.scratch = torch.zeros(ext.lna2_moe_scratch_bytes(H, I), dtype=torch.uint8, device=dev)
         self.ext = ext
@@ -245,8 +258,7 @@ def cmd_parity(args):
 
             t0 = time.time()
             layer = random_expert_layer(E, H, I, K, cb, seed=7 + K + I, device=dev)
-            W = [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
-                 layer.down_trellis, layer.down_suh, layer.down_svh]
+            W = expert_tensors(layer)
             lna = Lna2Layer(W, K, cb, I, dev)
             dense = DenseCache(layer)
             case_ms = ms if I == 256 else ([1, 8] if args.quick else [1, 8, 16, 24])
@@ -343,9 +355,7 @@ def cmd_smoke(args):
     gen = torch.Generator(device=dev)
     for K, cb in ((2, "mcg"), (3, "mul1")):
         layer = random_expert_layer(32, 1024, 256, K, cb, seed=3, device=dev)
-        W = [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
-             layer.down_trellis, layer.down_suh, layer.down_svh]
-        P = [torch.tensor([t[e].data_ptr() for e in range(32)], dtype=torch.long, device=dev) for t in W]
+        P = pointer_tables(expert_tensors(layer), dev)
         ext = lna2_mod()
         scratch = torch.zeros(ext.lna2_moe_scratch_bytes(1024, 256), dtype=torch.uint8, device=dev)
         for m in (1, 5, 17):
@@ -361,9 +371,7 @@ def cmd_smoke(args):
     # layer (32 output blocks) at one CTA per SM gets there from ~17 groups.
     ext = lna2_mod()
     layer = random_expert_layer(32, H, 256, 2, "mcg", seed=4, device=dev)
-    W = [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
-         layer.down_trellis, layer.down_suh, layer.down_svh]
-    P = [torch.tensor([t[e].data_ptr() for e in range(32)], dtype=torch.long, device=dev) for t in W]
+    P = pointer_tables(expert_tensors(layer), dev)
     scratch = torch.zeros(ext.lna2_moe_scratch_bytes(H, 256), dtype=torch.uint8, device=dev)
     ext.lna2_set_tuning(1, 0, -1)
     for m in (5, 17):
@@ -622,7 +630,7 @@ class Inc145:
         R = 2048
         self.t = [torch.zeros((C, R, H), dtype=torch.half, device=dev), torch.zeros((C, R, H), dtype=torch.half, device=dev),
                   torch.zeros((C, R, I), dtype=torch.half, device=dev), torch.zeros((C, R, I), dtype=torch.half, device=dev)]
-        self.P = [torch.tensor([t[e].data_ptr() for e in range(E)], dtype=torch.long, device=dev) for t in W]
+        self.P = pointer_tables(W, dev)
 
     def prep(self, sel, rw):
         import torch
@@ -651,7 +659,7 @@ class Inc165:
         import torch
 
         self.ext, self.K, self.I, self.dev = ext, K, I, dev
-        self.P = [torch.tensor([t[e].data_ptr() for e in range(E)], dtype=torch.long, device=dev) for t in W]
+        self.P = pointer_tables(W, dev)
         C = ext.exl3_moe_max_concurrency(dev.index or 0)
         self.R = 128
         self.fb = [torch.zeros((C, self.R, H), dtype=torch.half, device=dev), torch.zeros((C, self.R, H), dtype=torch.half, device=dev),
@@ -1226,36 +1234,39 @@ def cmd_refusal_case(args):
     dev = torch.device("cuda:0")
     hidden = 1536 if args.case == "cluster-hidden" else 1024
     layer = random_expert_layer(8, hidden, 256, 2, "mcg", seed=5, device=dev)
-    W = [layer.gate_trellis, layer.gate_suh, layer.gate_svh, layer.up_trellis, layer.up_suh, layer.up_svh,
-         layer.down_trellis, layer.down_suh, layer.down_svh]
-    P = [torch.tensor([t[e].data_ptr() for e in range(8)], dtype=torch.long, device=dev) for t in W]
+    P = pointer_tables(expert_tensors(layer), dev)
     ext = lna2_mod()
-    need = ext.lna2_moe_scratch_bytes(hidden, 256)
-    scratch = torch.zeros(need - (args.case == "small-scratch"), dtype=torch.uint8, device=dev)
     m = 2
-    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]], dtype=torch.int32, device=dev)
-    w = torch.rand((m, TOPK), device=dev)
-    x = torch.randn((m, hidden), device=dev).half()
+    # a good call's arguments, then the one this case breaks
+    good = {"x": torch.randn((m, hidden), device=dev).half(),
+            "ids": torch.tensor([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]], dtype=torch.int32, device=dev),
+            "scratch": torch.zeros(ext.lna2_moe_scratch_bytes(hidden, 256), dtype=torch.uint8, device=dev),
+            "bits": 2, "variant": 4}
+    bad = dict(good)
     if args.case == "offset-x":
-        x = torch.randn((m * hidden + 1,), device=dev).half()[1:].view(m, hidden)
+        bad["x"] = torch.randn((m * hidden + 1,), device=dev).half()[1:].view(m, hidden)
     if args.case == "flat-ids":
-        ids = ids.reshape(-1)
+        bad["ids"] = good["ids"].reshape(-1)
+    if args.case == "small-scratch":
+        bad["scratch"] = good["scratch"][:-1]
+    if args.case == "bits":
+        bad["bits"] = 4
+    bad["variant"] = {"cluster-hidden": 26, "unknown-variant": 5}.get(args.case, 4)
+    w = torch.rand((m, TOPK), device=dev)
     out = torch.empty((m, hidden), dtype=torch.float32, device=dev)
-    variant = {"cluster-hidden": 26, "unknown-variant": 5}.get(args.case, 4)
-    bits = 4 if args.case == "bits" else 2
-    try:
-        ext.lna2_moe_decode(x, out, *P, ids, w, bits, L_SWIGLU, scratch, 256, 1, variant)
+
+    def call(a):
+        ext.lna2_moe_decode(a["x"], out, *P, a["ids"], w, a["bits"], L_SWIGLU, a["scratch"], 256, 1, a["variant"])
         torch.cuda.synchronize()
+
+    try:
+        call(bad)
     except Exception as e:  # noqa: BLE001 - the type is part of the result
         raised = {"type": type(e).__name__, "message": str(e).splitlines()[0][:400]}
     else:
         raised = {"type": None, "message": "accepted"}
-    # then a good call in the same process: the refusal left nothing behind
-    good_x = torch.randn((m, hidden), device=dev).half()
-    good_ids = torch.tensor([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 6, 7]], dtype=torch.int32, device=dev)
-    full = torch.zeros(need, dtype=torch.uint8, device=dev)
-    ext.lna2_moe_decode(good_x, out, *P, good_ids, w, 2, L_SWIGLU, full, 256, 1, 4)
-    torch.cuda.synchronize()
+    # then the good call in the same process: the refusal left nothing behind
+    call(good)
     raised["good_call_after"] = bool(torch.isfinite(out).all().item())
     print(json.dumps(raised))
 
