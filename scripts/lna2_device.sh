@@ -12,6 +12,7 @@
 # call still returns what it measured.
 # Environment: LNA2_VARIANTS (smoke, parity; the first two also get CUDA-graph cases),
 # BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT,
+# SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT, PARITY=quick|full, DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
@@ -133,7 +134,7 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     [ "$(left)" -lt 200 ] && { echo "skip sanitizer $tool: $(left)s left" | tee -a "$LOG"; continue; }
     step "compute-sanitizer $tool"
-    LNA2_VARIANTS=${SAN_VARIANTS:-31,26,27} timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
+    LNA2_VARIANTS=${SAN_VARIANTS:-31,26,27} timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
       > "$OUT/sanitizer_$tool.log" 2>&1; echo "exit $?" >> "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
   done
