@@ -6,8 +6,9 @@
 #     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu
 #                 (default all)
 # Wheels come from .whl145/ or .whl165/ (carried). A build brought home by an earlier call can be
-# carried in .dev/ext<ver>/exllamav3_ext.so.part-* to skip the JIT (~150 s for 1.4.5, ~300 s for
-# 1.6.5 on 16 cores); a fresh JIT build is sent home the same way (16 MiB per returned file).
+# carried in .dev/ext<ver>/ to skip the JIT (~150 s for 1.4.5, ~300 s for 1.6.5 on 16 cores); a fresh
+# JIT build is sent home as ext<ver>.so.part-* (16 MiB per returned file): copy those parts into
+# .dev/ext<ver>/ as they are (either name is read).
 # Each step has its own timeout and optional steps are skipped past DEADLINE seconds, so a slow
 # call still returns what it measured.
 # Environment: LNA2_VARIANTS (smoke, parity; the first two also get CUDA-graph cases),
@@ -49,8 +50,8 @@ for INC in ${INCS//,/ }; do
   [ "$INC" = none ] && continue
   SITE=/tmp/site$INC
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl$INC/*.whl 2>&1 | tail -2
-  if ls .dev/ext$INC/exllamav3_ext.so.part-* >/dev/null 2>&1; then
-    cat .dev/ext$INC/exllamav3_ext.so.part-* > "$SITE/exllamav3_ext.so"
+  if ls .dev/ext$INC/*.so.part-* >/dev/null 2>&1; then
+    cat .dev/ext$INC/*.so.part-* > "$SITE/exllamav3_ext.so"
     step "exllamav3 $INC: carried build ($(du -h "$SITE/exllamav3_ext.so" | cut -f1))"
   else
     step "exllamav3 $INC: JIT build in the background"
