@@ -30,6 +30,3 @@ def test_the_cluster_kernel_only_gets_layers_it_takes():
     assert variant_for(1, 256, 2, hidden=16384) == 4
     assert cluster_kernel_takes(4096, 512) and not cluster_kernel_takes(4096, 640)
     assert not cluster_kernel_takes(512, 256)
-    # variant 32's 16 warps need two 128-blocks per CTA: hidden >= 2048
-    assert cluster_kernel_takes(2048, 256, 32) and not cluster_kernel_takes(1024, 256, 32)
-    assert cluster_kernel_takes(1024, 256, 31)

@@ -22,23 +22,23 @@ from tests.test_lna2_v2_layout import (entry_of, fwht128, layer_arrays, ring_row
                                        warp_rows, zero_acc)
 
 
-NW = 8  # warps per CTA (variant 32: 16)
+NW = 8  # warps per CTA
 
 
-def geometry(H, I, C, nw=NW):
+def geometry(H, I, C):
     """lna2_v7.cu geometry(): None where the kernel refuses the layer."""
     if H % (128 * C) or I % 128:
         return None
     nblk = H // (128 * C)
-    kpw, wpb = 2 * 8 * nblk // nw, nw // nblk
+    kpw, wpb = 2 * 8 * nblk // NW, NW // nblk
     if nblk not in (1, 2, 4, 8) or I // 128 > 4 or kpw < 1 or not 1 <= wpb <= 8:
         return None
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, nw=NW):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False):
     K, H, I = layer.K, layer.hidden, layer.inter
-    geo = geometry(H, I, C, nw)
+    geo = geometry(H, I, C)
     assert geo is not None
     nblk, kpc, kpw, wpb, n_ib = geo["nblk"], geo["kpc"], geo["kpw"], geo["wpb"], geo["n_ib"]
     m, top_k = ids.shape
@@ -83,7 +83,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                     store_frag_pairs(xs[proj, b * 8 + (ln >> 2)], j, ln, v[4 * ln:4 * ln + 4])
             # gate/up: warp = 2 ksub + proj over steps st; k-tile r kpc + ksub kpw + st
             red = {}
-            for warp in range(nw):
+            for warp in range(NW):
                 proj, ksub = warp & 1, warp >> 1
                 acc = zero_acc()
                 for st in range(kpw):
@@ -93,7 +93,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 red[warp] = warp_rows(acc)
             for proj in range(2):
                 tot = np.zeros((8, 128))
-                for ks in range(nw // 2):
+                for ks in range(NW // 2):
                     tot = tot + red[2 * ks + proj]
                 for j in range(rows):
                     cpart_at(r, proj, j)[:] = tot[j]
@@ -117,7 +117,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         acts = [np.zeros((8, 32, 2), dtype=np.int64) for _ in range(C if fin_local else 1)]
         finished = set()
         for r in range(C):
-            for warp in range(nw):
+            for warp in range(NW):
                 jf = warp if fin_local else r + C * warp
                 if jf >= rows:
                     continue
@@ -130,7 +130,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         for r in range(C):
             act = acts[r if fin_local else 0]
             red = {}
-            for warp in range(nw):
+            for warp in range(NW):
                 bw, kq = divmod(warp, wpb)
                 acc = zero_acc()
                 for i in range(kpwd):
@@ -144,8 +144,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 if epi:  # variants 26/27: tk = warp, warp + 8, .. of nblk x (rows in the chunk); block warp mod nblk,
                     # also the block of the one svh vector the warp loaded
                     ntask = nblk * min(4, rows - 4 * rc)
-                    covered += [(warp & (nblk - 1), rc * 4 + tk // nblk) for warp in range(nw)
-                                for tk in range(warp, ntask, nw)]
+                    covered += [(warp & (nblk - 1), rc * 4 + tk // nblk) for warp in range(NW)
+                                for tk in range(warp, ntask, NW)]
                 else:  # tk = warp + 8 i: block tk >> 2, row tk & 3 of each 4-row chunk
                     covered += [(tk >> 2, rc * 4 + (tk & 3)) for tk in range(4 * nblk) if rc * 4 + (tk & 3) < rows]
             for bsel, j in covered:
@@ -171,8 +171,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, nw=NW):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, nw=nw)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -234,11 +234,6 @@ def test_v7_geometry_matches_the_binding():
     assert geometry(4096, 2048, 8) is None
     assert geometry(1536, 256, 8) is None
     assert geometry(16384, 256, 8) is None
-    # variant 32's 16 warps: half the k-tiles per warp, four warps per down block; a 1024-wide
-    # layer (one block per CTA) would leave its down warps no k-tile, and the binding refuses it
-    assert geometry(4096, 256, 8, nw=16) == {"nblk": 4, "kpc": 32, "kpw": 4, "wpb": 4, "n_ib": 2}
-    assert geometry(2048, 256, 8, nw=16) is not None
-    assert geometry(1024, 256, 8, nw=16) is None
 
 
 def test_v31_row_capped_partials_match_reference():
@@ -252,17 +247,3 @@ def test_v31_row_capped_partials_match_reference():
     x = torch.randn(3, H, generator=gen).half()
     _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True)
     _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, fin_local=True, epi=True, rcap=True)
-
-
-@pytest.mark.parametrize("H", [512, 2048], ids=["two-blocks-per-cta", "eight-blocks-per-cta"])
-def test_v32_sixteen_warps_match_reference(H):
-    """Variant 32: v31 in 16-warp CTAs (eight k-subs per projection, nw / nblk warps per down block),
-    over a cluster of 2 at one row and at three rows of one expert."""
-    I, E = 256, 4
-    layer = random_expert_layer(E, H, I, 2, "mcg", seed=53)
-    gen = torch.Generator().manual_seed(54)
-    ids = torch.tensor([[1, 2], [1, 3], [1, 0]])
-    w = torch.rand(3, 2, generator=gen)
-    x = torch.randn(3, H, generator=gen).half()
-    _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, nw=16)
-    _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, nw=16)

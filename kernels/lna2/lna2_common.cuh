@@ -153,8 +153,7 @@ __device__ __forceinline__ void tile_states(uint32_t a, uint32_t b, int sh, uint
 
 // The route plan every CTA builds in shared memory: which rows each expert serves, its entries
 // (sorted by expert, then row), and its groups of at most GROUP rows (one MMA tile's rows).
-// NWARPS: the CTA's warps (v7's wide build runs 16).
-template <int GROUP, int NWARPS = WARPS>
+template <int GROUP>
 struct RoutePlan {
     uint32_t mask[MAX_EXPERTS];        // rows routed to each expert
     int16_t rbase[MAX_EXPERTS];        // first entry of each expert
@@ -165,14 +164,13 @@ struct RoutePlan {
     uint8_t grows[MAX_PAIRS][GROUP];   // group -> its rows
     int16_t rid[MAX_PAIRS];            // routes [m, top_k]: expert id, or -1 when out of range
     float rw[MAX_PAIRS];               // routing weights [m, top_k]
-    int wsum[3][NWARPS];               // the scans' per-warp totals
+    int wsum[3][WARPS];                // the scans' per-warp totals
     int ng, gr;                        // groups, entries
 };
 
 // Exclusive prefix sums of three per-thread counts over the CTA (one thread per expert in the
 // route plans): warp scans, then the warp totals through `wsum` (one barrier inside).
-template <int NWARPS>
-__device__ __forceinline__ void block_excl_scan3(const int (&v)[3], int (&excl)[3], int (&wsum)[3][NWARPS]) {
+__device__ __forceinline__ void block_excl_scan3(const int (&v)[3], int (&excl)[3], int (&wsum)[3][WARPS]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl[3];
 #pragma unroll
@@ -197,19 +195,16 @@ __device__ __forceinline__ void block_excl_scan3(const int (&v)[3], int (&excl)[
 
 // The route plan's tables for expert t (one thread per expert), once the prefix sums of its row
 // count c, group count ng and used flag are known: its first entry, its compact index, and its
-// groups of at most GROUP rows (rows ascending), numbered by ascending expert. NT threads: those past
-// MAX_EXPERTS (a 512-thread CTA) own no expert; the last one stores the totals.
-template <int GROUP, int NT = THREADS, class Plan>
+// groups of at most GROUP rows (rows ascending), numbered by ascending expert.
+template <int GROUP, class Plan>
 __device__ __forceinline__ void store_groups(Plan& s, int t, int c, int ng, const int (&excl)[3]) {
-    if (NT <= MAX_EXPERTS || t < MAX_EXPERTS) {
-        s.rbase[t] = static_cast<int16_t>(excl[0]);
-        s.ubase[t] = static_cast<int16_t>(excl[2]);
-    }
-    if (t == NT - 1) {
+    s.rbase[t] = static_cast<int16_t>(excl[0]);
+    s.ubase[t] = static_cast<int16_t>(excl[2]);
+    if (t == THREADS - 1) {
         s.gr = excl[0] + c;
         s.ng = excl[1] + ng;
     }
-    if (c == 0) return;  // always so past MAX_EXPERTS
+    if (c == 0) return;
     for (int i = 0; i < ng; i++) {
         const int g = excl[1] + i;
         s.gexp[g] = static_cast<uint8_t>(t);

@@ -236,8 +236,7 @@ __device__ __forceinline__ void write_red(float* red, int rc, const float (&acc)
 // ------------------------------------------------------------------------------------------------
 // route plan: every CTA builds the same one; groups of <= 8 rows of one expert
 
-// NT: the CTA's threads (v7's wide build runs 512; those past MAX_EXPERTS own no expert).
-template <int NT = THREADS, class Plan>
+template <class Plan>
 __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
     const int t = threadIdx.x;
     // Every expert's nine pointers are requested before the ids are known (one thread per expert):
@@ -247,10 +246,10 @@ __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
 #pragma unroll
     for (int i = 0; i < 9; i++)
         mine[i] = t < a.n_experts ? reinterpret_cast<const void*>(__ldg(a.tables[i] + t)) : nullptr;
-    if (NT <= MAX_EXPERTS || t < MAX_EXPERTS) s.mask[t] = 0;
+    s.mask[t] = 0;
     __syncthreads();
     const int pairs = a.m * a.top_k;
-    for (int p = t; p < pairs; p += NT) {
+    for (int p = t; p < pairs; p += THREADS) {
         const int e = a.expert_ids[p];
         const bool ok = e >= 0 && e < a.n_experts;
         s.rid[p] = static_cast<int16_t>(ok ? e : -1);
@@ -264,7 +263,7 @@ __device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
     const int v[3] = {c, ng, used};
     int excl[3];
     block_excl_scan3(v, excl, s.wsum);
-    store_groups<GR, NT>(s, t, c, ng, excl);
+    store_groups<GR>(s, t, c, ng, excl);
     if (used) {
 #pragma unroll
         for (int i = 0; i < 9; i++) ptr[excl[2] * 9 + i] = mine[i];

@@ -40,24 +40,19 @@ constexpr int C7 = 8;  // CTAs per cluster (the portable maximum: sm_90 and sm_1
 constexpr int EARLY_STEPS = 2;  // BULK: gate/up steps of the first unit requested before x and suh
 
 struct Geo {
-    int nw;    // warps per CTA: 8, or 16 (variant 32)
     int nblk;  // 128-blocks of the hidden size per CTA: its k-range of gate/up, its down columns
     int kpc;   // gate/up k-tiles per CTA (8 nblk)
-    int kpw;   // gate/up k-tiles per warp (nw / 2 warps split the CTA's k-range per projection)
+    int kpw;   // gate/up k-tiles per warp (4 warps split the CTA's k-range per projection)
     int n_ib;  // intermediate blocks: units per group, y partials per entry
 };
 
-// nw 16 needs nblk >= 2: its down projection gives each of a block's nw / nblk warps 8 nblk / nw
-// of the block's 8 k-tiles.
-__host__ __device__ inline bool geometry(int hidden, int inter, Geo& g, int nw = WARPS) {
+__host__ __device__ inline bool geometry(int hidden, int inter, Geo& g) {
     if (hidden <= 0 || inter <= 0 || hidden % (128 * C7) != 0 || inter % 128 != 0) return false;
-    g.nw = nw;
     g.nblk = hidden / (128 * C7);
     g.kpc = 8 * g.nblk;
-    g.kpw = g.kpc / (nw / 2);
+    g.kpw = g.kpc / 4;
     g.n_ib = inter / 128;
-    return (g.nblk == 1 || g.nblk == 2 || g.nblk == 4 || g.nblk == 8) && g.n_ib <= V2_DOWN_SPLITS &&
-           (nw == WARPS || g.nblk >= 2);
+    return (g.nblk == 1 || g.nblk == 2 || g.nblk == 4 || g.nblk == 8) && g.n_ib <= V2_DOWN_SPLITS;
 }
 
 struct Dyn7 {
@@ -70,9 +65,9 @@ __host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bo
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
-    d.gu = off;    off += g.kpw * g.nw * row;              // [step][ksub][proj] rows
+    d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
-    d.xs = off;    off += 2 * g.kpc * 256 > g.nw * 512 * 4 ? 2 * g.kpc * 256 : g.nw * 512 * 4;  // B fragments, later the reduction buffer
+    d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
     d.cpart = off; off += (fin_local ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
@@ -84,8 +79,7 @@ __host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bo
 }
 
 
-template <int NW>
-struct Plan7 : RoutePlan<GR, NW> {
+struct Plan7 : RoutePlan<GR> {
     int flag;
 };
 
@@ -121,25 +115,15 @@ enum Event7 : int {
 // on instruction fetch.
 // RCAP (variant 31): the partial buffers hold min(GR, m) rows, not GR, so that K3's local-finisher
 // build keeps two CTAs per SM up to six rows (its two GR-row buffers cost it the second CTA).
-// NW = 16 (variant 32, 31 in 512-thread CTAs): at one row every unit's cluster has SMs of its own and
-// the decode loops run at two warps per scheduler, latency-bound (NOTES.md: 0.36 instructions per
-// cycle and scheduler, no eligible warp in 64 % of cycles); sixteen warps halve each warp's k-tiles
-// without widening the cluster (v30's 16-CTA clusters halved the loops too, but paid it back in
-// DSMEM reads and a wider barrier). A 512-thread CTA of <= 128 registers fills an SM's register file,
-// so this build is for launches whose clusters all fit one CTA per SM.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, int NW = WARPS>
+          bool RCAP = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
-    static constexpr int NT = NW * 32;
-    static constexpr int EARLY = EARLY_STEPS * WARPS / NW;  // the same bytes requested early at any NW
-    static_assert(NW == WARPS || (NW == 2 * WARPS && BULK && FIN && EPI && !PAIR && ABL == 0),
-                  "the 16-warp build is variant 32's configuration only");
 
     const Args& a;
-    Plan7<NW>& s;
+    Plan7& s;
     uint8_t* dyn;
     Geo g;
     Dyn7 D;
@@ -148,7 +132,7 @@ struct V7Kernel {
     int r;    // rank in the cluster
     int nev;  // trace events recorded (thread 0)
 
-    __device__ V7Kernel(const Args& a_, Plan7<NW>& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
+    __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
 
     __device__ void trace(int ev, int unit) { trace_event(a, nev, ev, unit); }
 
@@ -170,7 +154,7 @@ struct V7Kernel {
                 const int kt = r * g.kpc + (rw >> 1) * g.kpw + st;
                 fence_async_smem();
                 mbar_arm_tx(bar + st, ROW);
-                bulk_g2s(gu + (st * NW + rw) * ROW, src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE, ROW, bar + st);
+                bulk_g2s(gu + (st * 8 + rw) * ROW, src[rw & 1] + (size_t(kt) * (a.inter / 16) + ib * 8) * TILE, ROW, bar + st);
             }
         } else {
             for (int st = 0; st < g.kpw; st++) {
@@ -190,8 +174,8 @@ struct V7Kernel {
     __device__ void issue_dn(int u) {
         const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
         const char* src = P(gi, 6);
-        if constexpr (BULK) {  // lane 0 of warp w < 8: k-tile w of the block, its nblk rows in one run
-            if ((threadIdx.x & 31) == 0 && (NW == WARPS || (threadIdx.x >> 5) < 8)) {
+        if constexpr (BULK) {  // lane 0 of warp w: k-tile w of the block, its nblk rows in one run
+            if ((threadIdx.x & 31) == 0) {
                 const int kt8 = threadIdx.x >> 5;
                 fence_async_smem();
                 mbar_arm_tx(bar + g.kpw, g.nblk * ROW);
@@ -217,7 +201,7 @@ struct V7Kernel {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[gi];
         uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
-        for (int task = warp; task < 2 * rows * g.nblk; task += NW) {
+        for (int task = warp; task < 2 * rows * g.nblk; task += WARPS) {
             const int proj = task & 1, rest = task >> 1;
             const int j = rest % rows, b = rest / rows;
             const int k = (r * g.nblk + b) * 128 + 4 * lane;
@@ -227,7 +211,7 @@ struct V7Kernel {
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
             if (BULK && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
-                issue_gu(late_u, EARLY);
+                issue_gu(late_u, EARLY_STEPS);
                 issue_dn(late_u);
             }
             fwht128(v, lane);
@@ -236,7 +220,7 @@ struct V7Kernel {
             store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
         }
         if (BULK && late_u >= 0 && warp >= 2 * rows * g.nblk) {
-            issue_gu(late_u, EARLY);
+            issue_gu(late_u, EARLY_STEPS);
             issue_dn(late_u);
         }
     }
@@ -246,7 +230,7 @@ struct V7Kernel {
     __device__ void gather(const float* y) {
         const size_t split = size_t(MAX_PAIRS) * a.hidden;
         const int per_row = g.nblk * 32;
-        for (int idx = threadIdx.x; idx < a.m * per_row; idx += NT) {
+        for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
             const int row = idx / per_row, rest = idx - row * per_row;
             const int c = (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31);
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -288,7 +272,7 @@ struct V7Kernel {
         nev = 0;
         trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
-        geometry(a.hidden, a.inter, g, NW);  // validated by the launch
+        geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = RCAP ? min(GR, a.m) : GR;  // rows per partial buffer (a group has <= min(GR, m))
         D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
@@ -297,11 +281,11 @@ struct V7Kernel {
         float* y = reinterpret_cast<float*>(a.scratch + L.y);
         int* done = reinterpret_cast<int*>(a.scratch + L.done) + r;
 
-        if (t <= g.kpw) {  // BULK: one arming copy per warp, and for down per k-tile of the block (8)
-            mbar_init(bar + t, BULK ? (NW == WARPS || t == g.kpw ? WARPS : NW) : THREADS);
+        if (t <= g.kpw) {
+            mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
-        build_plan<NT>(a, s, ptr);  // its barriers also publish the mbarrier init
+        build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
@@ -310,7 +294,7 @@ struct V7Kernel {
         }
         if (cid < units) {
             if constexpr (BULK) {
-                issue_gu(cid, 0, EARLY);  // the rest, and down, once x and suh have landed (rotate)
+                issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
             } else {
                 issue_gu(cid);
                 issue_dn(cid);
@@ -322,7 +306,7 @@ struct V7Kernel {
         float* cpart0 = reinterpret_cast<float*>(dyn + D.cpart);
         uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
-        const int wpb = NW / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
+        const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
 
         for (int it = 0, u = cid; u < units; it++, u += ncl) {
             const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
@@ -339,7 +323,7 @@ struct V7Kernel {
                 sc[2] = ld_early(reinterpret_cast<const __half*>(P(gi, 7)) + col);
             }
             uint2 dsv[EPI ? 1 : 4] = {};
-            if constexpr (EPI) {  // every task of this warp is on block warp mod nblk (NW % nblk == 0)
+            if constexpr (EPI) {  // every task of this warp is on block warp mod nblk (WARPS % nblk == 0)
                 dsv[0] = ld_early(reinterpret_cast<const __half*>(P(gi, 8)) + (r * g.nblk + (warp & (g.nblk - 1))) * 128 + 4 * lane);
             } else {
 #pragma unroll
@@ -377,7 +361,7 @@ struct V7Kernel {
                         mbar_wait(bar + st, par);
                         uint32_t b[4];
                         b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                        mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * NW + warp) * ROW), b, w0i,
+                        mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
                                             w1i, sh, a, acc);
                     }
                 }
@@ -392,10 +376,10 @@ struct V7Kernel {
                 write_red(red, rc, acc);
                 __syncthreads();
                 const int proj = warp & 1, rr = warp >> 1, j = rc * 4 + rr;
-                if ((NW == WARPS || rr < 4) && j < rows) {  // NW 16: warps 8.. hold k-subs 4.. only
+                if (j < rows) {
                     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-                    for (int ks = 0; ks < NW / 2; ks++) {
+                    for (int ks = 0; ks < 4; ks++) {
                         const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
                         v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
                     }
@@ -485,7 +469,7 @@ struct V7Kernel {
                     float sv[4];
                     half4(dsv[0], sv);
 #pragma unroll 1
-                    for (int tk = warp; tk < ntask; tk += NW) {
+                    for (int tk = warp; tk < ntask; tk += WARPS) {
                         const int rr = tk / g.nblk, j = rc * 4 + rr;
                         float v[4] = {0.f, 0.f, 0.f, 0.f};
                         for (int kq = 0; kq < wpb; kq++) {
@@ -553,26 +537,25 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, int NW = WARPS>
-__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(NW * 32, NW == WARPS ? 2 : 1) moe_decode_v7(const __grid_constant__ Args a) {
-    __shared__ Plan7<NW> s;
+          bool RCAP = false>
+__global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
+    __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, NW> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          int NW = WARPS>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, NW>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, NW>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, NW>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, NW>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     return nullptr;
 }
 
@@ -584,7 +567,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
-    if (variant == V7_WIDE_VARIANT) return pick_cb<true, true, true, false, true, true, 2 * WARPS>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -595,13 +577,10 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 bool fin_local(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT || variant == V7_WIDE_VARIANT;
+    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
 }
 // rows per partial buffer for a launch of m rows
-int prow_of(int variant, int m) {
-    return variant == V7_RCAP_VARIANT || variant == V7_WIDE_VARIANT ? std::min(GR, m) : GR;
-}
-int warps_of(int variant) { return variant == V7_WIDE_VARIANT ? 2 * WARPS : WARPS; }
+int prow_of(int variant, int m) { return variant == V7_RCAP_VARIANT ? std::min(GR, m) : GR; }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
@@ -637,7 +616,7 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     return cudaSuccess;
 }
 
-cudaError_t max_clusters(KernelFn fn, int threads, int dyn, int device, int* out) {
+cudaError_t max_clusters(KernelFn fn, int dyn, int device, int* out) {
     std::lock_guard<std::mutex> lk(g_slots_mu);
     KernelSlot* sl = nullptr;
     const cudaError_t aerr = allow(fn, dyn, device, &sl);
@@ -648,7 +627,7 @@ cudaError_t max_clusters(KernelFn fn, int threads, int dyn, int device, int* out
             return cudaSuccess;
         }
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(threads);
+    cfg.blockDim = dim3(THREADS);
     cfg.dynamicSmemBytes = size_t(dyn);
     cfg.gridDim = dim3(C7);
     const cudaError_t err = cudaOccupancyMaxActiveClusters(out, fn, &cfg);
@@ -661,9 +640,9 @@ cudaError_t max_clusters(KernelFn fn, int threads, int dyn, int device, int* out
 
 }  // namespace
 
-bool v7_supports(int hidden, int inter, int variant) {
+bool v7_supports(int hidden, int inter) {
     Geo g;
-    return geometry(hidden, inter, g, warps_of(variant));
+    return geometry(hidden, inter, g);
 }
 
 void v7_set_spread(int ctas_per_sm) {
@@ -675,7 +654,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
                          int* blocks_per_sm, int* num_sms) {
     KernelFn fn = pick_v7(bits, codebook, variant);
     Geo g;
-    if (!fn || !geometry(4096, 256, g, warps_of(variant))) return cudaErrorInvalidValue;
+    if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
     const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), fin_local(variant), prow_of(variant, m)).total;
@@ -685,13 +664,13 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
         err = allow(fn, dyn, device, &sl);
     }
     if (err != cudaSuccess) return err;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, 32 * warps_of(variant), dyn);
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
 }
 
 cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     KernelFn fn = pick_v7(a_in.bits, a_in.codebook, a_in.variant);
     Geo g;
-    if (!fn || !geometry(a_in.hidden, a_in.inter, g, warps_of(a_in.variant))) return cudaErrorInvalidValue;
+    if (!fn || !geometry(a_in.hidden, a_in.inter, g)) return cudaErrorInvalidValue;
     Args a = a_in;
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
@@ -709,12 +688,11 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     const bool spread = g_spread == 1 || (g_spread == 0 && bound * C7 <= sms);
     if (spread) dyn = std::max(dyn, smem_sm / 2 + 1024);
     int clusters = 0;
-    const int threads = 32 * warps_of(a.variant);
-    err = max_clusters(fn, threads, dyn, device, &clusters);
+    err = max_clusters(fn, dyn, device, &clusters);
     if (err != cudaSuccess) return err;
     if (clusters < 1) return cudaErrorInvalidConfiguration;
     cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(threads);
+    cfg.blockDim = dim3(THREADS);
     cfg.dynamicSmemBytes = size_t(dyn);
     cfg.stream = stream;
     cfg.gridDim = dim3(C7 * std::min(bound, clusters));

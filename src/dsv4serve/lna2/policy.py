@@ -42,17 +42,15 @@ CLUSTER_VARIANT = 27  # K3 (and any bits but 2), RCAP_MAX_ROWS + 1 to eight rows
 CLUSTER_VARIANT_K2 = 26  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits
 RCAP_VARIANT = 31  # K3, two to RCAP_MAX_ROWS rows
 RCAP_MAX_ROWS = 4
-WIDE_VARIANT = 32  # 31 in 16-warp CTAs; one-row launches, hidden >= 2048 (measured: NOTES.md)
 CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_ROWS_K2 = 24
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
-def cluster_kernel_takes(hidden: int, inter: int, variant: int | None = None) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 32): whole 1024-column slices for its 8
-    CTAs, <= 4 intermediate blocks; variant 32's 16 warps need at least two blocks per CTA."""
-    takes = hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
-    return takes and (variant != WIDE_VARIANT or hidden >= 2048)
+def cluster_kernel_takes(hidden: int, inter: int) -> bool:
+    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31): whole 1024-column slices for its 8 CTAs,
+    <= 4 intermediate blocks."""
+    return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
 
 def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -> int:
