@@ -15,11 +15,11 @@ def test_the_tp8_slice_goes_to_the_cluster_kernel():
     # K2 runs the build that finishes the activation in every CTA (v26) up to 24 rows; so does one K3
     # row, where every CTA has an SM of its own; from two K3 rows that build's second partial buffer
     # costs the second CTA per SM, and K3 runs v27
-    assert {variant_for(m, 256, 2) for m in range(1, 25)} == {33}
-    assert variant_for(1, 256, 3) == 33
+    assert {variant_for(m, 256, 2) for m in range(1, 25)} == {26}
+    assert variant_for(1, 256, 3) == 26
     assert {variant_for(m, 256, 3) for m in range(2, 5)} == {31}
     assert {variant_for(m, 256, 3) for m in range(5, 9)} == {27}
-    assert variant_for(1) == 33  # the defaults are the seat's shape (K2)
+    assert variant_for(1) == 26  # the defaults are the seat's shape (K2)
     assert variant_for(25) == 4
     assert variant_for(9, 256, 3) == 4
     assert variant_for(1, 2048, 2) == 4  # TP1's intermediate is past what the cluster kernel takes

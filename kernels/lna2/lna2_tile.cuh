@@ -117,23 +117,14 @@ __device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
 // PRM (K2 only): three multiplies (W << 2, 4, 6, by the same kmul parameters) put every state on a
 // byte boundary of W or of one of them, and one byte permute cuts each out: 12 instructions per tile
 // instead of 15, 3 of them on the multiply pipe instead of 7.
-// PRM 2 (variant 33): the three states in the top halves come down by a multiply-high by 2^16
-// (kmul[7]) instead: 9 ALU-pipe and 6 multiply-pipe instructions per tile's states, which with the
-// codebook's 8 lop3 and 8 multiplies balances the two pipes at 14 each (17 / 11 with PRM 1).
-template <int K, int PRM = 0>
+template <int K, bool PRM = false>
 __device__ __forceinline__ void states8(uint32_t wa, uint32_t wb, int sh, const Args& a, uint32_t (&s)[8]) {
-    if constexpr (K == 2 && PRM != 0) {
+    if constexpr (K == 2 && PRM) {
         const uint32_t W = __funnelshift_l(wb, wa, sh);  // state j: bits [14-2j, 30-2j)
         const uint32_t W2 = W * a.kmul[0], W4 = W * a.kmul[1], W6 = W * a.kmul[2];
-        if constexpr (PRM == 2) {
-            s[0] = __umulhi(W2, a.kmul[7]);
-            s[1] = __umulhi(W4, a.kmul[7]);
-            s[2] = __umulhi(W6, a.kmul[7]);
-        } else {
-            s[0] = __byte_perm(W2, 0u, 0x4432);  // bits [16, 32) of W << 2
-            s[1] = __byte_perm(W4, 0u, 0x4432);
-            s[2] = __byte_perm(W6, 0u, 0x4432);
-        }
+        s[0] = __byte_perm(W2, 0u, 0x4432);  // bits [16, 32) of W << 2
+        s[1] = __byte_perm(W4, 0u, 0x4432);
+        s[2] = __byte_perm(W6, 0u, 0x4432);
         s[3] = __byte_perm(W, 0u, 0x4421);   // bits [8, 24)
         s[4] = __byte_perm(W2, 0u, 0x4421);
         s[5] = __byte_perm(W4, 0u, 0x4421);
@@ -198,7 +189,7 @@ __device__ __forceinline__ void b_frag(uint2 v, uint32_t (&b)[4]) {
 }
 
 // A warp's share of one ring stage: 8 consecutive n-tiles of one k-tile row.
-template <int K, int CB, bool DUP, int ABL = 0, int PRM = 0>
+template <int K, int CB, bool DUP, int ABL = 0, bool PRM = false>
 __device__ __forceinline__ void mma_row(const uint32_t* row, const uint32_t (&b)[4], int w0i, int w1i, int sh,
                                         const Args& a, float (&acc)[8][4]) {
     constexpr int WPT = 8 * K;

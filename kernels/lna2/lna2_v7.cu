@@ -115,16 +115,12 @@ enum Event7 : int {
 // on instruction fetch.
 // RCAP (variant 31): the partial buffers hold min(GR, m) rows, not GR, so that K3's local-finisher
 // build keeps two CTAs per SM up to six rows (its two GR-row buffers cost it the second CTA).
-// MH (variant 33 = 26 + MH, K2): PRM's three top-half states by a multiply-high instead of a byte
-// permute (states8's PRM 2), so that the decode loops, which at one row run at ~80 % of the ALU
-// pipe (ncu, session 17), split their integer work evenly over the ALU and multiply pipes.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool MH = false>
+          bool RCAP = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
-    static constexpr int PRMODE = PRM ? (MH ? 2 : 1) : 0;  // states8's extraction
 
     const Args& a;
     Plan7& s;
@@ -357,15 +353,15 @@ struct V7Kernel {
                         b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xp), b0);
                         b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xp + 64), b1);
                         const uint32_t* rp = reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW);
-                        mma_row<K, CB, DUP, ABL, PRMODE>(rp, b0, w0i, w1i, sh, a, acc);
-                        mma_row<K, CB, DUP, ABL, PRMODE>(rp + 8 * ROW / 4, b1, w0i, w1i, sh, a, acc);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp, b0, w0i, w1i, sh, a, acc);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp + 8 * ROW / 4, b1, w0i, w1i, sh, a, acc);
                     }
                 } else {
                     for (int st = 0; st < g.kpw; st++) {
                         mbar_wait(bar + st, par);
                         uint32_t b[4];
                         b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                        mma_row<K, CB, DUP, ABL, PRMODE>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                        mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
                                             w1i, sh, a, acc);
                     }
                 }
@@ -445,15 +441,15 @@ struct V7Kernel {
                         b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b0);
                         b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + ((kt8 + 1) * 32 + lane) * 2), b1);
                         const uint32_t* rp = reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW);
-                        mma_row<K, CB, DUP, ABL, PRMODE>(rp, b0, w0i, w1i, sh, a, acc);
-                        mma_row<K, CB, DUP, ABL, PRMODE>(rp + g.nblk * ROW / 4, b1, w0i, w1i, sh, a, acc);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp, b0, w0i, w1i, sh, a, acc);
+                        mma_row<K, CB, DUP, ABL, PRM>(rp + g.nblk * ROW / 4, b1, w0i, w1i, sh, a, acc);
                     }
                 }
                 for (int i = i0; i < kpwd; i++) {  // PAIR: an odd k-tile count's last one
                     const int kt8 = kq * kpwd + i;
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
-                    mma_row<K, CB, DUP, ABL, PRMODE>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
+                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW), b,
                                         w0i, w1i, sh, a, acc);
                 }
             }
@@ -541,26 +537,24 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool MH = false>
+          bool RCAP = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, MH> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool MH = false>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
-    // PRM and MH change K2's state extraction only: K3 builds take neither.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, MH>
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
                          : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, MH>
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
                          : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     return nullptr;
 }
@@ -573,7 +567,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
-    if (variant == V7_MH_VARIANT) return pick_cb<true, true, true, false, true, false, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -584,7 +577,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 bool fin_local(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT || variant == V7_MH_VARIANT;
+    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) { return variant == V7_RCAP_VARIANT ? std::min(GR, m) : GR; }

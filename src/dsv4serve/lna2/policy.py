@@ -39,7 +39,7 @@ from __future__ import annotations
 
 SEAT_VARIANT = 4
 CLUSTER_VARIANT = 27  # K3 (and any bits but 2), RCAP_MAX_ROWS + 1 to eight rows
-CLUSTER_VARIANT_K2 = 33  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits (K3: v26's kernel)
+CLUSTER_VARIANT_K2 = 26  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits
 RCAP_VARIANT = 31  # K3, two to RCAP_MAX_ROWS rows
 RCAP_MAX_ROWS = 4
 CLUSTER_MAX_ROWS = 8
