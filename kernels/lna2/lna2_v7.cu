@@ -115,11 +115,8 @@ enum Event7 : int {
 // on instruction fetch.
 // RCAP (variant 31): the partial buffers hold min(GR, m) rows, not GR, so that K3's local-finisher
 // build keeps two CTAs per SM up to six rows (its two GR-row buffers cost it the second CTA).
-// EARLY (variants 34, 35 = 26 with EARLY 64 / 4): gate/up steps of the first unit requested at the
-// plan, before x and suh; the rest follow once a warp's x and suh have landed. A timing probe of
-// whether the one-row gate/up loop waits on its trellis (NOTES.md, session 17).
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, int EARLY = EARLY_STEPS>
+          bool RCAP = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -214,7 +211,7 @@ struct V7Kernel {
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
             if (BULK && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
-                issue_gu(late_u, EARLY);
+                issue_gu(late_u, EARLY_STEPS);
                 issue_dn(late_u);
             }
             fwht128(v, lane);
@@ -223,7 +220,7 @@ struct V7Kernel {
             store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
         }
         if (BULK && late_u >= 0 && warp >= 2 * rows * g.nblk) {
-            issue_gu(late_u, EARLY);
+            issue_gu(late_u, EARLY_STEPS);
             issue_dn(late_u);
         }
     }
@@ -297,7 +294,7 @@ struct V7Kernel {
         }
         if (cid < units) {
             if constexpr (BULK) {
-                issue_gu(cid, 0, EARLY);  // the rest, and down, once x and suh have landed (rotate)
+                issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
             } else {
                 issue_gu(cid);
                 issue_dn(cid);
@@ -540,26 +537,25 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, int EARLY = EARLY_STEPS>
+          bool RCAP = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, EARLY> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          int EARLY = EARLY_STEPS>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, EARLY>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, EARLY>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, EARLY>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, EARLY>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
     return nullptr;
 }
 
@@ -571,8 +567,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
-    if (variant == V7_EARLY_ALL_VARIANT) return pick_cb<true, true, true, false, true, false, 64>(bits, codebook);
-    if (variant == V7_EARLY_HALF_VARIANT) return pick_cb<true, true, true, false, true, false, 4>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -583,8 +577,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 bool fin_local(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT ||
-           variant == V7_EARLY_ALL_VARIANT || variant == V7_EARLY_HALF_VARIANT;
+    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) { return variant == V7_RCAP_VARIANT ? std::min(GR, m) : GR; }
