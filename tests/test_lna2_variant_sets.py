@@ -1,0 +1,62 @@
+"""The cluster-kernel variant set is written in four places; they must name the same variants.
+
+`lna2_api.h` decides (is_cluster_variant), the binding's refusal messages list the set for the
+user, `scripts/lna2_device.py` filters the device grid with its own copy, and the policy may only
+name variants the binding takes. Session 17 added and retired three variants in a day; a copy left
+behind shows up here instead of as a wrong refusal message or a device grid that skips a build."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from dsv4serve.lna2 import policy
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels" / "lna2"
+
+
+def api_cluster_variants() -> set[int]:
+    api = (KERNELS / "lna2_api.h").read_text()
+    consts = {name: int(val) for name, val in re.findall(r"\b(V7_\w+)\s*=\s*(\d+)", api)}
+    body = api[api.index("inline bool is_cluster_variant"):]
+    body = body[:body.index("}")]
+    named = {consts[n] for n in re.findall(r"v == (V7_\w+)", body)}
+    base, count = consts["V7_ABLATION_BASE"], consts["V7_ABLATIONS"]
+    assert f"v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS" in body
+    return named | set(range(base, base + count))
+
+
+def listed(message_start: str, text: str) -> set[int]:
+    """The integers of the comma/'and' list that follows message_start in text."""
+    tail = text[text.index(message_start) + len(message_start):]
+    lst = re.match(r"([\d, and]+)", tail).group(1)
+    return {int(n) for n in re.findall(r"\d+", lst)}
+
+
+def test_binding_messages_name_the_api_set():
+    cluster = api_cluster_variants()
+    ablations = {17, 18, 19}
+    binding = (KERNELS / "bindings.cpp").read_text()
+    # "variants 7, 9, ... and 31 (the cluster kernel) need ...": the non-ablation cluster builds
+    assert listed('"variants ', binding) == cluster - ablations
+    # "variant must be 0..4, 6, 7, ..., 31, or 10..13 / 17..19 ...": every build a user may name
+    known = listed('"variant must be 0..4, ', binding)
+    assert known == {6} | (cluster - ablations)
+    # "trace is recorded by variants 2, 3, 4, 6, 7, ... and 17..19 only"
+    traced = listed('"trace is recorded by variants ', binding)
+    assert traced == {2, 3, 4, 6} | (cluster - ablations) | {17}  # "17..19" reads as 17
+
+
+def test_device_script_and_policy_use_the_api_set():
+    cluster = api_cluster_variants()
+    spec = importlib.util.spec_from_file_location("lna2_device", ROOT / "scripts" / "lna2_device.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    assert dev.CLUSTER_VARIANTS == cluster
+    assert {policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2, policy.RCAP_VARIANT} <= cluster
+    assert policy.SEAT_VARIANT not in cluster
+    # every variant the device script runs by default is one the binding knows
+    default = {int(v) for v in dev.DEFAULT_VARIANTS.split(",")}
+    assert default <= cluster | {0, 1, 2, 3, 4, 6}
