@@ -24,7 +24,7 @@ def api_cluster_variants() -> set[int]:
     body = body[:body.index("}")]
     named = {consts[n] for n in re.findall(r"v == (V7_\w+)", body)}
     base, count = consts["V7_ABLATION_BASE"], consts["V7_ABLATIONS"]
-    assert f"v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS" in body
+    assert "v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS" in body
     return named | set(range(base, base + count))
 
 

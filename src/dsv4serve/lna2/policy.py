@@ -5,9 +5,9 @@ kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. Th
 off the same-process benchmarks of 2026-12-03, session 15 run 4, and for v31 of 2026-12-04,
 session 16 run 5 (kernels/lna2/NOTES.md; the figures are in kernels/lna2/results/2026-12-03-h200.json
 and 2026-12-04-h200-run5-tp8.json); session 17 run 2 re-measured every point with this table in force
-(2026-12-04-h200.json, within 1.5 % of run 4 wherever the variant is the same). Session 17's two
-candidates, 16-warp CTAs at one row (v32) and K2's states by multiply-high (v33), were slower and
-are not built:
+(2026-12-04-h200.json; within 1.5 % of run 4 wherever the variant is the same, but for TP1 K3 at two
+rows). Session 17's candidates -- 16-warp CTAs at one row (v32), K2's states by multiply-high (v33),
+the first unit's trellis requested earlier (v34, v35) -- were no faster and are not built:
 
 * The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
