@@ -60,7 +60,11 @@ struct Dyn7 {
 };
 
 // fin_local (variant 21): two partial buffers, used by alternate units (see V7Kernel's FIN).
-// prow (variant 31): rows per partial buffer, min(GR, m) instead of GR.
+// Rows per partial buffer for a launch of m rows: GR, or min(GR, m) with RCAP (variant 31). One
+// function for the host's layout and the kernel's, which must agree.
+__host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m < GR ? m : GR; }
+
+// prow (variant 31): rows per partial buffer (partial_rows).
 __host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false, int prow = GR) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
@@ -273,7 +277,7 @@ struct V7Kernel {
         trace(E7_START, -1);
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
-        const int prow = RCAP ? min(GR, a.m) : GR;  // rows per partial buffer (a group has <= min(GR, m))
+        const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
         D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
@@ -580,7 +584,7 @@ bool fin_local(int variant) {
     return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
 }
 // rows per partial buffer for a launch of m rows
-int prow_of(int variant, int m) { return variant == V7_RCAP_VARIANT ? std::min(GR, m) : GR; }
+int prow_of(int variant, int m) { return partial_rows(variant == V7_RCAP_VARIANT, m); }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
