@@ -5,7 +5,15 @@
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
 #     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu
 #                 (default all)
-# Wheels come from .whl145/ or .whl165/ (carried). A build brought home by an earlier call can be
+# Wheels come from .whl145/ or .whl165/ (carried; every checkout starts without them). To fill them,
+# and .whl/ with what dsv4serve needs there, from the repo root on the dev machine:
+#   printf '/.whl145/\n/.whl165/\n/.dev/\n' >> .git/info/exclude
+#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+#      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+#   python3 -m pip download $P -d .whl145 exllamav3==1.4.5; python3 -m pip download $P -d .whl165 exllamav3==1.6.5
+#   python3 -m pip download $P -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+#   python3 -m pip wheel -q --no-deps . -w .whl   # dsv4serve itself (rebuild it after changing src/)
+# and carry [".whl145", ".whl165", ".dev", ".whl"]. A build brought home by an earlier call can be
 # carried in .dev/ext<ver>/ to skip the JIT (~150 s for 1.4.5, ~300 s for 1.6.5 on 16 cores); a fresh
 # JIT build is sent home as ext<ver>.so.part-* (16 MiB per returned file): copy those parts into
 # .dev/ext<ver>/ as they are (either name is read).
