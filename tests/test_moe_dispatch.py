@@ -21,7 +21,7 @@ import torch
 
 from dsv4serve import moe_dispatch as md
 from dsv4serve.lna2 import reference as ref
-from dsv4serve.lna2.policy import CLUSTER_VARIANT_K2, variant_for
+from dsv4serve.lna2.policy import variant_for
 from dsv4serve.plugin_counters import Counters
 
 E, H, I, TOP_K = 4, 128, 128, 2
@@ -226,10 +226,9 @@ def test_variant_follows_the_policy():
     for rows in (1, 2, 3, 9):
         h.call(0, rows)
     # the dispatch hands the policy the layer's hidden size: this 128-wide harness layer is not one
-    # the cluster kernel takes, so v4 serves it even at one row, where a 4096-wide slice gets the
-    # cluster kernel's K2 build
+    # the cluster kernel takes, so v4 serves it even at one row, where a 4096-wide slice gets v26
     assert [s["variant"] for s in h.ext.seen] == [4, 4, 4, 4]
-    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9, 25)] == [CLUSTER_VARIANT_K2] * 4 + [4]
+    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9, 25)] == [26, 26, 26, 26, 4]
 
 
 def test_flat_ids_are_reshaped(tmp_path):
