@@ -36,7 +36,7 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -51,10 +51,11 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
 
     units = len(groups) * n_ib
     # each CTA's partial buffers as the kernel lays them out: [buf][proj][row][128] with prow rows per
-    # (buf, proj), two buffers with fin_local (alternate units), prow = min(8, m) with rcap (v31);
-    # NaN until written, so a read of a slot the unit did not write shows
+    # (buf, proj), two buffers with fin_local (alternate units) unless sb (v36, v37: one buffer, its
+    # reuse guarded by a split cluster barrier), prow = min(8, m) with rcap (v31); NaN until written,
+    # so a read of a slot the unit did not write shows
     prow = min(8, m) if rcap else 8
-    nbuf = 2 if fin_local else 1
+    nbuf = 2 if fin_local and not sb else 1
     cflat = np.full((C, nbuf * 2 * prow * 128), np.nan)
     done = [0] * C
     out = np.full((m, H), np.nan)
@@ -63,7 +64,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         e, ent0, rws = groups[gi]
         rows = len(rws)
         assert rows <= prow
-        base = (u & 1) * 2 * prow * 128 if fin_local else 0
+        base = (u & 1) * 2 * prow * 128 if nbuf == 2 else 0
 
         def cpart_at(r, proj, j):
             o = base + (proj * prow + j) * 128
@@ -171,8 +172,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -247,3 +248,15 @@ def test_v31_row_capped_partials_match_reference():
     x = torch.randn(3, H, generator=gen).half()
     _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True)
     _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, fin_local=True, epi=True, rcap=True)
+
+
+def test_v36_single_partial_buffer_matches_reference():
+    """Variants 36 / 37: one row-capped partial buffer that every unit reuses (8 units here, 4 rows)."""
+    H, I, E = 2048, 256, 5
+    layer = random_expert_layer(E, H, I, 3, "mcg", seed=49)
+    gen = torch.Generator().manual_seed(50)
+    ids = torch.tensor([[1, 2], [1, 3], [4, 0], [2, 1]])
+    w = torch.rand(4, 2, generator=gen)
+    x = torch.randn(4, H, generator=gen).half()
+    cfg = _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True)
+    assert cfg["units"] == 10

@@ -59,20 +59,21 @@ struct Dyn7 {
     int gu, dn, xs, cpart, act, ptr, bar, total;
 };
 
-// fin_local (variant 21): two partial buffers, used by alternate units (see V7Kernel's FIN).
+// two_buf (variants 21, 26, 31): two partial buffers, used by alternate units (see V7Kernel's FIN
+// and SB).
 // Rows per partial buffer for a launch of m rows: GR, or min(GR, m) with RCAP (variant 31). One
 // function for the host's layout and the kernel's, which must agree.
 __host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m < GR ? m : GR; }
 
 // prow (variant 31): rows per partial buffer (partial_rows).
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool fin_local = false, int prow = GR) {
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-    d.cpart = off; off += (fin_local ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
+    d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
@@ -119,8 +120,19 @@ enum Event7 : int {
 // on instruction fetch.
 // RCAP (variant 31): the partial buffers hold min(GR, m) rows, not GR, so that K3's local-finisher
 // build keeps two CTAs per SM up to six rows (its two GR-row buffers cost it the second CTA).
+// SB (variant 36, with FIN): one partial buffer instead of two. Each CTA arrives on a split cluster
+// barrier once its finisher has read its peers' partials and waits on it before it next writes its
+// own, by then a rotation and a gate/up loop later: K3 keeps two CTAs per SM at seven and eight rows
+// too (two 8-row buffers and the rest come to 119,864 B a CTA; one leaves 111,672).
+// PF (variant 37): L2 prefetches (one bulk request per 1 KB run) of what the rotation reads cold: x's
+// rows in this CTA's k-range at the start; each used expert's gate and up suh as soon as the plan
+// knows it is used (before the scans), when every unit gets a cluster in the first pass; the next
+// unit's x rows and suh as soon as this unit's gate/up MMAs are done.
+// RED (variant 37): a unit that is not its cluster's last cannot be the last to arrive on its slice
+// (its cluster's next unit has not arrived), so its arrival is a release reduction nobody waits for,
+// not an acquire-release atomic whose answer the CTA waits on.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false>
+          bool RCAP = false, bool SB = false, bool PF = false, bool RED = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -196,6 +208,16 @@ struct V7Kernel {
             }
             mbar_arrive_cp(bar + g.kpw);
         }
+    }
+
+    // PF: unit un's x rows and gate and up suh over this CTA's k-range, into L2.
+    __device__ void prefetch_unit(int un) {
+        const int gi = un / g.n_ib, t = threadIdx.x;
+        const uint32_t bytes = g.nblk * 256, k0 = r * g.nblk * 128;
+        if (t < s.gnr[gi])
+            prefetch_l2(reinterpret_cast<const uint16_t*>(a.x) + size_t(s.grows[gi][t]) * a.hidden + k0, bytes);
+        else if (t == 32 || t == 64)
+            prefetch_l2(reinterpret_cast<const __half*>(P(gi, t == 32 ? 1 : 4)) + k0, bytes);
     }
 
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
@@ -278,7 +300,7 @@ struct V7Kernel {
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN, prow);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -289,7 +311,21 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
-        build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
+        if constexpr (PF) {
+            const uint32_t bytes = g.nblk * 256, k0 = r * g.nblk * 128;
+            if (t < a.m) prefetch_l2(reinterpret_cast<const uint16_t*>(a.x) + size_t(t) * a.hidden + k0, bytes);
+            // the launch's bound on units (v7_launch): every used expert's units start in the first pass
+            const int groups = min(a.m * a.top_k, a.n_experts * ((a.m + GR - 1) / GR));
+            const bool one_pass = groups * g.n_ib <= ncl;
+            build_plan(a, s, ptr, [&](int, int c, const void* const (&mine)[9]) {
+                if (one_pass && c > 0) {
+                    prefetch_l2(reinterpret_cast<const __half*>(mine[1]) + k0, bytes);
+                    prefetch_l2(reinterpret_cast<const __half*>(mine[4]) + k0, bytes);
+                }
+            });
+        } else {
+            build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
+        }
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
@@ -318,7 +354,7 @@ struct V7Kernel {
             const uint32_t par = it & 1;
             // the finisher's and the down epilogue's scales (cold in HBM) travel during the MMAs
             const int jf = FIN ? warp : r + C7 * warp;  // the row this warp finishes, if any
-            float* cpart = cpart0 + (FIN ? (it & 1) * 2 * prow * 128 : 0);
+            float* cpart = cpart0 + (FIN && !SB ? (it & 1) * 2 * prow * 128 : 0);
             uint2 sc[3] = {};
             if (jf < rows) {
                 const int col = ib * 128 + 4 * lane;
@@ -372,7 +408,13 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            if (u + ncl < units) issue_gu(u + ncl);
+            if (u + ncl < units) {
+                issue_gu(u + ncl);
+                if constexpr (PF) prefetch_unit(u + ncl);
+            }
+            if constexpr (SB) {
+                if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
+            }
 
             // ---- this CTA's partial over its k-range, per (proj, row), into its own cpart
             for (int rc = 0; rc * 4 < rows; rc++) {
@@ -424,7 +466,7 @@ struct V7Kernel {
                 }
             }
             if constexpr (FIN) {
-                if (u + ncl >= units) cluster_arrive();  // this CTA's last reads of its peers are done
+                if (SB || u + ncl >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
                 __syncthreads();                          // the activation is in this CTA
             } else {
                 cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
@@ -510,6 +552,11 @@ struct V7Kernel {
             // ---- the last unit over column slice r sums it
             __syncthreads();
             trace(E7_Y, u);
+            if (RED && u + ncl < units) {
+                if (t == 0) red_add_release(done, 1);  // never the last: see RED
+                trace(E7_ARRIVED, u);
+                continue;
+            }
             if (t == 0) {
                 int last;
                 if constexpr (BULK) {  // release this CTA's y rows (ordered by the barrier), acquire the others'
@@ -541,25 +588,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false>
+          bool RCAP = false, bool SB = false, bool PF = false, bool RED = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, PF, RED> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false>
+template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
+          bool SB = false, bool PF = false, bool RED = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, PF, RED>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, PF, RED>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, PF, RED>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, PF, RED>;
     return nullptr;
 }
 
@@ -571,6 +619,8 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
+    if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
+    if (variant == V7_PF_VARIANT) return pick_cb<true, true, true, false, true, true, true, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -580,11 +630,14 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     }
 }
 
-bool fin_local(int variant) {
+// the local-finisher builds with a partial buffer per alternate unit (SB's have one)
+bool two_buf(int variant) {
     return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
 }
 // rows per partial buffer for a launch of m rows
-int prow_of(int variant, int m) { return partial_rows(variant == V7_RCAP_VARIANT, m); }
+int prow_of(int variant, int m) {
+    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_PF_VARIANT, m);
+}
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
 
@@ -661,7 +714,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), fin_local(variant), prow_of(variant, m)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -683,7 +736,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), fin_local(a.variant), prow_of(a.variant, a.m)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
