@@ -51,7 +51,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
 
     units = len(groups) * n_ib
     # each CTA's partial buffers as the kernel lays them out: [buf][proj][row][128] with prow rows per
-    # (buf, proj), two buffers with fin_local (alternate units) unless sb (v36, v37: one buffer, its
+    # (buf, proj), two buffers with fin_local (alternate units) unless sb (v36: one buffer, its
     # reuse guarded by a split cluster barrier), prow = min(8, m) with rcap (v31); NaN until written,
     # so a read of a slot the unit did not write shows
     prow = min(8, m) if rcap else 8
@@ -251,7 +251,7 @@ def test_v31_row_capped_partials_match_reference():
 
 
 def test_v36_single_partial_buffer_matches_reference():
-    """Variants 36 / 37: one row-capped partial buffer that every unit reuses (8 units here, 4 rows)."""
+    """Variant 36: one row-capped partial buffer that every unit reuses (8 units here, 4 rows)."""
     H, I, E = 2048, 256, 5
     layer = random_expert_layer(E, H, I, 3, "mcg", seed=49)
     gen = torch.Generator().manual_seed(50)

@@ -64,18 +64,6 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
                  "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
 }
-// An L2 prefetch of [p, p + bytes) by one bulk request (sm_90 and later), widened to whole 16-byte
-// pieces as the instruction needs; torch allocations are 512-byte aligned, so the widened range
-// stays inside the allocation of any view of 2-byte elements.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-    const uintptr_t b = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(15);
-    const uint32_t n = static_cast<uint32_t>((reinterpret_cast<uintptr_t>(p) + bytes - b + 15) & ~uintptr_t(15));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(b), "r"(n) : "memory");
-}
-// One device-scope release add whose old value nobody needs: the issuing thread does not wait for it.
-__device__ __forceinline__ void red_add_release(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 // Generic-proxy accesses to shared memory (and barrier inits) ordered before later bulk copies.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // A split cluster barrier: arrive (releasing this thread's earlier accesses) now, wait later.
@@ -248,14 +236,8 @@ __device__ __forceinline__ void write_red(float* red, int rc, const float (&acc)
 // ------------------------------------------------------------------------------------------------
 // route plan: every CTA builds the same one; groups of <= 8 rows of one expert
 
-struct NoPlanHook {
-    __device__ void operator()(int, int, const void* const (&)[9]) const {}
-};
-
-// hook(expert, rows, its nine pointers) runs on the thread of each expert as soon as its row count
-// is known, before the scans: v7's PF builds request that expert's x * suh inputs into L2 there.
-template <class Plan, class Hook = NoPlanHook>
-__device__ void build_plan(const Args& a, Plan& s, const void** ptr, Hook hook = Hook()) {
+template <class Plan>
+__device__ void build_plan(const Args& a, Plan& s, const void** ptr) {
     const int t = threadIdx.x;
     // Every expert's nine pointers are requested before the ids are known (one thread per expert):
     // the unused ones cost an L2 hit each, the used ones arrive with the ids instead of one HBM
@@ -276,7 +258,6 @@ __device__ void build_plan(const Args& a, Plan& s, const void** ptr, Hook hook =
     }
     __syncthreads();
     const int c = t < a.n_experts ? __popc(s.mask[t]) : 0;
-    hook(t, c, mine);
     const int used = c > 0;
     const int ng = (c + GR - 1) / GR;
     const int v[3] = {c, ng, used};

@@ -124,15 +124,10 @@ enum Event7 : int {
 // barrier once its finisher has read its peers' partials and waits on it before it next writes its
 // own, by then a rotation and a gate/up loop later: K3 keeps two CTAs per SM at seven and eight rows
 // too (two 8-row buffers and the rest come to 119,864 B a CTA; one leaves 111,672).
-// PF (variant 37): L2 prefetches (one bulk request per 1 KB run) of what the rotation reads cold: x's
-// rows in this CTA's k-range at the start; each used expert's gate and up suh as soon as the plan
-// knows it is used (before the scans), when every unit gets a cluster in the first pass; the next
-// unit's x rows and suh as soon as this unit's gate/up MMAs are done.
-// RED (variant 37): a unit that is not its cluster's last cannot be the last to arrive on its slice
-// (its cluster's next unit has not arrived), so its arrival is a release reduction nobody waits for,
-// not an acquire-release atomic whose answer the CTA waits on.
+// (Variant 37, session 18, f77f631, retired: 36 with L2 prefetches of the rotation's inputs and unawaited
+// arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool PF = false, bool RED = false>
+          bool RCAP = false, bool SB = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -208,16 +203,6 @@ struct V7Kernel {
             }
             mbar_arrive_cp(bar + g.kpw);
         }
-    }
-
-    // PF: unit un's x rows and gate and up suh over this CTA's k-range, into L2.
-    __device__ void prefetch_unit(int un) {
-        const int gi = un / g.n_ib, t = threadIdx.x;
-        const uint32_t bytes = g.nblk * 256, k0 = r * g.nblk * 128;
-        if (t < s.gnr[gi])
-            prefetch_l2(reinterpret_cast<const uint16_t*>(a.x) + size_t(s.grows[gi][t]) * a.hidden + k0, bytes);
-        else if (t == 32 || t == 64)
-            prefetch_l2(reinterpret_cast<const __half*>(P(gi, t == 32 ? 1 : 4)) + k0, bytes);
     }
 
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
@@ -311,21 +296,7 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
-        if constexpr (PF) {
-            const uint32_t bytes = g.nblk * 256, k0 = r * g.nblk * 128;
-            if (t < a.m) prefetch_l2(reinterpret_cast<const uint16_t*>(a.x) + size_t(t) * a.hidden + k0, bytes);
-            // the launch's bound on units (v7_launch): every used expert's units start in the first pass
-            const int groups = min(a.m * a.top_k, a.n_experts * ((a.m + GR - 1) / GR));
-            const bool one_pass = groups * g.n_ib <= ncl;
-            build_plan(a, s, ptr, [&](int, int c, const void* const (&mine)[9]) {
-                if (one_pass && c > 0) {
-                    prefetch_l2(reinterpret_cast<const __half*>(mine[1]) + k0, bytes);
-                    prefetch_l2(reinterpret_cast<const __half*>(mine[4]) + k0, bytes);
-                }
-            });
-        } else {
-            build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
-        }
+        build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
@@ -408,10 +379,7 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            if (u + ncl < units) {
-                issue_gu(u + ncl);
-                if constexpr (PF) prefetch_unit(u + ncl);
-            }
+            if (u + ncl < units) issue_gu(u + ncl);
             if constexpr (SB) {
                 if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
             }
@@ -552,11 +520,6 @@ struct V7Kernel {
             // ---- the last unit over column slice r sums it
             __syncthreads();
             trace(E7_Y, u);
-            if (RED && u + ncl < units) {
-                if (t == 0) red_add_release(done, 1);  // never the last: see RED
-                trace(E7_ARRIVED, u);
-                continue;
-            }
             if (t == 0) {
                 int last;
                 if constexpr (BULK) {  // release this CTA's y rows (ordered by the barrier), acquire the others'
@@ -588,26 +551,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool PF = false, bool RED = false>
+          bool RCAP = false, bool SB = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, PF, RED> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool PF = false, bool RED = false>
+          bool SB = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, PF, RED>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, PF, RED>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, PF, RED>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, PF, RED>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB>;
     return nullptr;
 }
 
@@ -620,7 +583,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
     if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
-    if (variant == V7_PF_VARIANT) return pick_cb<true, true, true, false, true, true, true, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -636,7 +598,7 @@ bool two_buf(int variant) {
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) {
-    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_PF_VARIANT, m);
+    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT, m);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
