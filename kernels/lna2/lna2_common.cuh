@@ -97,18 +97,6 @@ __device__ __forceinline__ void load4_x(const void* x, int dtype, size_t off, fl
     }
 }
 
-// Four 2-byte values (fp16, or bf16 when dtype says so), already loaded, as floats.
-__device__ __forceinline__ void cvt4_x(uint2 u, int dtype, float (&v)[4]) {
-    if (dtype == DT_BF16) {
-        float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-        float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-        v[0] = x.x; v[1] = x.y; v[2] = y.x; v[3] = y.y;
-    } else {
-        float2 x = __half22float2(u2h(u.x)), y = __half22float2(u2h(u.y));
-        v[0] = x.x; v[1] = x.y; v[2] = y.x; v[3] = y.y;
-    }
-}
-
 // Four 2-byte values (fp16, or bf16 when dtype says so) at p, as floats.
 __device__ __forceinline__ void load4_raw(const uint8_t* p, int dtype, float (&v)[4]) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);

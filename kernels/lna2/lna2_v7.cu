@@ -126,12 +126,8 @@ enum Event7 : int {
 // too (two 8-row buffers and the rest come to 119,864 B a CTA; one leaves 111,672).
 // (Variant 37, session 18, f77f631, retired: 36 with L2 prefetches of the rotation's inputs and unawaited
 // arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan.)
-// BR (variant 38, with BULK): the rotation requests x and suh of up to RB of a warp's tasks before it
-// uses any. A warp has rows x nblk / 4 tasks (eight at eight TP8 rows), and the plain loop waited a
-// whole trip for each: session 18's trace had that phase at 3.2 us per unit at eight rows against
-// 2.2 at one.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool BR = false>
+          bool RCAP = false, bool SB = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -213,10 +209,6 @@ struct V7Kernel {
     // late_u >= 0: each warp requests its rows of unit late_u's remaining trellis as soon as its own
     // x and suh are in (or at once if it has no rotation task).
     __device__ void rotate(int gi, int late_u) {
-        if constexpr (BR) {
-            rotate_batched(gi, late_u);
-            return;
-        }
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[gi];
         uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
@@ -239,56 +231,6 @@ struct V7Kernel {
             store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
         }
         if (BULK && late_u >= 0 && warp >= 2 * rows * g.nblk) {
-            issue_gu(late_u, EARLY_STEPS);
-            issue_dn(late_u);
-        }
-    }
-
-    // rotate() with the loads of up to RB tasks in flight together. A warp's tasks all have one
-    // projection (task = warp + 8 i); the compute loop stays rolled and takes its operands from the
-    // head of the register queue, which shifts by one each step (static indices: no local memory).
-    __device__ void rotate_batched(int gi, int late_u) {
-        constexpr int RB = 4;
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int rows = s.gnr[gi], ntask = 2 * rows * g.nblk, proj = warp & 1;
-        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
-        const uint16_t* xb = reinterpret_cast<const uint16_t*>(a.x);
-        const __half* sh = reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1));
-        for (int t0 = warp; t0 < ntask; t0 += RB * WARPS) {
-            uint2 xr[RB], sr[RB];
-#pragma unroll
-            for (int q = 0; q < RB; q++) {
-                const int rest = (t0 + q * WARPS) >> 1, j = rest % rows, b = rest / rows;
-                const int k = (r * g.nblk + b) * 128 + 4 * lane;
-                if (t0 + q * WARPS < ntask) {
-                    xr[q] = *reinterpret_cast<const uint2*>(xb + size_t(s.grows[gi][j]) * a.hidden + k);
-                    sr[q] = *reinterpret_cast<const uint2*>(sh + k);
-                }
-            }
-#pragma unroll 1
-            for (int task = t0; task < ntask && task < t0 + RB * WARPS; task += WARPS) {
-                const int rest = task >> 1, j = rest % rows, b = rest / rows;
-                float v[4], sc[4];
-                cvt4_x(xr[0], a.x_dtype, v);
-                half4(sr[0], sc);
-#pragma unroll
-                for (int q = 0; q + 1 < RB; q++) {
-                    xr[q] = xr[q + 1];
-                    sr[q] = sr[q + 1];
-                }
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[i] *= sc[i];
-                if (late_u >= 0 && task == warp) {  // the warp's first loads have returned
-                    issue_gu(late_u, EARLY_STEPS);
-                    issue_dn(late_u);
-                }
-                fwht128(v, lane);
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
-                store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
-            }
-        }
-        if (late_u >= 0 && warp >= ntask) {
             issue_gu(late_u, EARLY_STEPS);
             issue_dn(late_u);
         }
@@ -609,26 +551,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool BR = false>
+          bool RCAP = false, bool SB = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, BR> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool BR = false>
+          bool SB = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, BR>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, BR>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, BR>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, BR>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB>;
     return nullptr;
 }
 
@@ -641,7 +583,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
     if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
-    if (variant == V7_BR_VARIANT) return pick_cb<true, true, true, false, true, true, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -657,7 +598,7 @@ bool two_buf(int variant) {
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) {
-    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_BR_VARIANT, m);
+    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT, m);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
