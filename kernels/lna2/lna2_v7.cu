@@ -125,7 +125,9 @@ enum Event7 : int {
 // own, by then a rotation and a gate/up loop later: K3 keeps two CTAs per SM at seven and eight rows
 // too (two 8-row buffers and the rest come to 119,864 B a CTA; one leaves 111,672).
 // (Variant 37, session 18, f77f631, retired: 36 with L2 prefetches of the rotation's inputs and unawaited
-// arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan.)
+// arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan. Variant
+// 38, a2b1f68, retired: 36 with the loads of up to four of a warp's rotation tasks in flight
+// together; slower everywhere, its rotation 0.4 us longer at one and eight rows.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
           bool RCAP = false, bool SB = false>
 struct V7Kernel {
