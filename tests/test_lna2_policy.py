@@ -4,9 +4,9 @@ from dsv4serve.lna2.policy import cluster_kernel_takes, variant_for
 
 
 def test_v4_serves_every_shape_the_cluster_kernel_does_not():
-    # the TP8 slice: up to 24 rows at K2, up to 8 at K3; TP1's 2048-wide intermediate never
-    shapes = [(m, i, k) for m in (1, 2, 4, 7, 8, 9, 16, 24, 25, 32) for i in (256, 2048) for k in (2, 3)]
-    cluster = {(m, 256, 2) for m in (1, 2, 4, 7, 8, 9, 16, 24)} | {(m, 256, 3) for m in (1, 2, 4, 7, 8)}
+    # the TP8 slice: up to 24 rows at K2, up to 16 at K3; TP1's 2048-wide intermediate never
+    shapes = [(m, i, k) for m in (1, 2, 4, 7, 8, 9, 16, 17, 24, 25, 32) for i in (256, 2048) for k in (2, 3)]
+    cluster = {(m, 256, 2) for m in (1, 2, 4, 7, 8, 9, 16, 17, 24)} | {(m, 256, 3) for m in (1, 2, 4, 7, 8, 9, 16)}
     assert {variant_for(*s) for s in shapes if s not in cluster} == {4}
     assert 4 not in {variant_for(*s) for s in cluster}
 
@@ -14,14 +14,13 @@ def test_v4_serves_every_shape_the_cluster_kernel_does_not():
 def test_the_tp8_slice_goes_to_the_cluster_kernel():
     # K2 runs the build that finishes the activation in every CTA (v26) up to 24 rows; so does one K3
     # row, where every CTA has an SM of its own; from two K3 rows that build's second partial buffer
-    # costs the second CTA per SM, and K3 runs v27
+    # costs the second CTA per SM, and K3 runs v36 (one partial buffer) to sixteen rows
     assert {variant_for(m, 256, 2) for m in range(1, 25)} == {26}
     assert variant_for(1, 256, 3) == 26
-    assert {variant_for(m, 256, 3) for m in range(2, 5)} == {31}
-    assert {variant_for(m, 256, 3) for m in range(5, 9)} == {27}
+    assert {variant_for(m, 256, 3) for m in range(2, 17)} == {36}
     assert variant_for(1) == 26  # the defaults are the seat's shape (K2)
     assert variant_for(25) == 4
-    assert variant_for(9, 256, 3) == 4
+    assert variant_for(17, 256, 3) == 4
     assert variant_for(1, 2048, 2) == 4  # TP1's intermediate is past what the cluster kernel takes
 
 
