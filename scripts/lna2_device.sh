@@ -122,7 +122,7 @@ PY
   cat "$OUT/checkseat.log" | tee -a "$LOG"
 fi
 
-export LNA2_VARIANTS=${LNA2_VARIANTS:-36,26,31,27,4,21,20,9,7,1,6,2,3,0}
+export LNA2_VARIANTS=${LNA2_VARIANTS:-39,26,36,31,27,4,21,20,9,7,1,6,2,3,0}
 if has smoke; then
   step "smoke (variants $LNA2_VARIANTS)"
   timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke.log" 2>&1; echo "exit $?" >> "$OUT/smoke.log"
@@ -143,7 +143,7 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     [ "$(left)" -lt 200 ] && { echo "skip sanitizer $tool: $(left)s left" | tee -a "$LOG"; continue; }
     step "compute-sanitizer $tool"
-    LNA2_VARIANTS=${SAN_VARIANTS:-36,26} timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
+    LNA2_VARIANTS=${SAN_VARIANTS:-39,26} timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
       > "$OUT/sanitizer_$tool.log" 2>&1; echo "exit $?" >> "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
   done
@@ -158,7 +158,7 @@ if has trace && [ "$(left)" -gt 240 ]; then
   done
 fi
 
-BV=${BENCH_VARIANTS:-36,26,31,27,4,21,20,9,7,1,6,2,3,0}
+BV=${BENCH_VARIANTS:-39,26,36,31,27,4,21,20,9,7,1,6,2,3,0}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
   step "tuning sweep (v2 family)"

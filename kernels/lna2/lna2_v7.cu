@@ -128,8 +128,12 @@ enum Event7 : int {
 // arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan. Variant
 // 38, a2b1f68, retired: 36 with the loads of up to four of a warp's rotation tasks in flight
 // together; slower everywhere, its rotation 0.4 us longer at one and eight rows.)
+// RED (variant 39, with SB): a unit that is not its cluster's last cannot be the last to arrive on its
+// slice (its cluster's next unit has not arrived yet), so its arrival is a release reduction that no
+// thread waits for, not an acquire-release atomic whose answer the CTA waits on at a barrier
+// (session 18's trace of v37: 0.5 us less from the y rows to the next unit's rotation at eight rows).
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false>
+          bool RCAP = false, bool SB = false, bool RED = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -522,6 +526,11 @@ struct V7Kernel {
             // ---- the last unit over column slice r sums it
             __syncthreads();
             trace(E7_Y, u);
+            if (RED && u + ncl < units) {
+                if (t == 0) red_add_release(done, 1);  // never the last (RED); *done returns to 0 by the last
+                trace(E7_ARRIVED, u);
+                continue;
+            }
             if (t == 0) {
                 int last;
                 if constexpr (BULK) {  // release this CTA's y rows (ordered by the barrier), acquire the others'
@@ -553,26 +562,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false>
+          bool RCAP = false, bool SB = false, bool RED = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false>
+          bool SB = false, bool RED = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED>;
     return nullptr;
 }
 
@@ -585,6 +594,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
     if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
+    if (variant == V7_RED_VARIANT) return pick_cb<true, true, true, false, true, true, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -600,7 +610,7 @@ bool two_buf(int variant) {
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) {
-    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT, m);
+    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_RED_VARIANT, m);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)

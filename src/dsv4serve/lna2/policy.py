@@ -29,7 +29,8 @@ from session 18 runs 1 and 2 (against exllamav3 1.6.5 in the same process):
     72.8 / 72.6 and 137.7 / 138.3 us at 2 / 4 / 8 / 16 rows, against v31's 27.8 / 27.8 and
     42.7 / 42.7 at two and four, v27's 75.5 / 75.0 and v4's 75.9 / 76.3 at eight, v4's
     140.4 / 140.8 at sixteen. Rows 9-15 were not timed; eight and sixteen bracket them. At 24 rows
-    (one CTA per SM) v4 takes 180 us against v36's 232.
+    (one CTA per SM) v4 takes 180 us against v36's 232. It runs as v39: v36 whose non-last units of a
+    cluster arrive on their column slice without waiting for the answer (session 18 run 5).
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
@@ -45,7 +46,7 @@ the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 20
 from __future__ import annotations
 
 SEAT_VARIANT = 4
-CLUSTER_VARIANT = 36  # K3 (and any bits but 2), two to CLUSTER_MAX_ROWS rows
+CLUSTER_VARIANT = 39  # K3 (and any bits but 2), two to CLUSTER_MAX_ROWS rows
 CLUSTER_VARIANT_K2 = 26  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits
 CLUSTER_MAX_ROWS = 16
 CLUSTER_MAX_ROWS_K2 = 24
@@ -53,7 +54,7 @@ CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 36): whole 1024-column slices for its 8 CTAs,
+    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 36, 39): whole 1024-column slices for its 8 CTAs,
     <= 4 intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
