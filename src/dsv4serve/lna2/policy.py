@@ -2,14 +2,13 @@
 
 All variants compute the same function (parity-checked against the fp64 reference on the H200;
 kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
-off the same-process benchmarks of 2026-12-03, session 15 run 4, and for v31 of 2026-12-04,
-session 16 run 5 (kernels/lna2/NOTES.md; the figures are in kernels/lna2/results/2026-12-03-h200.json
-and 2026-12-04-h200-run5-tp8.json); session 17 run 2 re-measured every point with this table in force
-(2026-12-04-h200.json; within 1.5 % of run 4 wherever the variant is the same, but for TP1 K3 at two
-rows). Session 17's candidates -- 16-warp CTAs at one row (v32), K2's states by multiply-high (v33),
-the first unit's trellis requested earlier (v34, v35) -- were no faster and are not built; nor are
-session 18's v37 (L2 prefetches, unawaited arrivals) and v38 (batched rotation loads). v36 comes
-from session 18 runs 1 and 2 (against exllamav3 1.6.5 in the same process):
+off the same-process benchmarks of 2026-12-03 (session 15 run 4, kernels/lna2/results/2026-12-03-h200.json)
+and, for K3 from two rows, of 2026-12-04 (session 18 runs 1-5); session 18 run 5 re-measured every
+point with this table in force (2026-12-04-h200.json; within 0.7 % of session 17 run 2's
+2026-12-04-h200-s17.json at TP8 wherever the variant is the same). Session 17's candidates -- 16-warp
+CTAs at one row (v32), K2's states by multiply-high (v33), the first unit's trellis requested earlier
+(v34, v35) -- were no faster and are not built; nor are session 18's v37 (L2 prefetches, unawaited
+arrivals) and v38 (batched rotation loads):
 
 * The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
@@ -30,14 +29,16 @@ from session 18 runs 1 and 2 (against exllamav3 1.6.5 in the same process):
     42.7 / 42.7 at two and four, v27's 75.5 / 75.0 and v4's 75.9 / 76.3 at eight, v4's
     140.4 / 140.8 at sixteen. Rows 9-15 were not timed; eight and sixteen bracket them. At 24 rows
     (one CTA per SM) v4 takes 180 us against v36's 232. It runs as v39: v36 whose non-last units of a
-    cluster arrive on their column slice without waiting for the answer (session 18 run 5).
+    cluster arrive on their column slice without waiting for the answer. Session 18 run 5 (the
+    dispatch ran v39 there): 28.2 / 43.0 / 72.5 / 138.8 us at 2 / 4 / 8 / 16 rows against v36's
+    28.0 / 42.9 / 72.9 / 139.2 in the same process -- a tie.
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
 * v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no spills)
   is the fastest variant everywhere else, and at every TP1 point.
 
-v0-v3, v6, v7, v9, v20, v21, v27 and v31 stay available for the benchmark and the parity grid;
+v0-v3, v6, v7, v9, v20, v21, v27, v31 and v36 stay available for the benchmark and the parity grid;
 v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
