@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-DEFAULT_VARIANTS = "39,26,36,31,27,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
+DEFAULT_VARIANTS = "40,26,39,36,31,27,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
-CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 27, 31, 36, 39, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 27, 31, 36, 39, its timing ablations (lna2_api.h)
+CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 27, 31, 36, 39, 40, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 27, 31, 36, 39, 40, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 
 
@@ -895,18 +895,19 @@ def cmd_bench(args):
     dump(f"bench_{inc_name}.json", result)
 
 
-def k2_cases(grid, dev, gen):
-    """The K2 MCG cases of sweep, ablate, trace and profile: per (shape, row counts) in `grid` one
-    random layer (the bench's weights and seeds order), then per row count its routing with the
-    kernel's int32 ids / fp32 weights and an fp32 output; a shape's layer is freed after its rows."""
+def k2_cases(grid, dev, gen, K=2):
+    """The MCG cases (K2 unless asked) of sweep, ablate, trace and profile: per (shape, row counts) in
+    `grid` one random layer (the bench's weights and seeds order), then per row count its routing
+    with the kernel's int32 ids / fp32 weights and an fp32 output; a shape's layer is freed after its
+    rows."""
     import torch
 
     for shape, ms in grid:
         I = SHAPES[shape]
-        W = make_weights(I, 2, dev, gen)
-        L = Lna2Layer(W, 2, "mcg", I, dev)
+        W = make_weights(I, K, dev, gen)
+        L = Lna2Layer(W, K, "mcg", I, dev)
         for m in ms:
-            x, sel, rw = make_routing(m, 2, I, dev, gen)
+            x, sel, rw = make_routing(m, K, I, dev, gen)
             yield types.SimpleNamespace(shape=shape, I=I, m=m, W=W, L=L, x=x, sel=sel, rw=rw,
                                         ids32=sel.to(torch.int32).contiguous(), w32=rw.float().contiguous(),
                                         out=torch.empty((m, H), dtype=torch.float32, device=dev))
@@ -997,8 +998,9 @@ def cmd_trace(args):
     grid = int(lna.lna2_moe_prepare(2, 1, args.variant)[2]) * 2
     cluster = args.variant in CLUSTER_VARIANTS
     events = EVENTS7 if cluster else EVENTS
-    shapes = [(sh, ms) for sh, ms in (("tp8", (1, 2, 8)), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
-    for case in k2_cases(shapes, dev, gen):
+    tp8_ms = tuple(int(m_) for m_ in args.ms.split(",")) if args.ms else (1, 2, 8)
+    shapes = [(sh, ms) for sh, ms in (("tp8", tp8_ms), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
+    for case in k2_cases(shapes, dev, gen, args.bits):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
         for _ in range(3):
             L.run(x, ids32, w32, out, args.variant)
@@ -1016,14 +1018,17 @@ def cmd_trace(args):
                     ctas.append(evs)
             res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
             end = max(e[0] for c in ctas for e in c)
-            log(f"{shape} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
-        dump(f"trace-v{args.variant}.json", {"events": events, "variant": args.variant, "runs": res})
+            log(f"{shape} K{args.bits} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
+        tag = f"v{args.variant}" + (f"-k{args.bits}" if args.bits != 2 else "")
+        dump(f"trace-{tag}.json", {"events": events, "variant": args.variant, "bits": args.bits, "runs": res})
     if cluster:
         summary = summarize_trace_v7({"runs": res})
         for row in summary:
             log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
                 f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
-        dump(f"trace-summary-v{args.variant}.json", summary)
+            log("   arrivals by pass (CTAs, median/max us):", " ".join(
+                f"{p['ctas']}:{p['median_us']}/{p['max_us']}" for p in row["arrivals_by_pass"]))
+        dump(f"trace-summary-{tag}.json", summary)
 
 
 EVENTS7 = ["start", "plan", "rotated", "gu_mma", "partial", "sync1", "act", "dn_mma", "y", "arrived", "gathered",
@@ -1038,10 +1043,16 @@ def summarize_trace_v7(doc):
     for run in doc["runs"]:
         spans = {}
         plan, gathered, exits = [], [], []
+        by_pass = []  # arrival times of each CTA's first, second, ... unit: the passes of the clusters
         for evs in run["ctas"]:
             last = None
+            k = 0
             for t, ev, unit in evs:
                 name = EVENTS7[ev]
+                if name == "arrived":
+                    by_pass += [[] for _ in range(k + 1 - len(by_pass))]
+                    by_pass[k].append(t)
+                    k += 1
                 if name == "plan":
                     plan.append(t)
                 elif name == "gathered":
@@ -1055,7 +1066,8 @@ def summarize_trace_v7(doc):
 
         out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
                     "plan_done": ns_stats(plan), "last_gather_done": ns_stats(gathered), "exit": ns_stats(exits),
-                    "phases": {k: ns_stats(v) for k, v in spans.items()}})
+                    "phases": {k: ns_stats(v) for k, v in spans.items()},
+                    "arrivals_by_pass": [dict(ns_stats(p), ctas=len(p)) for p in by_pass]})
     return out
 
 
@@ -1320,6 +1332,8 @@ def main():
     sub.add_parser("ablate")
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=4)
+    tr.add_argument("--bits", type=int, default=2, choices=(2, 3))
+    tr.add_argument("--ms", default="", help="TP8 row counts, comma list (default 1,2,8)")
     ts = sub.add_parser("trace-summary")
     ts.add_argument("--trace", required=True)
     ts.add_argument("--out", required=True)

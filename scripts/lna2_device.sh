@@ -20,7 +20,8 @@
 # Each step has its own timeout and optional steps are skipped past DEADLINE seconds, so a slow
 # call still returns what it measured.
 # Environment: LNA2_VARIANTS (smoke, parity; the first two also get CUDA-graph cases),
-# BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT,
+# BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT (TRACE_BITS,
+# TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT, PARITY=quick|full, DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
@@ -122,7 +123,7 @@ PY
   cat "$OUT/checkseat.log" | tee -a "$LOG"
 fi
 
-export LNA2_VARIANTS=${LNA2_VARIANTS:-39,26,36,31,27,4,21,20,9,7,1,6,2,3,0}
+export LNA2_VARIANTS=${LNA2_VARIANTS:-40,26,39,36,31,27,4,21,20,9,7,1,6,2,3,0}
 if has smoke; then
   step "smoke (variants $LNA2_VARIANTS)"
   timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke.log" 2>&1; echo "exit $?" >> "$OUT/smoke.log"
@@ -143,7 +144,7 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     [ "$(left)" -lt 200 ] && { echo "skip sanitizer $tool: $(left)s left" | tee -a "$LOG"; continue; }
     step "compute-sanitizer $tool"
-    LNA2_VARIANTS=${SAN_VARIANTS:-39,26} timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
+    LNA2_VARIANTS=${SAN_VARIANTS:-40,26} timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/lna2_device.py smoke \
       > "$OUT/sanitizer_$tool.log" 2>&1; echo "exit $?" >> "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log" | tee -a "$LOG"
   done
@@ -153,12 +154,13 @@ TRACE_VARIANT=${TRACE_VARIANT:-4}
 if has trace && [ "$(left)" -gt 240 ]; then
   for TV in ${TRACE_VARIANT//,/ }; do  # one variant (default 4) or a comma list
     step "event trace of variant $TV"
-    timeout 90 python3 scripts/lna2_device.py trace --variant $TV > "$OUT/trace-v$TV.log" 2>&1; echo "exit $?" >> "$OUT/trace-v$TV.log"
-    tail -12 "$OUT/trace-v$TV.log" | tee -a "$LOG"
+    timeout 90 python3 scripts/lna2_device.py trace --variant $TV ${TRACE_BITS:+--bits $TRACE_BITS} ${TRACE_MS:+--ms $TRACE_MS} \
+      > "$OUT/trace-v$TV.log" 2>&1; echo "exit $?" >> "$OUT/trace-v$TV.log"
+    tail -16 "$OUT/trace-v$TV.log" | tee -a "$LOG"
   done
 fi
 
-BV=${BENCH_VARIANTS:-39,26,36,31,27,4,21,20,9,7,1,6,2,3,0}
+BV=${BENCH_VARIANTS:-40,26,39,36,31,27,4,21,20,9,7,1,6,2,3,0}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
   step "tuning sweep (v2 family)"

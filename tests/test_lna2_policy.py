@@ -12,12 +12,13 @@ def test_v4_serves_every_shape_the_cluster_kernel_does_not():
 
 
 def test_the_tp8_slice_goes_to_the_cluster_kernel():
-    # K2 runs the build that finishes the activation in every CTA (v26) up to 24 rows; so does one K3
-    # row, where every CTA has an SM of its own; from two K3 rows that build's second partial buffer
-    # costs the second CTA per SM, and K3 runs v39 (one partial buffer, unawaited arrivals) to sixteen rows
-    assert {variant_for(m, 256, 2) for m in range(1, 25)} == {26}
-    assert variant_for(1, 256, 3) == 26
-    assert {variant_for(m, 256, 3) for m in range(2, 17)} == {39}
+    # one row at either K runs the build that finishes the activation in every CTA (v26), where every
+    # CTA has an SM of its own; from two rows (where v26's second partial buffer costs K3 its second
+    # CTA per SM) both run v40 (one partial buffer, rows summed by the unit that completes them), K2
+    # to 24 rows and K3 to sixteen
+    assert variant_for(1, 256, 2) == variant_for(1, 256, 3) == 26
+    assert {variant_for(m, 256, 2) for m in range(2, 25)} == {40}
+    assert {variant_for(m, 256, 3) for m in range(2, 17)} == {40}
     assert variant_for(1) == 26  # the defaults are the seat's shape (K2)
     assert variant_for(25) == 4
     assert variant_for(17, 256, 3) == 4

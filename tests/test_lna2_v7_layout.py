@@ -36,7 +36,7 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -59,6 +59,28 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     cflat = np.full((C, nbuf * 2 * prow * 128), np.nan)
     done = [0] * C
     out = np.full((m, H), np.nan)
+    # rg (v40): arrivals per (slice, row); a row expects its distinct in-range experts x n_ib of them
+    cnt = np.zeros((C, m), dtype=np.int64)
+    need = [len({int(e2) for e2 in ids[row] if 0 <= int(e2) < n_e}) * n_ib for row in range(m)]
+    gathered = np.zeros((C, m), dtype=np.int64)
+
+    def gather_row(r, row):
+        for b in range(nblk):
+            c0 = (r * nblk + b) * 128
+            acc4 = np.zeros(128)
+            for k in range(n_ib):
+                for s_ in range(top_k):
+                    e2 = int(ids[row, s_])
+                    if 0 <= e2 < n_e:
+                        ent = entry_of(mask, rbase, e2, row)
+                        acc4 = acc4 + float(w[row, s_]) * y[k, ent, c0:c0 + 128]
+            out[row, c0:c0 + 128] = acc4
+        gathered[r, row] += 1
+
+    if rg and len(groups):  # cluster 0 zeroes the rows no expert serves
+        for row in range(m):
+            if need[row] == 0:
+                out[row] = 0.0
     for u in range(units):  # the clusters' order does not matter: nothing crosses units but y
         gi, ib = divmod(u, n_ib)
         e, ent0, rws = groups[gi]
@@ -154,26 +176,27 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 c0 = (r * nblk + bsel) * 128
                 y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
             assert sorted(covered) == [(b, j) for b in range(nblk) for j in range(rows)]
+            if rg:  # the unit that completes a row on slice r sums that row there
+                for row in rws:
+                    cnt[r, row] += 1
+                    if cnt[r, row] == need[row]:
+                        cnt[r, row] = 0
+                        gather_row(r, row)
+                continue
             done[r] += 1
             if done[r] == units:  # the last unit over slice r gathers it: blocks, then slots
                 for row in range(m):
-                    for b in range(nblk):
-                        c0 = (r * nblk + b) * 128
-                        acc4 = np.zeros(128)
-                        for k in range(n_ib):
-                            for s_ in range(top_k):
-                                e2 = int(ids[row, s_])
-                                if 0 <= e2 < n_e:
-                                    ent = entry_of(mask, rbase, e2, row)
-                                    acc4 = acc4 + float(w[row, s_]) * y[k, ent, c0:c0 + 128]
-                        out[row, c0:c0 + 128] = acc4
+                    gather_row(r, row)
+    if rg:
+        assert not cnt.any()  # every counter back at zero for the next launch
+        assert (gathered == np.array([[1 if need[row] else 0 for row in range(m)]] * C)).all()
     if units == 0:
         out[:] = 0.0
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb, rg=rg)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -260,3 +283,23 @@ def test_v36_single_partial_buffer_matches_reference():
     x = torch.randn(4, H, generator=gen).half()
     cfg = _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True)
     assert cfg["units"] == 10
+
+
+def test_v40_rows_summed_by_the_unit_that_completes_them():
+    """Variant 40: arrivals per (slice, row). A row with an expert twice (one entry), a row whose ids
+    are all out of range (zeroed, never gathered), a nine-row expert (two groups); every counter
+    returns to zero and every served row is gathered once per slice."""
+    H, I, E = 2048, 256, 6
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=51)
+    gen = torch.Generator().manual_seed(52)
+    m = 11
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(m)])
+    ids[:9, 0] = 4
+    ids[ids[:, 1] == 4, 1] = 5
+    ids[9] = torch.tensor([2, 2])          # the same expert twice
+    ids[10] = torch.tensor([E + 1, E + 3])  # nothing in range
+    w = torch.rand(m, 2, generator=gen)
+    x = torch.randn(m, H, generator=gen).half()
+    got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
+    assert (got[10] == 0).all()
+    _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)

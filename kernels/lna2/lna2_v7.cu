@@ -132,8 +132,15 @@ enum Event7 : int {
 // slice (its cluster's next unit has not arrived yet), so its arrival is a release reduction that no
 // thread waits for, not an acquire-release atomic whose answer the CTA waits on at a barrier
 // (session 18's trace of v37: 0.5 us less from the y rows to the next unit's rotation at eight rows).
+// RG (variant 40, with SB, not RED): arrivals are counted per (column slice, row), not per slice,
+// and whichever unit completes a row on slice r sums that row there at once. The per-slice counter
+// left the whole slice to the last unit: at eight rows 1,024 four-column items per CTA, four L2 trips
+// per thread after the last arrival (session 18's trace: 5.5 us from the last arrival to the end,
+// 1.5 at one and two rows). A row expects (its distinct in-range experts) x n_ib arrivals; rows with
+// none are zeroed by cluster 0 at the start. The counters live in v2's `arr` region (C7 x MAX_ROWS
+// ints), which v7 does not otherwise use, and return to zero by their last user.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RED = false>
+          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -249,6 +256,40 @@ struct V7Kernel {
         const int per_row = g.nblk * 32;
         for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
             const int row = idx / per_row, rest = idx - row * per_row;
+            gather_item(y, split, row, rest);
+        }
+    }
+
+    // RG: the rows of group gi whose flag is set (rflag[j] for the group's row j), each over slice r.
+    __device__ void gather_rows(const float* y, int gi, const int* rflag, int rows) {
+        int n = 0;
+        for (int j = 0; j < rows; j++) n += rflag[j];
+        const int per_row = g.nblk * 32;
+        for (int idx = threadIdx.x; idx < n * per_row; idx += THREADS) {
+            int k = idx / per_row, j = 0;
+            const int rest = idx - k * per_row;
+            for (;; j++)
+                if (rflag[j] && k-- == 0) break;
+            gather_item(y, size_t(MAX_PAIRS) * a.hidden, s.grows[gi][j], rest);
+        }
+    }
+
+    // RG: rows with no in-range expert get no arrivals; their slice r is zero.
+    __device__ void zero_unrouted_rows() {
+        const int per_row = g.nblk * 32;
+        for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
+            const int row = idx / per_row, rest = idx - row * per_row;
+            bool any = false;
+            for (int sl = 0; sl < a.top_k; sl++) any |= s.rid[row * a.top_k + sl] >= 0;
+            if (!any)
+                store_out4(a, size_t(row) * a.hidden + (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31),
+                           make_float4(0.f, 0.f, 0.f, 0.f));
+        }
+    }
+
+    // One float4 of output row `row`: column quad `rest` of slice r.
+    __device__ __forceinline__ void gather_item(const float* y, size_t split, int row, int rest) {
+        {
             const int c = (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31);
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
             for (int k0 = 0; k0 < g.n_ib; k0 += 2) {
@@ -308,6 +349,9 @@ struct V7Kernel {
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
             if (cid == 0) gather(y);
             return;
+        }
+        if constexpr (RG) {
+            if (cid == 0) zero_unrouted_rows();
         }
         if (cid < units) {
             if constexpr (BULK) {
@@ -526,6 +570,28 @@ struct V7Kernel {
             // ---- the last unit over column slice r sums it
             __syncthreads();
             trace(E7_Y, u);
+            if constexpr (RG) {
+                static_assert(C7 * MAX_ROWS <= MAX_PAIRS * MAX_IB, "per-(slice, row) counters fit v2's arr region");
+                __shared__ int rflag[GR];  // this unit completed row j of its group on slice r
+                if (t < rows) {
+                    const int row = s.grows[gi][t];
+                    int need = 0;  // the row's distinct in-range experts
+                    for (int sl = 0; sl < a.top_k; sl++) {
+                        const int e = s.rid[row * a.top_k + sl];
+                        bool seen = e < 0;
+                        for (int q = 0; q < sl; q++) seen |= s.rid[row * a.top_k + q] == e;
+                        need += !seen;
+                    }
+                    int* cnt = reinterpret_cast<int*>(a.scratch + L.arr) + r * MAX_ROWS + row;
+                    const bool last = atomic_add_acq_rel(cnt, 1) == need * g.n_ib - 1;
+                    if (last) *cnt = 0;  // its last user in this launch
+                    rflag[t] = last;
+                }
+                __syncthreads();
+                trace(E7_ARRIVED, u);
+                gather_rows(y, gi, rflag, rows);
+                continue;
+            }
             if (RED && u + ncl < units) {
                 if (t == 0) red_add_release(done, 1);  // never the last (RED); *done returns to 0 by the last
                 trace(E7_ARRIVED, u);
@@ -562,26 +628,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RED = false>
+          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RED = false>
+          bool SB = false, bool RED = false, bool RG = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG>;
     return nullptr;
 }
 
@@ -595,6 +661,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
     if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
     if (variant == V7_RED_VARIANT) return pick_cb<true, true, true, false, true, true, true, true>(bits, codebook);
+    if (variant == V7_RG_VARIANT) return pick_cb<true, true, true, false, true, true, true, false, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -610,7 +677,7 @@ bool two_buf(int variant) {
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) {
-    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_RED_VARIANT, m);
+    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_RED_VARIANT || variant == V7_RG_VARIANT, m);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)

@@ -47,15 +47,16 @@ the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 20
 from __future__ import annotations
 
 SEAT_VARIANT = 4
-CLUSTER_VARIANT = 39  # K3 (and any bits but 2), two to CLUSTER_MAX_ROWS rows
-CLUSTER_VARIANT_K2 = 26  # K2 up to CLUSTER_MAX_ROWS_K2 rows, and one row at any bits
+ONE_ROW_VARIANT = 26  # one row at any bits
+CLUSTER_VARIANT = 40  # K3 (and any bits but 2), two to CLUSTER_MAX_ROWS rows
+CLUSTER_VARIANT_K2 = 40  # K2, two to CLUSTER_MAX_ROWS_K2 rows
 CLUSTER_MAX_ROWS = 16
 CLUSTER_MAX_ROWS_K2 = 24
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 36, 39): whole 1024-column slices for its 8 CTAs,
+    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 36, 39, 40): whole 1024-column slices for its 8 CTAs,
     <= 4 intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
@@ -63,6 +64,8 @@ def cluster_kernel_takes(hidden: int, inter: int) -> bool:
 def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -> int:
     if inter > CLUSTER_MAX_INTER or not cluster_kernel_takes(hidden, inter):
         return SEAT_VARIANT
-    if rows == 1 or (bits == 2 and rows <= CLUSTER_MAX_ROWS_K2):
+    if rows == 1:
+        return ONE_ROW_VARIANT
+    if bits == 2 and rows <= CLUSTER_MAX_ROWS_K2:
         return CLUSTER_VARIANT_K2
     return CLUSTER_VARIANT if rows <= CLUSTER_MAX_ROWS else SEAT_VARIANT
