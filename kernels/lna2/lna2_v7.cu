@@ -136,8 +136,9 @@ enum Event7 : int {
 // and whichever unit completes a row on slice r sums that row there at once. The per-slice counter
 // left the whole slice to the last unit: at eight rows 1,024 four-column items per CTA, four L2 trips
 // per thread after the last arrival (session 18's trace: 5.5 us from the last arrival to the end,
-// 1.5 at one and two rows). A row expects (its distinct in-range experts) x n_ib arrivals; rows with
-// none are zeroed by cluster 0 at the start. The counters live in v2's `arr` region (C7 x MAX_ROWS
+// 1.5 at one and two rows). A row expects (its distinct in-range experts) x n_ib arrivals, counted
+// once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
+// rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
           bool RCAP = false, bool SB = false, bool RED = false, bool RG = false>
@@ -155,6 +156,7 @@ struct V7Kernel {
     uint64_t* bar;
     int r;    // rank in the cluster
     int nev;  // trace events recorded (thread 0)
+    int* rneed = nullptr;  // RG: arrivals each row expects on a slice
 
     __device__ V7Kernel(const Args& a_, Plan7& s_, uint8_t* dyn_) : a(a_), s(s_), dyn(dyn_) {}
 
@@ -279,9 +281,7 @@ struct V7Kernel {
         const int per_row = g.nblk * 32;
         for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
             const int row = idx / per_row, rest = idx - row * per_row;
-            bool any = false;
-            for (int sl = 0; sl < a.top_k; sl++) any |= s.rid[row * a.top_k + sl] >= 0;
-            if (!any)
+            if (rneed[row] == 0)
                 store_out4(a, size_t(row) * a.hidden + (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31),
                            make_float4(0.f, 0.f, 0.f, 0.f));
         }
@@ -351,7 +351,22 @@ struct V7Kernel {
             return;
         }
         if constexpr (RG) {
-            if (cid == 0) zero_unrouted_rows();
+            __shared__ int rneed_s[MAX_ROWS];
+            rneed = rneed_s;
+            if (t < a.m) {  // the row's distinct in-range experts, from registers
+                int e[MAX_TOPK];
+#pragma unroll
+                for (int sl = 0; sl < MAX_TOPK; sl++) e[sl] = sl < a.top_k ? s.rid[t * a.top_k + sl] : -1;
+                int need = 0;
+#pragma unroll
+                for (int sl = 0; sl < MAX_TOPK; sl++) {
+                    bool seen = e[sl] < 0;
+#pragma unroll
+                    for (int q = 0; q < sl; q++) seen |= e[q] == e[sl];
+                    need += !seen;
+                }
+                rneed[t] = need * g.n_ib;  // read after the unit loop's barriers
+            }
         }
         if (cid < units) {
             if constexpr (BULK) {
@@ -575,15 +590,8 @@ struct V7Kernel {
                 __shared__ int rflag[GR];  // this unit completed row j of its group on slice r
                 if (t < rows) {
                     const int row = s.grows[gi][t];
-                    int need = 0;  // the row's distinct in-range experts
-                    for (int sl = 0; sl < a.top_k; sl++) {
-                        const int e = s.rid[row * a.top_k + sl];
-                        bool seen = e < 0;
-                        for (int q = 0; q < sl; q++) seen |= s.rid[row * a.top_k + q] == e;
-                        need += !seen;
-                    }
                     int* cnt = reinterpret_cast<int*>(a.scratch + L.arr) + r * MAX_ROWS + row;
-                    const bool last = atomic_add_acq_rel(cnt, 1) == need * g.n_ib - 1;
+                    const bool last = atomic_add_acq_rel(cnt, 1) == rneed[row] - 1;
                     if (last) *cnt = 0;  // its last user in this launch
                     rflag[t] = last;
                 }
@@ -618,6 +626,9 @@ struct V7Kernel {
                 gather(y);
                 trace(E7_GATHERED, u);
             }
+        }
+        if constexpr (RG) {
+            if (cid == 0) zero_unrouted_rows();
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         if constexpr (FIN) {
