@@ -56,7 +56,7 @@ def test_device_script_and_policy_use_the_api_set():
     dev = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dev)
     assert dev.CLUSTER_VARIANTS == cluster
-    assert {policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2, policy.ONE_ROW_VARIANT} <= cluster
+    assert {policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2, policy.ONE_ROW_VARIANT, policy.TWO_ROW_VARIANT} <= cluster
     assert policy.SEAT_VARIANT not in cluster
     # every variant the device script runs by default is one the binding knows
     default = {int(v) for v in dev.DEFAULT_VARIANTS.split(",")}
