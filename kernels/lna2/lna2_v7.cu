@@ -282,45 +282,45 @@ struct V7Kernel {
         for (int idx = threadIdx.x; idx < a.m * per_row; idx += THREADS) {
             const int row = idx / per_row, rest = idx - row * per_row;
             if (rneed[row] == 0)
-                store_out4(a, size_t(row) * a.hidden + (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31),
-                           make_float4(0.f, 0.f, 0.f, 0.f));
+                store_out4(a, size_t(row) * a.hidden + slice_col(rest), make_float4(0.f, 0.f, 0.f, 0.f));
         }
     }
 
+    // Column quad `rest` (0 .. 32 nblk) of slice r: its first column.
+    __device__ __forceinline__ int slice_col(int rest) const { return (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31); }
+
     // One float4 of output row `row`: column quad `rest` of slice r.
     __device__ __forceinline__ void gather_item(const float* y, size_t split, int row, int rest) {
-        {
-            const int c = (r * g.nblk + (rest >> 5)) * 128 + 4 * (rest & 31);
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int k0 = 0; k0 < g.n_ib; k0 += 2) {
-                float4 v[2][MAX_TOPK];
-                float w[MAX_TOPK];
+        const int c = slice_col(rest);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k0 = 0; k0 < g.n_ib; k0 += 2) {
+            float4 v[2][MAX_TOPK];
+            float w[MAX_TOPK];
 #pragma unroll
-                for (int slot = 0; slot < MAX_TOPK; slot++) {
-                    const int e = slot < a.top_k ? s.rid[row * a.top_k + slot] : -1;
-                    w[slot] = e >= 0 ? s.rw[row * a.top_k + slot] : 0.f;
-                    const int ent = e >= 0 ? s.rbase[e] + __popc(s.mask[e] & ((1u << row) - 1u)) : 0;
-#pragma unroll
-                    for (int kk = 0; kk < 2; kk++) {
-                        v[kk][slot] = make_float4(0.f, 0.f, 0.f, 0.f);
-                        if (e >= 0 && k0 + kk < g.n_ib)
-                            v[kk][slot] = __ldcg(reinterpret_cast<const float4*>(
-                                y + (k0 + kk) * split + size_t(ent) * a.hidden + c));
-                    }
-                }
+            for (int slot = 0; slot < MAX_TOPK; slot++) {
+                const int e = slot < a.top_k ? s.rid[row * a.top_k + slot] : -1;
+                w[slot] = e >= 0 ? s.rw[row * a.top_k + slot] : 0.f;
+                const int ent = e >= 0 ? s.rbase[e] + __popc(s.mask[e] & ((1u << row) - 1u)) : 0;
 #pragma unroll
                 for (int kk = 0; kk < 2; kk++) {
+                    v[kk][slot] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (e >= 0 && k0 + kk < g.n_ib)
+                        v[kk][slot] = __ldcg(reinterpret_cast<const float4*>(
+                            y + (k0 + kk) * split + size_t(ent) * a.hidden + c));
+                }
+            }
 #pragma unroll
-                    for (int slot = 0; slot < MAX_TOPK; slot++) {
-                        if (slot < a.top_k && w[slot] != 0.f && k0 + kk < g.n_ib) {
-                            acc.x += w[slot] * v[kk][slot].x; acc.y += w[slot] * v[kk][slot].y;
-                            acc.z += w[slot] * v[kk][slot].z; acc.w += w[slot] * v[kk][slot].w;
-                        }
+            for (int kk = 0; kk < 2; kk++) {
+#pragma unroll
+                for (int slot = 0; slot < MAX_TOPK; slot++) {
+                    if (slot < a.top_k && w[slot] != 0.f && k0 + kk < g.n_ib) {
+                        acc.x += w[slot] * v[kk][slot].x; acc.y += w[slot] * v[kk][slot].y;
+                        acc.z += w[slot] * v[kk][slot].z; acc.w += w[slot] * v[kk][slot].w;
                     }
                 }
             }
-            store_out4(a, size_t(row) * a.hidden + c, acc);
         }
+        store_out4(a, size_t(row) * a.hidden + c, acc);
     }
 
     __device__ void run() {
