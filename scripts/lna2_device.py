@@ -895,7 +895,7 @@ def cmd_bench(args):
     dump(f"bench_{inc_name}.json", result)
 
 
-def k2_cases(grid, dev, gen, K=2):
+def mcg_cases(grid, dev, gen, K=2):
     """The MCG cases (K2 unless asked) of sweep, ablate, trace and profile: per (shape, row counts) in
     `grid` one random layer (the bench's weights and seeds order), then per row count its routing
     with the kernel's int32 ids / fp32 weights and an fp32 output; a shape's layer is freed after its
@@ -933,7 +933,7 @@ def cmd_sweep(args):
                          "target = grid * i / 8>_p<paired down items>",
            "rows": []}
     grid = [(sh, ms) for sh, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8))) if serves(args.variant, H, SHAPES[sh])]
-    for c in k2_cases(grid, dev, gen):
+    for c in mcg_cases(grid, dev, gen):
 
         def run_with(cfg, c=c):
             def fn():
@@ -964,7 +964,7 @@ def cmd_ablate(args):
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
     res = {"lna2_build": lna.lna2_build_id(), "ablations": ABLATIONS, "rows": []}
-    for c in k2_cases((("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 8, 16))), dev, gen):
+    for c in mcg_cases((("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 8, 16))), dev, gen):
         L, x, ids32, w32, out = c.L, c.x, c.ids32, c.w32, c.out
         none = torch.full_like(ids32, -1)
         fns = {"v4": lambda: L.run(x, ids32, w32, out, 4)}
@@ -1000,7 +1000,7 @@ def cmd_trace(args):
     events = EVENTS7 if cluster else EVENTS
     tp8_ms = tuple(int(m_) for m_ in args.ms.split(",")) if args.ms else (1, 2, 8)
     shapes = [(sh, ms) for sh, ms in (("tp8", tp8_ms), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
-    for case in k2_cases(shapes, dev, gen, args.bits):
+    for case in mcg_cases(shapes, dev, gen, args.bits):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
         for _ in range(3):
             L.run(x, ids32, w32, out, args.variant)
@@ -1136,7 +1136,7 @@ def cmd_profile(args):
     variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "4"))
     shapes = [(s_, tuple(int(m_) for m_ in ms_.split("+"))) for s_, ms_ in
               (p_.split(":") for p_ in os.environ.get("LNA2_PROFILE_SHAPES", "tp8:1+16,tp1:8").split(","))]
-    for c in k2_cases(shapes, dev, gen):
+    for c in mcg_cases(shapes, dev, gen):
         for _ in range(3):
             c.L.run(c.x, c.ids32, c.w32, c.out, variant)
         torch.cuda.synchronize()
