@@ -140,8 +140,12 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
+// ZF (variant 41, with RG): v40 with the per-row counts taken after the first trellis request instead
+// of before it, and cluster 0's zero-row pass only when some row has no in-range expert: v40 was
+// 0.7-1.2 us slower than v26 at one row (session 18 run 7), and these are the two things its one-row
+// path adds; with them gone one build could serve every row count.
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false>
+          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false, bool ZF = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -323,6 +327,37 @@ struct V7Kernel {
         store_out4(a, size_t(row) * a.hidden + c, acc);
     }
 
+    __device__ static int* unrouted() {  // ZF: some row has no in-range expert
+        __shared__ int z;
+        return &z;
+    }
+
+    // RG: each row's expected arrivals on a slice (its distinct in-range experts x n_ib), from
+    // registers, into shared memory that the unit loop's barriers publish. ZF also notes whether
+    // any row has none (zero_unrouted_rows' work), so a launch where every row is routed skips it.
+    __device__ void count_row_needs() {
+        __shared__ int rneed_s[MAX_ROWS];
+        rneed = rneed_s;
+        const int t = threadIdx.x;
+        if (t < a.m) {
+            int e[MAX_TOPK];
+#pragma unroll
+            for (int sl = 0; sl < MAX_TOPK; sl++) e[sl] = sl < a.top_k ? s.rid[t * a.top_k + sl] : -1;
+            int need = 0;
+#pragma unroll
+            for (int sl = 0; sl < MAX_TOPK; sl++) {
+                bool seen = e[sl] < 0;
+#pragma unroll
+                for (int q = 0; q < sl; q++) seen |= e[q] == e[sl];
+                need += !seen;
+            }
+            rneed[t] = need * g.n_ib;  // read after the unit loop's barriers
+            if constexpr (ZF) {
+                if (need == 0) *unrouted() = 1;
+            }
+        }
+    }
+
     __device__ void run() {
         cg::cluster_group cluster = cg::this_cluster();
         const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
@@ -343,6 +378,9 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
+        if constexpr (ZF) {
+            if (t == 0) *unrouted() = 0;  // published by the plan's barriers
+        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
@@ -350,24 +388,7 @@ struct V7Kernel {
             if (cid == 0) gather(y);
             return;
         }
-        if constexpr (RG) {
-            __shared__ int rneed_s[MAX_ROWS];
-            rneed = rneed_s;
-            if (t < a.m) {  // the row's distinct in-range experts, from registers
-                int e[MAX_TOPK];
-#pragma unroll
-                for (int sl = 0; sl < MAX_TOPK; sl++) e[sl] = sl < a.top_k ? s.rid[t * a.top_k + sl] : -1;
-                int need = 0;
-#pragma unroll
-                for (int sl = 0; sl < MAX_TOPK; sl++) {
-                    bool seen = e[sl] < 0;
-#pragma unroll
-                    for (int q = 0; q < sl; q++) seen |= e[q] == e[sl];
-                    need += !seen;
-                }
-                rneed[t] = need * g.n_ib;  // read after the unit loop's barriers
-            }
-        }
+        if constexpr (RG && !ZF) count_row_needs();
         if (cid < units) {
             if constexpr (BULK) {
                 issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
@@ -376,6 +397,7 @@ struct V7Kernel {
                 issue_dn(cid);
             }
         }
+        if constexpr (RG && ZF) count_row_needs();  // after the first trellis request, not before it
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float* red = reinterpret_cast<float*>(dyn + D.xs);
@@ -628,7 +650,11 @@ struct V7Kernel {
             }
         }
         if constexpr (RG) {
-            if (cid == 0) zero_unrouted_rows();
+            if constexpr (ZF) {
+                if (cid == 0 && *unrouted()) zero_unrouted_rows();
+            } else {
+                if (cid == 0) zero_unrouted_rows();
+            }
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         if constexpr (FIN) {
@@ -639,26 +665,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false>
+          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false, bool ZF = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RED = false, bool RG = false>
+          bool SB = false, bool RED = false, bool RG = false, bool ZF = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>;
     return nullptr;
 }
 
@@ -673,6 +699,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
     if (variant == V7_RED_VARIANT) return pick_cb<true, true, true, false, true, true, true, true>(bits, codebook);
     if (variant == V7_RG_VARIANT) return pick_cb<true, true, true, false, true, true, true, false, true>(bits, codebook);
+    if (variant == V7_ZF_VARIANT) return pick_cb<true, true, true, false, true, true, true, false, true, true>(bits, codebook);
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -688,7 +715,8 @@ bool two_buf(int variant) {
 }
 // rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) {
-    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_RED_VARIANT || variant == V7_RG_VARIANT, m);
+    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_RED_VARIANT || variant == V7_RG_VARIANT ||
+                        variant == V7_ZF_VARIANT, m);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
