@@ -64,10 +64,6 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
                  "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
 }
-// One device-scope release add whose old value nobody needs: the issuing thread does not wait for it.
-__device__ __forceinline__ void red_add_release(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 // Generic-proxy accesses to shared memory (and barrier inits) ordered before later bulk copies.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // A split cluster barrier: arrive (releasing this thread's earlier accesses) now, wait later.

@@ -128,11 +128,9 @@ enum Event7 : int {
 // arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan. Variant
 // 38, a2b1f68, retired: 36 with the loads of up to four of a warp's rotation tasks in flight
 // together; slower everywhere, its rotation 0.4 us longer at one and eight rows.)
-// RED (variant 39, with SB): a unit that is not its cluster's last cannot be the last to arrive on its
-// slice (its cluster's next unit has not arrived yet), so its arrival is a release reduction that no
-// thread waits for, not an acquire-release atomic whose answer the CTA waits on at a barrier
-// (session 18's trace of v37: 0.5 us less from the y rows to the next unit's rotation at eight rows).
-// RG (variant 40, with SB, not RED): arrivals are counted per (column slice, row), not per slice,
+// (Variant 39, session 18, edad5e6, retired in session 19: 36 whose non-last units arrived by a
+// release reduction nobody waited for; it tied 36 at K3 and 40 superseded it.)
+// RG (variant 40, with SB): arrivals are counted per (column slice, row), not per slice,
 // and whichever unit completes a row on slice r sums that row there at once. The per-slice counter
 // left the whole slice to the last unit: at eight rows 1,024 four-column items per CTA, four L2 trips
 // per thread after the last arrival (session 18's trace: 5.5 us from the last arrival to the end,
@@ -140,12 +138,10 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
-// ZF (variant 41, with RG): v40 with the per-row counts taken after the first trellis request instead
-// of before it, and cluster 0's zero-row pass only when some row has no in-range expert: v40 was
-// 0.7-1.2 us slower than v26 at one row (session 18 run 7), and these are the two things its one-row
-// path adds; with them gone one build could serve every row count.
+// (Variant 41, session 19, b30946c, retired: 40 with the per-row counts taken after the first trellis
+// request and the zero-row pass skipped when every row is routed; it tied 40 at every point.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false, bool ZF = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -327,14 +323,8 @@ struct V7Kernel {
         store_out4(a, size_t(row) * a.hidden + c, acc);
     }
 
-    __device__ static int* unrouted() {  // ZF: some row has no in-range expert
-        __shared__ int z;
-        return &z;
-    }
-
     // RG: each row's expected arrivals on a slice (its distinct in-range experts x n_ib), from
-    // registers, into shared memory that the unit loop's barriers publish. ZF also notes whether
-    // any row has none (zero_unrouted_rows' work), so a launch where every row is routed skips it.
+    // registers, into shared memory that the unit loop's barriers publish.
     __device__ void count_row_needs() {
         __shared__ int rneed_s[MAX_ROWS];
         rneed = rneed_s;
@@ -352,9 +342,6 @@ struct V7Kernel {
                 need += !seen;
             }
             rneed[t] = need * g.n_ib;  // read after the unit loop's barriers
-            if constexpr (ZF) {
-                if (need == 0) *unrouted() = 1;
-            }
         }
     }
 
@@ -378,9 +365,6 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
-        if constexpr (ZF) {
-            if (t == 0) *unrouted() = 0;  // published by the plan's barriers
-        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
@@ -388,7 +372,7 @@ struct V7Kernel {
             if (cid == 0) gather(y);
             return;
         }
-        if constexpr (RG && !ZF) count_row_needs();
+        if constexpr (RG) count_row_needs();
         if (cid < units) {
             if constexpr (BULK) {
                 issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
@@ -397,7 +381,6 @@ struct V7Kernel {
                 issue_dn(cid);
             }
         }
-        if constexpr (RG && ZF) count_row_needs();  // after the first trellis request, not before it
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float* red = reinterpret_cast<float*>(dyn + D.xs);
@@ -622,11 +605,6 @@ struct V7Kernel {
                 gather_rows(y, gi, rflag, rows);
                 continue;
             }
-            if (RED && u + ncl < units) {
-                if (t == 0) red_add_release(done, 1);  // never the last (RED); *done returns to 0 by the last
-                trace(E7_ARRIVED, u);
-                continue;
-            }
             if (t == 0) {
                 int last;
                 if constexpr (BULK) {  // release this CTA's y rows (ordered by the barrier), acquire the others'
@@ -650,11 +628,7 @@ struct V7Kernel {
             }
         }
         if constexpr (RG) {
-            if constexpr (ZF) {
-                if (cid == 0 && *unrouted()) zero_unrouted_rows();
-            } else {
-                if (cid == 0) zero_unrouted_rows();
-            }
+            if (cid == 0) zero_unrouted_rows();
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         if constexpr (FIN) {
@@ -665,41 +639,69 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RED = false, bool RG = false, bool ZF = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RED = false, bool RG = false, bool ZF = false>
+          bool SB = false, bool RG = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RED, RG, ZF>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
     return nullptr;
 }
 
+// Every cluster build but the timing ablations: its variant number and template flags. The one list
+// that pick_v7 and the host's shared-memory layout (two_buf, prow_of) read, so a variant's kernel and
+// the layout its launch asks for cannot disagree.
+struct Build7 {
+    int variant;
+    bool bulk, prm, fin, pair, epi, rcap, sb, rg;
+};
+constexpr Build7 BUILDS7[] = {
+    //                 bulk   prm    fin    pair   epi    rcap   sb     rg
+    {V7_VARIANT,      false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false},
+    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false},
+    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true},
+};
+constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
+
+template <int I = 0>
+KernelFn pick_build(int bits, int codebook, int variant) {
+    if constexpr (I == N_BUILDS7) {
+        return nullptr;
+    } else {
+        constexpr Build7 b = BUILDS7[I];
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.pair, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
+        return pick_build<I + 1>(bits, codebook, variant);
+    }
+}
+
+const Build7* build7_of(int variant) {
+    for (const Build7& b : BUILDS7)
+        if (b.variant == variant) return &b;
+    return nullptr;  // a timing ablation: v7's flags, all false
+}
+
 KernelFn pick_v7(int bits, int codebook, int variant) {
-    if (variant == V7_VARIANT) return pick_cb<false>(bits, codebook);
-    if (variant == V7_BULK_VARIANT) return pick_cb<true>(bits, codebook);
-    if (variant == V7_PRM_VARIANT) return pick_cb<true, true>(bits, codebook);
-    if (variant == V7_FIN_VARIANT) return pick_cb<true, true, true>(bits, codebook);
-    if (variant == V7_EPI_VARIANT) return pick_cb<true, true, true, false, true>(bits, codebook);
-    if (variant == V7_PE20_VARIANT) return pick_cb<true, true, false, true, true>(bits, codebook);
-    if (variant == V7_RCAP_VARIANT) return pick_cb<true, true, true, false, true, true>(bits, codebook);
-    if (variant == V7_SB_VARIANT) return pick_cb<true, true, true, false, true, true, true>(bits, codebook);
-    if (variant == V7_RED_VARIANT) return pick_cb<true, true, true, false, true, true, true, true>(bits, codebook);
-    if (variant == V7_RG_VARIANT) return pick_cb<true, true, true, false, true, true, true, false, true>(bits, codebook);
-    if (variant == V7_ZF_VARIANT) return pick_cb<true, true, true, false, true, true, true, false, true, true>(bits, codebook);
+    if (KernelFn fn = pick_build(bits, codebook, variant)) return fn;
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
@@ -709,14 +711,14 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     }
 }
 
-// the local-finisher builds with a partial buffer per alternate unit (SB's have one)
+// the layout's two partial buffers (FIN && !SB in the kernel) and its rows per buffer (RCAP)
 bool two_buf(int variant) {
-    return variant == V7_FIN_VARIANT || variant == V7_EPI_VARIANT || variant == V7_RCAP_VARIANT;
+    const Build7* b = build7_of(variant);
+    return b && b->fin && !b->sb;
 }
-// rows per partial buffer for a launch of m rows
 int prow_of(int variant, int m) {
-    return partial_rows(variant == V7_RCAP_VARIANT || variant == V7_SB_VARIANT || variant == V7_RED_VARIANT || variant == V7_RG_VARIANT ||
-                        variant == V7_ZF_VARIANT, m);
+    const Build7* b = build7_of(variant);
+    return partial_rows(b && b->rcap, m);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
