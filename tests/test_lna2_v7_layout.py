@@ -303,3 +303,44 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
     assert (got[10] == 0).all()
     _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
+
+
+def claimed_schedule(units: int, ncl: int, order: list[int]) -> tuple[list[list[int]], int]:
+    """Variant 42's unit hand-out as lna2_v7.cu does it: cluster c starts on unit c (c < units); once
+    its gate/up MMAs are done its rank 0 claims c' = ticket++ and moves on to ncl + c' while
+    c' < units - ncl, else stops; the claim that returns units - 1 puts the ticket back to zero.
+    `order` is the sequence of clusters whose claims reach the ticket (a cluster not running is
+    skipped). The units each cluster ran, and the ticket at the end."""
+    ticket = 0
+    ran = [[c] if c < units else [] for c in range(ncl)]
+    active = {c for c in range(ncl) if c < units}
+    for c in order:
+        if c not in active:
+            continue
+        claim, ticket = ticket, ticket + 1
+        if claim == units - 1:
+            ticket = 0
+        if claim < units - ncl:
+            ran[c].append(ncl + claim)
+        else:
+            active.discard(c)
+    assert not active, "every running cluster made its failing claim"
+    return ran, ticket
+
+
+@pytest.mark.parametrize("units, ncl", [(46, 30), (80, 30), (86, 30), (12, 16), (30, 30), (31, 30), (1, 4), (200, 7)])
+def test_v42_claims_run_each_unit_once_and_return_the_ticket_to_zero(units, ncl):
+    """Whatever order the clusters' claims arrive in -- a slow cluster that claims last, one that wins
+    every claim, a random interleaving -- every unit runs exactly once and the ticket is zero again
+    for the next launch (and for the CUDA graph replay after it)."""
+    rng = np.random.default_rng(units * 100 + ncl)
+    orders = [
+        [c for _ in range(units + 1) for c in range(ncl)],                  # round robin
+        [c for c in range(ncl) for _ in range(units + 1)],                  # cluster 0 claims all it can first
+        [c for _ in range(units + 1) for c in reversed(range(ncl))],        # the last cluster first
+        list(rng.integers(0, ncl, size=40 * (units + ncl))),               # random, long enough to finish
+    ]
+    for order in orders:
+        ran, ticket = claimed_schedule(units, ncl, [int(c) for c in order])
+        assert sorted(u for r in ran for u in r) == list(range(units))
+        assert ticket == 0
