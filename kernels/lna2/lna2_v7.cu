@@ -37,8 +37,7 @@ namespace lna2 {
 namespace {
 
 constexpr int C7 = 8;  // CTAs per cluster (the portable maximum: sm_90 and sm_120)
-constexpr int EARLY_STEPS = 2;
-constexpr int V7_TICKET = 8;  // DYN's unit ticket: a slot of v2's ticket region (v2 uses slots 0 and 1)  // BULK: gate/up steps of the first unit requested before x and suh
+constexpr int EARLY_STEPS = 2;  // BULK: gate/up steps of the first unit requested before x and suh
 
 struct Geo {
     int nblk;  // 128-blocks of the hidden size per CTA: its k-range of gate/up, its down columns
@@ -139,16 +138,10 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
-// DYN (variant 42, with SB and RG): v40 whose units past the first pass are claimed from a ticket
-// (Args::scratch's v2 ticket region, slot V7_TICKET) by each cluster's rank 0 once its gate/up MMAs
-// are done, instead of dealt round-robin (u, u + clusters, ...). Session 19's trace of v40 at four and
-// eight K2 rows: clusters whose two CTAs per SM are both their own run their decode loops in step and
-// take ~1.5x as long (gate/up 7.7 us against 5.1), and the round-robin gave such a cluster a unit in
-// the last pass too, which ended ~6 us after the median cluster's.
 // (Variant 41, session 19, b30946c, retired: 40 with the per-row counts taken after the first trellis
 // request and the zero-row pass skipped when every row is routed; it tied 40 at every point.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool DYN = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -330,11 +323,6 @@ struct V7Kernel {
         store_out4(a, size_t(row) * a.hidden + c, acc);
     }
 
-    __device__ static int* next_unit() {  // DYN: the cluster's next unit, written into every CTA by rank 0
-        __shared__ int n;
-        return &n;
-    }
-
     // RG: each row's expected arrivals on a slice (its distinct in-range experts x n_ib), from
     // registers, into shared memory that the unit loop's barriers publish.
     __device__ void count_row_needs() {
@@ -401,11 +389,7 @@ struct V7Kernel {
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
         const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
 
-        // DYN: units past the first pass are claimed from a launch-wide ticket by each cluster's rank 0
-        // once its gate/up MMAs are done, so clusters that run slow hand the last pass to faster ones
-        int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket) + V7_TICKET;
-        int nxt = units;
-        for (int it = 0, u = cid; u < units; it++, u = DYN ? nxt : u + ncl) {
+        for (int it = 0, u = cid; u < units; it++, u += ncl) {
             const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
             const int rows = s.gnr[gi], ent0 = s.gent[gi];
             const uint32_t par = it & 1;
@@ -465,12 +449,7 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            int claim = 0;
-            if constexpr (DYN) {
-                if (r == 0 && t == 0) claim = atomicAdd(ticket, 1);  // its answer is needed at the cluster barrier
-            } else {
-                if (u + ncl < units) issue_gu(u + ncl);
-            }
+            if (u + ncl < units) issue_gu(u + ncl);
             if constexpr (SB) {
                 if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
             }
@@ -492,25 +471,8 @@ struct V7Kernel {
                 }
             }
             trace(E7_PARTIAL, u);
-            if constexpr (DYN) {
-                // Every peer read the last value right after the last unit's cluster barrier, before its
-                // finisher and so before the split barrier rank 0 waited on above (SB).
-                static_assert(!DYN || SB, "DYN reuses the next-unit slot behind SB's split barrier");
-                if (r == 0 && t == 0) {
-                    // claim c hands out unit ncl + c; each active cluster's last claim fails, so the launch
-                    // makes exactly `units` claims and the one that returns units - 1 is the last
-                    const int n = claim < units - ncl ? ncl + claim : units;
-                    if (claim == units - 1) *ticket = 0;  // back to zero for the next launch
-#pragma unroll
-                    for (int q = 0; q < C7; q++) *cluster.map_shared_rank(next_unit(), q) = n;
-                }
-            }
             cluster.sync();  // every CTA's partials are visible cluster-wide
             trace(E7_SYNC1, u);
-            if constexpr (DYN) {
-                nxt = *next_unit();
-                if (nxt < units) issue_gu(nxt);
-            }
 
             // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
             // into the down input's Hadamard basis, written into every CTA's activation buffer
@@ -542,7 +504,7 @@ struct V7Kernel {
                 }
             }
             if constexpr (FIN) {
-                if (SB || (DYN ? nxt : u + ncl) >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
+                if (SB || u + ncl >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
                 __syncthreads();                          // the activation is in this CTA
             } else {
                 cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
@@ -577,7 +539,7 @@ struct V7Kernel {
             }
             __syncthreads();  // down trellis is free
             trace(E7_DN_MMA, u);
-            if ((DYN ? nxt : u + ncl) < units) issue_dn(DYN ? nxt : u + ncl);
+            if (u + ncl < units) issue_dn(u + ncl);
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
             // x svh, one fp32 y row per entry and intermediate block
@@ -677,26 +639,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool DYN = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG, DYN> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool DYN = false>
+          bool SB = false, bool RG = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG, DYN>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG, DYN>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG, DYN>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG, DYN>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
     return nullptr;
 }
 
@@ -705,20 +667,19 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, pair, epi, rcap, sb, rg, dyn;
+    bool bulk, prm, fin, pair, epi, rcap, sb, rg;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    pair   epi    rcap   sb     rg     dyn
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false, false},
-    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true,  false},
-    {V7_DYN_VARIANT,  true,  true,  true,  false, true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    pair   epi    rcap   sb     rg
+    {V7_VARIANT,      false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false},
+    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false},
+    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -728,7 +689,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.pair, b.epi, b.rcap, b.sb, b.rg, b.dyn>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.pair, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
