@@ -665,27 +665,21 @@ KernelFn pick_cb(int bits, int codebook) {
 // Every cluster build but the timing ablations: its variant number and template flags. The one list
 // that pick_v7 and the host's shared-memory layout (two_buf, prow_of) read, so a variant's kernel and
 // the layout its launch asks for cannot disagree.
-// shot (host only, variant 43 = v40's kernel): a cluster per unit bound instead of as many as are
-// resident, so the clusters are not persistent: each runs one unit (u = cid; ncl >= units) and the
-// hardware starts the next as slots free. Session 19's traces of v40 at four and eight K2 rows: of
-// the 30 resident clusters the 15 launched second run their decode loops ~1.5x slower (their warps
-// younger on every shared SM), yet the round-robin also gives them last-pass units.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, pair, epi, rcap, sb, rg, shot;
+    bool bulk, prm, fin, pair, epi, rcap, sb, rg;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    pair   epi    rcap   sb     rg     shot
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false, false},
-    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true,  false},
-    {V7_SHOT_VARIANT, true,  true,  true,  false, true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    pair   epi    rcap   sb     rg
+    {V7_VARIANT,      false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false},
+    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false},
+    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -725,10 +719,6 @@ bool two_buf(int variant) {
 int prow_of(int variant, int m) {
     const Build7* b = build7_of(variant);
     return partial_rows(b && b->rcap, m);
-}
-bool one_shot(int variant) {
-    const Build7* b = build7_of(variant);
-    return b && b->shot;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -844,7 +834,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     cfg.blockDim = dim3(THREADS);
     cfg.dynamicSmemBytes = size_t(dyn);
     cfg.stream = stream;
-    cfg.gridDim = dim3(C7 * (one_shot(a.variant) ? bound : std::min(bound, clusters)));
+    cfg.gridDim = dim3(C7 * std::min(bound, clusters));
     return cudaLaunchKernelEx(&cfg, fn, a);
 }
 
