@@ -3,12 +3,14 @@
 All variants compute the same function (parity-checked against the fp64 reference on the H200;
 kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
 off the same-process benchmarks of 2026-12-03 (session 15 run 4, kernels/lna2/results/2026-12-03-h200.json)
-and, from two rows, of 2026-12-04 (session 18 runs 1-7); session 18 run 7 re-measured every point
-(2026-12-04-h200.json) with this table in force but for two K3 rows, where its dispatch ran v40
-(run 4's ran v36 there). Session 17 run 2's figures are in 2026-12-04-h200-s17.json. Session 17's candidates -- 16-warp
-CTAs at one row (v32), K2's states by multiply-high (v33), the first unit's trellis requested earlier
-(v34, v35) -- were no faster and are not built; nor are session 18's v37 (L2 prefetches, unawaited
-arrivals) and v38 (batched rotation loads); its v39 (v36 with unawaited arrivals) lost to v40:
+and, from two rows, of 2026-12-04 (session 18 runs 1-7); session 19 run 2 re-measured every point
+with this table in force, and its dispatch ran it (2026-12-04-h200.json; session 18 run 7's figures
+are in 2026-12-04-h200-s18.json). Session 17's candidates -- 16-warp CTAs at one row (v32), K2's
+states by multiply-high (v33), the first unit's trellis requested earlier (v34, v35) -- were no
+faster and are not built; nor are session 18's v37 (L2 prefetches, unawaited arrivals), v38
+(batched rotation loads) and v39 (v36 with unawaited arrivals, superseded by v40), or session 19's
+v41 (v40 with lazier per-row bookkeeping: a tie), v42 (units claimed from a ticket: no faster
+below sixteen rows, and a shared-memory hazard) and v43 (a cluster per unit: slower from four rows):
 
 * The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
@@ -18,20 +20,20 @@ arrivals) and v38 (batched rotation loads); its v39 (v36 with unawaited arrivals
   state extraction at K2 (v20), and the down epilogue's tasks dealt to the warps in turn through one
   rolled copy of its code (session 15: 2-12 % at every K2 point, against v21).
   - One row, K2 or K3: v26, where every CTA also finishes the activation itself (no second cluster
-    barrier) and every unit's cluster has SMs of its own. Session 18 run 7: 19.0 / 20.7 us at one
-    K2 / K3 row against v40's 19.7 / 21.9 (v40's per-row bookkeeping buys nothing at one row).
+    barrier) and every unit's cluster has SMs of its own. Session 19 run 2: 19.3 / 20.6 us at one
+    K2 / K3 row against v40's 19.3 / 21.2 (v40's per-row bookkeeping buys nothing at one row).
   - From two rows, K2 to 24 and K3 to sixteen: v40 -- v26 with one partial buffer of min(8, m) rows
     whose reuse a split cluster barrier guards (v36: two K3 CTAs per SM to eighteen rows, where
     v26's two 8-row buffers cost K3 its second CTA from two rows), and arrivals counted per (column
     slice, row), each row summed by the unit that completes it (the per-slice counter left a whole
-    slice to the last unit: four L2 trips per thread at eight rows). Session 18 run 7 (the slower of
-    two same-process medians): K2 25.2 / 42.4 / 62.4 / 104.2 / 140.4 us at 2 / 4 / 8 / 16 / 24 rows
-    against v26's 25.2 / 42.9 / 64.6 / 112.0 / 153.8; K3 42.3 / 69.4 / 130.1 at 4 / 8 / 16 against
-    v36's 43.0 / 72.7 / 139.0 and v4's 54.1 / 76.1 / 141.0. Rows 9-15 were not timed; eight and
+    slice to the last unit: four L2 trips per thread at eight rows). Session 19 run 2 (the slower of
+    two same-process medians): K2 25.4 / 42.2 / 62.0 / 103.1 / 139.3 us at 2 / 4 / 8 / 16 / 24 rows
+    against v26's 25.0 / 42.8 / 64.7 / 111.6 / 152.4; K3 42.1 / 69.4 / 129.0 at 4 / 8 / 16 against
+    v36's 42.4 / 72.0 / 137.7 and v4's 54.0 / 75.9 / 140.6. Rows 9-15 were not timed; eight and
     sixteen bracket them.
-  - K3, two rows: v36 (the same without per-row arrivals): 27.8 us against v40's 28.4 in run 7, and
-    27.6-28.0 in all six of session 18's runs. At 24 K3 rows (one CTA per SM for every cluster
-    build) v4 takes 181 us against v40's 220.
+  - K3, two rows: v36 (the same without per-row arrivals): 27.7 us against v40's 28.4 in session 19
+    run 2, and 27.6-28.0 in all six of session 18's runs. At 24 K3 rows (one CTA per SM for every
+    cluster build) v4 takes 180 us against v40's 219.
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
