@@ -61,3 +61,31 @@ def test_device_script_and_policy_use_the_api_set():
     # every variant the device script runs by default is one the binding knows
     default = {int(v) for v in dev.DEFAULT_VARIANTS.split(",")}
     assert default <= cluster | {0, 1, 2, 3, 4, 6}
+
+
+def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
+    """lna2_v7.cu's BUILDS7 maps each cluster variant to its template flags for pick_v7 and for the
+    host's shared-memory layout. Every non-ablation cluster variant has exactly one row, and the rows
+    respect what the kernel's protocols assume: one partial buffer (sb) only with the local
+    finisher (fin), per-row arrivals (rg) only with one buffer, row-capped buffers (rcap) only with
+    the local finisher."""
+    cluster, ablations = api_cluster_variants()
+    api = (KERNELS / "lna2_api.h").read_text()
+    consts = {name: int(val) for name, val in re.findall(r"\b(V7_\w+)\s*=\s*(\d+)", api)}
+    src = (KERNELS / "lna2_v7.cu").read_text()
+    table = src[src.index("constexpr Build7 BUILDS7[] = {"):]
+    table = table[:table.index("};")]
+    header = re.search(r"//\s+(bulk.*)", table).group(1).split()
+    rows = re.findall(r"\{(V7_\w+),\s*([a-z, ]+)\}", table)
+    variants = [consts[name] for name, _ in rows]
+    assert len(variants) == len(set(variants))
+    assert set(variants) == cluster - ablations
+    for name, flags in rows:
+        f = dict(zip(header, (v.strip() == "true" for v in flags.split(","))))
+        assert len(f) == len(header), name
+        if f["sb"]:
+            assert f["fin"], name
+        if f["rg"]:
+            assert f["sb"], name
+        if f["rcap"]:
+            assert f["fin"], name

@@ -138,8 +138,11 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
-// (Variant 41, session 19, b30946c, retired: 40 with the per-row counts taken after the first trellis
-// request and the zero-row pass skipped when every row is routed; it tied 40 at every point.)
+// (Session 19's variants, measured and retired: 41 (b30946c), 40 with the per-row counts taken after
+// the first trellis request and the zero-row pass skipped when every row is routed, tied 40; 42
+// (d5852ac), 40 with units past the first pass claimed from a ticket by each cluster's rank 0, no
+// faster, and its first next-unit store into the peers' shared memory came before any cluster
+// barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
           bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
