@@ -303,3 +303,48 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
     assert (got[10] == 0).all()
     _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
+
+
+def claimed_schedule(units: int, ncl: int, order: list[int]) -> tuple[list[list[int]], int]:
+    """Variant 44's unit hand-out as lna2_v7.cu does it: cluster c runs unit c, then unit ncl + c
+    (both static); only when units > 2 ncl do clusters claim, from their second unit on: rank 0 takes
+    c' = ticket++ once that unit's gate/up MMAs are done and moves on to 2 ncl + c' while
+    c' < units - 2 ncl, else stops; the claim that returns units - ncl - 1 puts the ticket back to
+    zero. `order` is the sequence of clusters whose claims reach the ticket (clusters not claiming
+    are skipped). The units each cluster ran, and the ticket at the end."""
+    ran = [[u for u in (c, ncl + c) if u < units] for c in range(ncl)]
+    ticket = 0
+    active = {c for c in range(ncl) if ncl + c < units} if units > 2 * ncl else set()
+    for c in order:
+        if c not in active:
+            continue
+        claim, ticket = ticket, ticket + 1
+        if claim == units - ncl - 1:
+            ticket = 0
+        if claim < units - 2 * ncl:
+            ran[c].append(2 * ncl + claim)
+        else:
+            active.discard(c)
+    assert not active, "every claiming cluster made its failing claim"
+    return ran, ticket
+
+
+@pytest.mark.parametrize("units, ncl", [(80, 30), (86, 30), (46, 30), (61, 30), (60, 30), (12, 16), (1, 4), (200, 7)])
+def test_v44_claims_run_each_unit_once_and_return_the_ticket_to_zero(units, ncl):
+    """Whatever order the claims arrive in -- round robin, one cluster winning every claim it can, the
+    last cluster first, a random interleaving -- every unit runs exactly once and the ticket is zero
+    again for the next launch (and the next CUDA graph replay); a launch of up to two passes makes no
+    claim at all."""
+    rng = np.random.default_rng(units * 100 + ncl)
+    orders = [
+        [c for _ in range(units + 1) for c in range(ncl)],
+        [c for c in range(ncl) for _ in range(units + 1)],
+        [c for _ in range(units + 1) for c in reversed(range(ncl))],
+        [int(c) for c in rng.integers(0, ncl, size=40 * (units + ncl))],
+    ]
+    for order in orders:
+        ran, ticket = claimed_schedule(units, ncl, order)
+        assert sorted(u for r in ran for u in r) == list(range(units))
+        assert ticket == 0
+        if units <= 2 * ncl:
+            assert ran == [[u for u in (c, ncl + c) if u < units] for c in range(ncl)]
