@@ -37,8 +37,7 @@ namespace lna2 {
 namespace {
 
 constexpr int C7 = 8;  // CTAs per cluster (the portable maximum: sm_90 and sm_120)
-constexpr int EARLY_STEPS = 2;
-constexpr int V7_TICKET = 8;  // CLM's unit ticket: a slot of v2's ticket region (v2 uses slots 0 and 1)  // BULK: gate/up steps of the first unit requested before x and suh
+constexpr int EARLY_STEPS = 2;  // BULK: gate/up steps of the first unit requested before x and suh
 
 struct Geo {
     int nblk;  // 128-blocks of the hidden size per CTA: its k-range of gate/up, its down columns
@@ -139,20 +138,13 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
-// CLM (variant 44, with SB and RG): v40 whose units past the second pass are claimed from a ticket
-// (slot V7_TICKET of v2's ticket region) by each cluster's rank 0 after its gate/up MMAs, instead of
-// dealt round-robin. The first two passes stay static, so launches of up to two passes run v40's
-// code. Session 19's traces: of 30 resident clusters the 15 launched second run their loops ~1.5x
-// slower, and at eight K3 rows the round-robin gave third-pass units to five of them (ending at
-// 63-65 us against 54-60 for the rest); a claim goes to whichever cluster is ready first. (v42 claimed
-// from the second pass on, before any cluster barrier had shown the peers started.)
 // (Session 19's variants, measured and retired: 41 (b30946c), 40 with the per-row counts taken after
 // the first trellis request and the zero-row pass skipped when every row is routed, tied 40; 42
 // (d5852ac), 40 with units past the first pass claimed from a ticket by each cluster's rank 0, no
 // faster, and its first next-unit store into the peers' shared memory came before any cluster
 // barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool CLM = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -334,11 +326,6 @@ struct V7Kernel {
         store_out4(a, size_t(row) * a.hidden + c, acc);
     }
 
-    __device__ static int* next_unit() {  // CLM: the cluster's claimed next unit, written into every CTA by rank 0
-        __shared__ int n;
-        return &n;
-    }
-
     // RG: each row's expected arrivals on a slice (its distinct in-range experts x n_ib), from
     // registers, into shared memory that the unit loop's barriers publish.
     __device__ void count_row_needs() {
@@ -405,11 +392,7 @@ struct V7Kernel {
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
         const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
 
-        // CLM: past the second pass, units are claimed from a launch-wide ticket (see the flag's note)
-        int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket) + V7_TICKET;
-        int nxt = units;
-        for (int it = 0, u = cid; u < units; it++, u = CLM ? nxt : u + ncl) {
-            const bool claims = CLM && it > 0 && units > 2 * ncl;  // the same in every CTA of the launch
+        for (int it = 0, u = cid; u < units; it++, u += ncl) {
             const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
             const int rows = s.gnr[gi], ent0 = s.gent[gi];
             const uint32_t par = it & 1;
@@ -469,17 +452,7 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            int claim = 0;
-            if constexpr (CLM) {
-                if (claims) {
-                    if (r == 0 && t == 0) claim = atomicAdd(ticket, 1);  // its answer is needed at the cluster barrier
-                } else {
-                    nxt = u + ncl;
-                    if (nxt < units) issue_gu(nxt);
-                }
-            } else {
-                if (u + ncl < units) issue_gu(u + ncl);
-            }
+            if (u + ncl < units) issue_gu(u + ncl);
             if constexpr (SB) {
                 if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
             }
@@ -501,29 +474,8 @@ struct V7Kernel {
                 }
             }
             trace(E7_PARTIAL, u);
-            if constexpr (CLM) {
-                // Claims start at the second unit, so an earlier cluster barrier has shown every peer
-                // started. Each peer read the slot's last value right after the last unit's cluster
-                // barrier, before its finisher; SB's split barrier (arrive after the finisher, wait
-                // above) orders that read before this store.
-                static_assert(!CLM || SB, "CLM reuses the next-unit slot behind SB's split barrier");
-                if (claims && r == 0 && t == 0) {
-                    // claim c hands out unit 2 ncl + c; each cluster's last claim fails, so a launch
-                    // with units > 2 ncl makes units - ncl claims and the one returning that - 1 is last
-                    const int n = claim < units - 2 * ncl ? 2 * ncl + claim : units;
-                    if (claim == units - ncl - 1) *ticket = 0;  // back to zero for the next launch
-#pragma unroll
-                    for (int q = 0; q < C7; q++) *cluster.map_shared_rank(next_unit(), q) = n;
-                }
-            }
             cluster.sync();  // every CTA's partials are visible cluster-wide
             trace(E7_SYNC1, u);
-            if constexpr (CLM) {
-                if (claims) {
-                    nxt = *next_unit();
-                    if (nxt < units) issue_gu(nxt);
-                }
-            }
 
             // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
             // into the down input's Hadamard basis, written into every CTA's activation buffer
@@ -555,7 +507,7 @@ struct V7Kernel {
                 }
             }
             if constexpr (FIN) {
-                if (SB || (CLM ? nxt : u + ncl) >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
+                if (SB || u + ncl >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
                 __syncthreads();                          // the activation is in this CTA
             } else {
                 cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
@@ -590,7 +542,7 @@ struct V7Kernel {
             }
             __syncthreads();  // down trellis is free
             trace(E7_DN_MMA, u);
-            if ((CLM ? nxt : u + ncl) < units) issue_dn(CLM ? nxt : u + ncl);
+            if (u + ncl < units) issue_dn(u + ncl);
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
             // x svh, one fp32 y row per entry and intermediate block
@@ -690,26 +642,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool CLM = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG, CLM> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool CLM = false>
+          bool SB = false, bool RG = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG, CLM>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG, CLM>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG, CLM>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG, CLM>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
     return nullptr;
 }
 
@@ -718,20 +670,19 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, pair, epi, rcap, sb, rg, clm;
+    bool bulk, prm, fin, pair, epi, rcap, sb, rg;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    pair   epi    rcap   sb     rg     clm
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false, false},
-    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true,  false},
-    {V7_CLM_VARIANT,  true,  true,  true,  false, true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    pair   epi    rcap   sb     rg
+    {V7_VARIANT,      false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false},
+    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false},
+    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -741,7 +692,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.pair, b.epi, b.rcap, b.sb, b.rg, b.clm>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.pair, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }

@@ -59,7 +59,7 @@ CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 36, 40, 44): whole 1024-column slices for its 8 CTAs,
+    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 27, 31, 36, 40): whole 1024-column slices for its 8 CTAs,
     <= 4 intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
