@@ -142,7 +142,8 @@ enum Event7 : int {
 // the first trellis request and the zero-row pass skipped when every row is routed, tied 40; 42
 // (d5852ac), 40 with units past the first pass claimed from a ticket by each cluster's rank 0, no
 // faster, and its first next-unit store into the peers' shared memory came before any cluster
-// barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows.)
+// barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows; 44 (6a6ce29), 40
+// with claims only past the second pass, whose K3 builds spilled at 128 registers and ran slower.)
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
           bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
