@@ -10,7 +10,8 @@ states by multiply-high (v33), the first unit's trellis requested earlier (v34, 
 faster and are not built; nor are session 18's v37 (L2 prefetches, unawaited arrivals), v38
 (batched rotation loads) and v39 (v36 with unawaited arrivals, superseded by v40), or session 19's
 v41 (v40 with lazier per-row bookkeeping: a tie), v42 (units claimed from a ticket: no faster
-below sixteen rows, and a shared-memory hazard) and v43 (a cluster per unit: slower from four rows):
+below sixteen rows, and a shared-memory hazard), v43 (a cluster per unit: slower from four rows) and
+v44 (claims past the second pass: its K3 builds spilled and lost from two to sixteen rows):
 
 * The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
