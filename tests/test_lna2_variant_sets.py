@@ -17,10 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels" / "lna2"
 
 
+def api_v7_constants() -> dict[str, int]:
+    """lna2_api.h's V7_* constants by name."""
+    api = (KERNELS / "lna2_api.h").read_text()
+    return {name: int(val) for name, val in re.findall(r"\b(V7_\w+)\s*=\s*(\d+)", api)}
+
+
 def api_cluster_variants() -> tuple[set[int], set[int]]:
     """is_cluster_variant's set, and the timing ablations within it."""
     api = (KERNELS / "lna2_api.h").read_text()
-    consts = {name: int(val) for name, val in re.findall(r"\b(V7_\w+)\s*=\s*(\d+)", api)}
+    consts = api_v7_constants()
     body = api[api.index("inline bool is_cluster_variant"):]
     body = body[:body.index("}")]
     named = {consts[n] for n in re.findall(r"v == (V7_\w+)", body)}
@@ -70,8 +76,7 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
     finisher (fin), per-row arrivals (rg) only with one buffer, row-capped buffers (rcap) only with
     the local finisher."""
     cluster, ablations = api_cluster_variants()
-    api = (KERNELS / "lna2_api.h").read_text()
-    consts = {name: int(val) for name, val in re.findall(r"\b(V7_\w+)\s*=\s*(\d+)", api)}
+    consts = api_v7_constants()
     src = (KERNELS / "lna2_v7.cu").read_text()
     table = src[src.index("constexpr Build7 BUILDS7[] = {"):]
     table = table[:table.index("};")]
@@ -81,8 +86,9 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
     assert len(variants) == len(set(variants))
     assert set(variants) == cluster - ablations
     for name, flags in rows:
-        f = dict(zip(header, (v.strip() == "true" for v in flags.split(","))))
-        assert len(f) == len(header), name
+        values = [v.strip() for v in flags.split(",")]
+        assert len(values) == len(header) and set(values) <= {"true", "false"}, name
+        f = dict(zip(header, (v == "true" for v in values)))
         if f["sb"]:
             assert f["fin"], name
         if f["rg"]:
