@@ -1136,19 +1136,21 @@ def cmd_trace_summary(args):
 
 
 def cmd_profile(args):
-    """A few launches for ncu: tp8 K2 m=1 and m=16, tp1 K2 m=8 (3 of each; profile the third)."""
+    """A few launches for ncu: tp8 K2 m=1 and m=16, tp1 K2 m=8 (3 of each; profile the third).
+    LNA2_PROFILE_SHAPES picks others ("tp8:4+8,tp1:8"), LNA2_PROFILE_BITS the K of all of them."""
     import torch
 
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
     variant = int(os.environ.get("LNA2_PROFILE_VARIANT", "4"))
+    bits = int(os.environ.get("LNA2_PROFILE_BITS", "2"))
     shapes = [(s_, tuple(int(m_) for m_ in ms_.split("+"))) for s_, ms_ in
               (p_.split(":") for p_ in os.environ.get("LNA2_PROFILE_SHAPES", "tp8:1+16,tp1:8").split(","))]
-    for c in mcg_cases(shapes, dev, gen):
+    for c in mcg_cases(shapes, dev, gen, bits):
         for _ in range(3):
             c.L.run(c.x, c.ids32, c.w32, c.out, variant)
         torch.cuda.synchronize()
-        log(f"profiled {c.shape} m={c.m}")
+        log(f"profiled {c.shape} K{bits} m={c.m}")
 
 
 def cmd_reconstruct(args):
