@@ -164,7 +164,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
             # the epilogue's (block, row) tasks as the kernel deals them to its warps
             covered = []
             for rc in range((rows + 3) // 4):
-                if epi:  # variants 26/27: tk = warp, warp + 8, .. of nblk x (rows in the chunk); block warp mod nblk,
+                if epi:  # variant 26 and its successors: tk = warp, warp + 8, .. of nblk x (rows in the chunk); block warp mod nblk,
                     # also the block of the one svh vector the warp loaded
                     ntask = nblk * min(4, rows - 4 * rc)
                     covered += [(warp & (nblk - 1), rc * 4 + tk // nblk) for warp in range(NW)
@@ -239,7 +239,7 @@ def test_v7_cluster_of_eight_matches_reference():
 
 
 def test_v26_epilogue_with_four_blocks_per_cta():
-    """v26/v27's dealt epilogue where a CTA owns several 128-column blocks (H 1024 over a cluster of 2:
+    """v26's dealt epilogue where a CTA owns several 128-column blocks (H 1024 over a cluster of 2:
     four), with one row and with a 6-row group (two 4-row chunks, the second partial)."""
     H, I, E = 1024, 128, 5
     layer = random_expert_layer(E, H, I, 2, "mcg", seed=43)

@@ -142,8 +142,9 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // trellis requested around x and suh, and an acquire-release arrival; 20 is 9 with the byte-permute
 // state extraction at K2; 21 is 20 with every CTA finishing the activation itself (no second
 // cluster barrier); 26 is 21 with the down epilogue's tasks dealt to the warps in turn through one
-// rolled copy of its code; 27 is 20 with that epilogue and two k-steps per decode-loop iteration.
-// (22-25 and 28 were session 15's experiments, measured and retired: kernels/lna2/NOTES.md.)
+// rolled copy of its code. (22-25 and 28 were session 15's experiments, measured and retired:
+// kernels/lna2/NOTES.md; 27, 20 with that epilogue and two k-steps per decode-loop iteration, was
+// retired in session 20: no build the policy serves had its paired loops.)
 // 31 is 26 with partial buffers of min(8, m) rows, which keeps K3 at two CTAs per SM up to six rows;
 // 36 is 31 with one partial buffer (a split cluster barrier guards its reuse), two K3 CTAs per SM to
 // eighteen rows; 40 is 36 with arrivals counted per (column slice, row) and each row summed by the unit
@@ -152,7 +153,7 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
 // copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;
-constexpr int V7_EPI_VARIANT = 26, V7_PE20_VARIANT = 27, V7_RCAP_VARIANT = 31, V7_SB_VARIANT = 36, V7_RG_VARIANT = 40;
+constexpr int V7_EPI_VARIANT = 26, V7_RCAP_VARIANT = 31, V7_SB_VARIANT = 36, V7_RG_VARIANT = 40;
 constexpr int V7_ABLATION_BASE = 17, V7_ABLATIONS = 3;
 inline bool is_ablation(int v) {
     return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) ||
@@ -160,7 +161,7 @@ inline bool is_ablation(int v) {
 }
 inline bool is_cluster_variant(int v) {
     return v == V7_VARIANT || v == V7_BULK_VARIANT || v == V7_PRM_VARIANT || v == V7_FIN_VARIANT || v == V7_EPI_VARIANT ||
-           v == V7_PE20_VARIANT || v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT ||
+           v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT ||
            (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
 inline bool variant_known(int v) { return (v >= 0 && v <= 4) || v == 6 || is_cluster_variant(v) || is_ablation(v); }

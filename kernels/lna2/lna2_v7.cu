@@ -108,11 +108,7 @@ enum Event7 : int {
 // unit's partial write comes after the next unit's cluster barrier, which every CTA reaches only
 // after its reads of the previous unit's partials; one split barrier (arrive after the last
 // unit's reads, wait before exit) keeps every CTA's shared memory alive while its peers read it.
-// PAIR (variant 27): two k-steps per iteration of the decode loops, so that the scheduler has 16
-// tiles in one block instead of 8 (the one-row decode loops are latency-bound: with two CTAs per SM
-// a phase takes ~1.5x, not 2x). It cost in v26's build at 128 registers (v28, retired); v27 was
-// measured only with it and the dealt epilogue together (NOTES.md).
-// EPI (variants 26, 27): the down epilogue's (block, row) tasks are dealt to the warps in turn
+// EPI (variant 26): the down epilogue's (block, row) tasks are dealt to the warps in turn
 // (block = warp mod nblk, so each warp needs one svh vector) by a loop the compiler keeps rolled: at
 // one row four warps take one task each instead of two warps two each, through one copy of the
 // code instead of four. ncu (session 15 run 2, v24, one row): that phase's unrolled code (1,294
@@ -128,6 +124,8 @@ enum Event7 : int {
 // arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan. Variant
 // 38, a2b1f68, retired: 36 with the loads of up to four of a warp's rotation tasks in flight
 // together; slower everywhere, its rotation 0.4 us longer at one and eight rows.)
+// (Variant 27, session 15: 20 with the dealt epilogue and two k-steps per decode-loop iteration, the
+// PAIR flag; retired in session 20 with its flag, as no served build had it.)
 // (Variant 39, session 18, edad5e6, retired in session 19: 36 whose non-last units arrived by a
 // release reduction nobody waited for; it tied 36 at K3 and 40 superseded it.)
 // RG (variant 40, with SB): arrivals are counted per (column slice, row), not per slice,
@@ -144,7 +142,7 @@ enum Event7 : int {
 // faster, and its first next-unit store into the peers' shared memory came before any cluster
 // barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows; 44 (6a6ce29), 40
 // with claims only past the second pass, whose K3 builds spilled at 128 registers and ran slower.)
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool PAIR = false, bool EPI = false,
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
           bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
@@ -429,26 +427,12 @@ struct V7Kernel {
             for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
             {
                 const int proj = warp & 1, ksub = warp >> 1;
-                if constexpr (PAIR) {
-                    for (int st = 0; st < g.kpw; st += 2) {  // kpw = 2 nblk is even
-                        mbar_wait(bar + st, par);
-                        mbar_wait(bar + st + 1, par);
-                        uint32_t b0[4], b1[4];
-                        const uint32_t* xp = xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2;
-                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xp), b0);
-                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xp + 64), b1);
-                        const uint32_t* rp = reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW);
-                        mma_row<K, CB, DUP, ABL, PRM>(rp, b0, w0i, w1i, sh, a, acc);
-                        mma_row<K, CB, DUP, ABL, PRM>(rp + 8 * ROW / 4, b1, w0i, w1i, sh, a, acc);
-                    }
-                } else {
-                    for (int st = 0; st < g.kpw; st++) {
-                        mbar_wait(bar + st, par);
-                        uint32_t b[4];
-                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
-                        mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
-                                            w1i, sh, a, acc);
-                    }
+                for (int st = 0; st < g.kpw; st++) {
+                    mbar_wait(bar + st, par);
+                    uint32_t b[4];
+                    b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * g.kpc + ksub * g.kpw + st) * 32 + lane) * 2), b);
+                    mma_row<K, CB, DUP, ABL, PRM>(reinterpret_cast<const uint32_t*>(dyn + D.gu + (st * 8 + warp) * ROW), b, w0i,
+                                        w1i, sh, a, acc);
                 }
             }
             __syncthreads();  // gate/up trellis and xs are free
@@ -521,19 +505,7 @@ struct V7Kernel {
             {
                 const int bw = warp / wpb, kq = warp - bw * wpb;
                 mbar_wait(bar + g.kpw, par);
-                int i0 = 0;
-                if constexpr (PAIR) {
-                    for (; i0 + 1 < kpwd; i0 += 2) {
-                        const int kt8 = kq * kpwd + i0;
-                        uint32_t b0[4], b1[4];
-                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b0);
-                        b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + ((kt8 + 1) * 32 + lane) * 2), b1);
-                        const uint32_t* rp = reinterpret_cast<const uint32_t*>(dyn + D.dn + (kt8 * g.nblk + bw) * ROW);
-                        mma_row<K, CB, DUP, ABL, PRM>(rp, b0, w0i, w1i, sh, a, acc);
-                        mma_row<K, CB, DUP, ABL, PRM>(rp + g.nblk * ROW / 4, b1, w0i, w1i, sh, a, acc);
-                    }
-                }
-                for (int i = i0; i < kpwd; i++) {  // PAIR: an odd k-tile count's last one
+                for (int i = 0; i < kpwd; i++) {
                     const int kt8 = kq * kpwd + i;
                     uint32_t b[4];
                     b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
@@ -642,27 +614,27 @@ struct V7Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false,
+template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
           bool RCAP = false, bool SB = false, bool RG = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-template <bool BULK, bool PRM = false, bool FIN = false, bool PAIR = false, bool EPI = false, bool RCAP = false,
+template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
           bool SB = false, bool RG = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, PAIR, EPI, RCAP, SB, RG>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, PAIR, EPI, RCAP, SB, RG>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG>;
     return nullptr;
 }
 
@@ -671,19 +643,18 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, pair, epi, rcap, sb, rg;
+    bool bulk, prm, fin, epi, rcap, sb, rg;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    pair   epi    rcap   sb     rg
-    {V7_VARIANT,      false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  false, true,  false, false, false},
-    {V7_PE20_VARIANT, true,  true,  false, true,  true,  false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  false, true,  true,  false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  false, true,  true,  true,  false},
-    {V7_RG_VARIANT,   true,  true,  true,  false, true,  true,  true,  true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg
+    {V7_VARIANT,      false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -693,7 +664,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.pair, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
