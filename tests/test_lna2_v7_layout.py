@@ -303,22 +303,3 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
     assert (got[10] == 0).all()
     _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
-
-
-def test_v45_rotation_tasks_dealt_from_the_free_warps():
-    """Variant 45 rotates the next unit's x during this unit's finisher, where warps 0 .. rows-1 each
-    finish a row. rotate()'s dealing with `first` = rows (lna2_v7.cu: task = (warp + WARPS - first
-    % WARPS) % WARPS, then + WARPS): every task of the next group once, at any task count and offset,
-    and the first tasks go to the warps with no row to finish."""
-    for n in range(2 * 8 * 8 + 1):  # 2 projections x up to 8 rows x up to 8 blocks
-        for first in range(12):
-            owner = {}
-            for warp in range(NW):
-                task = (warp + NW - first % NW) % NW
-                while task < n:
-                    assert task not in owner
-                    owner[task] = warp
-                    task += NW
-            assert sorted(owner) == list(range(n))
-            if first < NW:
-                assert all(owner[task] >= first for task in range(min(n, NW - first)))

@@ -74,7 +74,7 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
     host's shared-memory layout. Every non-ablation cluster variant has exactly one row, and the rows
     respect what the kernel's protocols assume: one partial buffer (sb) only with the local
     finisher (fin), per-row arrivals (rg) only with one buffer, row-capped buffers (rcap) only with
-    the local finisher, the early rotation (er) only on v40's protocol (rg, fin)."""
+    the local finisher."""
     cluster, ablations = api_cluster_variants()
     consts = api_v7_constants()
     src = (KERNELS / "lna2_v7.cu").read_text()
@@ -95,5 +95,3 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
             assert f["sb"], name
         if f["rcap"]:
             assert f["fin"], name
-        if f.get("er"):
-            assert f["rg"] and f["fin"], name

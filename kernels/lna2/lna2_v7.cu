@@ -66,15 +66,12 @@ struct Dyn7 {
 __host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m < GR ? m : GR; }
 
 // prow (variant 31): rows per partial buffer (partial_rows).
-// red_in_dn (variant 45): the down buffer also holds the down epilogue's reduction (WARPS x 512 fp32),
-// so it is at least that big (it already is at the seat's 4096 hidden).
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR,
-                                            bool red_in_dn = false) {
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
-    d.dn = off;    off += red_in_dn && 8 * g.nblk * row < WARPS * 512 * 4 ? WARPS * 512 * 4 : 8 * g.nblk * row;  // [k-tile of the block][block] rows
+    d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
     d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
@@ -145,16 +142,8 @@ enum Event7 : int {
 // faster, and its first next-unit store into the peers' shared memory came before any cluster
 // barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows; 44 (6a6ce29), 40
 // with claims only past the second pass, whose K3 builds spilled at 128 registers and ran slower.)
-// ER (variant 45, with RG): a unit's x * suh rotation is done during the previous unit's finisher, by
-// the warps that have no row to finish (then by the others), instead of after its arrival. xs is free
-// from the cluster barrier that publishes the partials (the partial sums are its last reader) to the
-// next gate/up loop, once the down epilogue's reduction moves to the down buffer; that buffer is
-// free after the down MMAs, and the next unit's down trellis is requested after the epilogue
-// instead of before it. Session 20's ncu at four K2 and eight K3 rows: the SMs issue in 36-42 % of
-// cycles with ~3.4 resident warps per scheduler; the rotation's x and suh trips leave every warp of
-// a CTA waiting (1.4-1.7 us per later unit in session 19's traces).
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool ER = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
@@ -236,13 +225,11 @@ struct V7Kernel {
     // x * suh, 128-point Hadamard, into B-fragment order for this CTA's k-range: xs[proj][kt][lane][2].
     // late_u >= 0: each warp requests its rows of unit late_u's remaining trellis as soon as its own
     // x and suh are in (or at once if it has no rotation task).
-    // first >= 0 (ER): the tasks are dealt from warp `first` on, so that warps with no row to finish
-    // take them first.
-    __device__ void rotate(int gi, int late_u, int first = -1) {
+    __device__ void rotate(int gi, int late_u) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[gi];
         uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
-        for (int task = first < 0 ? warp : (warp + WARPS - first % WARPS) % WARPS; task < 2 * rows * g.nblk; task += WARPS) {
+        for (int task = warp; task < 2 * rows * g.nblk; task += WARPS) {
             const int proj = task & 1, rest = task >> 1;
             const int j = rest % rows, b = rest / rows;
             const int k = (r * g.nblk + b) * 128 + 4 * lane;
@@ -369,7 +356,7 @@ struct V7Kernel {
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow, ER);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -399,7 +386,6 @@ struct V7Kernel {
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float* red = reinterpret_cast<float*>(dyn + D.xs);
-        float* dred = reinterpret_cast<float*>(dyn + (ER ? D.dn : D.xs));  // the down epilogue's reduction
         float* cpart0 = reinterpret_cast<float*>(dyn + D.cpart);
         uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
@@ -431,7 +417,7 @@ struct V7Kernel {
                 }
             }
 
-            if (!ER || it == 0) rotate(gi, BULK && it == 0 ? u : -1);  // ER: later units' during the last finisher
+            rotate(gi, BULK && it == 0 ? u : -1);
             __syncthreads();
             trace(E7_ROTATED, u);
 
@@ -505,10 +491,6 @@ struct V7Kernel {
                         store_frag_pairs(cluster.map_shared_rank(act, q) + (lane >> 2) * 64, jf, lane, av);
                 }
             }
-            if constexpr (ER) {
-                static_assert(!ER || (RG && FIN), "ER's dealing and buffers follow v40's");
-                if (u + ncl < units) rotate((u + ncl) / g.n_ib, -1, rows);
-            }
             if constexpr (FIN) {
                 if (SB || u + ncl >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
                 __syncthreads();                          // the activation is in this CTA
@@ -533,13 +515,13 @@ struct V7Kernel {
             }
             __syncthreads();  // down trellis is free
             trace(E7_DN_MMA, u);
-            if (!ER && u + ncl < units) issue_dn(u + ncl);  // ER: after the epilogue, whose reduction is there
+            if (u + ncl < units) issue_dn(u + ncl);
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
             // x svh, one fp32 y row per entry and intermediate block
             for (int rc = 0; rc * 4 < rows; rc++) {
                 if (rc) __syncthreads();
-                write_red(dred, rc, acc);
+                write_red(red, rc, acc);
                 __syncthreads();
                 if constexpr (EPI) {
                     const int ntask = g.nblk * min(4, rows - 4 * rc);
@@ -551,7 +533,7 @@ struct V7Kernel {
                         const int rr = tk / g.nblk, j = rc * 4 + rr;
                         float v[4] = {0.f, 0.f, 0.f, 0.f};
                         for (int kq = 0; kq < wpb; kq++) {
-                            const float4 x = *reinterpret_cast<const float4*>(dred + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
+                            const float4 x = *reinterpret_cast<const float4*>(red + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
                             v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
                         }
                         fwht128(v, lane);
@@ -567,7 +549,7 @@ struct V7Kernel {
                         if (tk < 4 * g.nblk && j < rows) {
                             float v[4] = {0.f, 0.f, 0.f, 0.f};
                             for (int kq = 0; kq < wpb; kq++) {
-                                const float4 x = *reinterpret_cast<const float4*>(dred + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
+                                const float4 x = *reinterpret_cast<const float4*>(red + (bsel * wpb + kq) * 512 + rr * 128 + 4 * lane);
                                 v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
                             }
                             fwht128(v, lane);
@@ -582,10 +564,8 @@ struct V7Kernel {
                 }
             }
             // ---- the last unit over column slice r sums it
-            if constexpr (ER) fence_async_smem();  // the reduction's generic accesses before the next down copy
             __syncthreads();
             trace(E7_Y, u);
-            if (ER && u + ncl < units) issue_dn(u + ncl);
             if constexpr (RG) {
                 static_assert(C7 * MAX_ROWS <= MAX_PAIRS * MAX_IB, "per-(slice, row) counters fit v2's arr region");
                 __shared__ int rflag[GR];  // this unit completed row j of its group on slice r
@@ -635,26 +615,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool ER = false>
+          bool RCAP = false, bool SB = false, bool RG = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, ER> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool ER = false>
+          bool SB = false, bool RG = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, ER>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, ER>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, ER>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, ER>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG>;
     return nullptr;
 }
 
@@ -663,19 +643,18 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, er;
+    bool bulk, prm, fin, epi, rcap, sb, rg;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg     er
-    {V7_VARIANT,      false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_ER_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg
+    {V7_VARIANT,      false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -685,7 +664,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.er>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
@@ -711,10 +690,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 bool two_buf(int variant) {
     const Build7* b = build7_of(variant);
     return b && b->fin && !b->sb;
-}
-bool red_in_dn(int variant) {
-    const Build7* b = build7_of(variant);
-    return b && b->er;
 }
 int prow_of(int variant, int m) {
     const Build7* b = build7_of(variant);
@@ -796,7 +771,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m), red_in_dn(variant)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -818,7 +793,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m), red_in_dn(a.variant)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
