@@ -1136,7 +1136,8 @@ def cmd_trace_summary(args):
 
 
 def cmd_profile(args):
-    """A few launches for ncu: tp8 K2 m=1 and m=16, tp1 K2 m=8 (3 of each; profile the third).
+    """A few launches for ncu: tp8 K2 m=1 and m=16, tp1 K2 m=8, three of each (lna2_device.sh's ncu
+    step profiles all of them).
     LNA2_PROFILE_SHAPES picks others ("tp8:4+8,tp1:8"), LNA2_PROFILE_BITS the K of all of them."""
     import torch
 
