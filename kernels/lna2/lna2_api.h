@@ -148,8 +148,8 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // 31 is 26 with partial buffers of min(8, m) rows, which keeps K3 at two CTAs per SM up to six rows;
 // 36 is 31 with one partial buffer (a split cluster barrier guards its reuse), two K3 CTAs per SM to
 // eighteen rows; 40 is 36 with arrivals counted per (column slice, row) and each row summed by the unit
-// that completes it. (32-35 were session 17's experiments, 37-39 session 18's and 41-44 session
-// 19's, measured and retired.)
+// that completes it. (32-35 were session 17's experiments, 37-39 session 18's, 41-44 session 19's
+// and 45 session 20's, measured and retired: kernels/lna2/NOTES.md, "The variants".)
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
 // copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;

@@ -120,14 +120,6 @@ enum Event7 : int {
 // barrier once its finisher has read its peers' partials and waits on it before it next writes its
 // own, by then a rotation and a gate/up loop later: K3 keeps two CTAs per SM at seven and eight rows
 // too (two 8-row buffers and the rest come to 119,864 B a CTA; one leaves 111,672).
-// (Variant 37, session 18, f77f631, retired: 36 with L2 prefetches of the rotation's inputs and unawaited
-// arrivals for a cluster's non-last units; no faster, the prefetches slowed the route plan. Variant
-// 38, a2b1f68, retired: 36 with the loads of up to four of a warp's rotation tasks in flight
-// together; slower everywhere, its rotation 0.4 us longer at one and eight rows.)
-// (Variant 27, session 15: 20 with the dealt epilogue and two k-steps per decode-loop iteration, the
-// PAIR flag; retired in session 20 with its flag, as no served build had it.)
-// (Variant 39, session 18, edad5e6, retired in session 19: 36 whose non-last units arrived by a
-// release reduction nobody waited for; it tied 36 at K3 and 40 superseded it.)
 // RG (variant 40, with SB): arrivals are counted per (column slice, row), not per slice,
 // and whichever unit completes a row on slice r sums that row there at once. The per-slice counter
 // left the whole slice to the last unit: at eight rows 1,024 four-column items per CTA, four L2 trips
@@ -136,12 +128,8 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
-// (Session 19's variants, measured and retired: 41 (b30946c), 40 with the per-row counts taken after
-// the first trellis request and the zero-row pass skipped when every row is routed, tied 40; 42
-// (d5852ac), 40 with units past the first pass claimed from a ticket by each cluster's rank 0, no
-// faster, and its first next-unit store into the peers' shared memory came before any cluster
-// barrier; 43 (017529c), 40 launched with a cluster per unit, slower from four rows; 44 (6a6ce29), 40
-// with claims only past the second pass, whose K3 builds spilled at 128 registers and ran slower.)
+// Variants measured against these and retired (27, 37-39, 41-45), with their commits and figures:
+// kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
           bool RCAP = false, bool SB = false, bool RG = false>
 struct V7Kernel {

@@ -8,10 +8,11 @@ with this table in force, and its dispatch ran it (2026-12-04-h200.json; session
 are in 2026-12-04-h200-s18.json). Session 17's candidates -- 16-warp CTAs at one row (v32), K2's
 states by multiply-high (v33), the first unit's trellis requested earlier (v34, v35) -- were no
 faster and are not built; nor are session 18's v37 (L2 prefetches, unawaited arrivals), v38
-(batched rotation loads) and v39 (v36 with unawaited arrivals, superseded by v40), or session 19's
+(batched rotation loads) and v39 (v36 with unawaited arrivals, superseded by v40), session 19's
 v41 (v40 with lazier per-row bookkeeping: a tie), v42 (units claimed from a ticket: no faster
 below sixteen rows, and a shared-memory hazard), v43 (a cluster per unit: slower from four rows) and
-v44 (claims past the second pass: its K3 builds spilled and lost from two to sixteen rows):
+v44 (claims past the second pass: its K3 builds spilled and lost from two to sixteen rows), or
+session 20's v45 (the next unit's rotation during this unit's finisher: slower from four rows):
 
 * The cluster kernel (lna2_v7.cu: one 8-CTA cluster per row group and 128-block of the
   intermediate, the gate/up k-split reduced through distributed shared memory, nothing but the
