@@ -36,7 +36,8 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False,
+             push=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -57,6 +58,8 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     prow = min(8, m) if rcap else 8
     nbuf = 2 if fin_local and not sb else 1
     cflat = np.full((C, nbuf * 2 * prow * 128), np.nan)
+    # push (v47): every CTA's inbox [rank][proj][row][128], written by each rank into all of them
+    inbox = np.full((C, C * 2 * prow * 128), np.nan)
     done = [0] * C
     out = np.full((m, H), np.nan)
     # rg (v40): arrivals per (slice, row); a row expects its distinct in-range experts x n_ib of them
@@ -93,6 +96,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
             return cflat[r, o:o + 128]
 
         cflat[:, base:base + 2 * prow * 128] = np.nan  # the unit two before's values are stale
+        inbox[:] = np.nan
         for r in range(C):
             # rotate(): tasks (proj, row j, block b) of this CTA's k-range into xs[proj][kt][lane][2]
             xs = np.zeros((2, kpc, 32, 2), dtype=np.int64)
@@ -119,15 +123,24 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 for ks in range(NW // 2):
                     tot = tot + red[2 * ks + proj]
                 for j in range(rows):
-                    cpart_at(r, proj, j)[:] = tot[j]
+                    if push:  # st.async into every CTA q: cpart + ((r * 2 + proj) * prow + j) * 128
+                        o = ((r * 2 + proj) * prow + j) * 128
+                        inbox[:, o:o + 128] = tot[j]
+                    else:
+                        cpart_at(r, proj, j)[:] = tot[j]
         # finisher: rank r's warp w finishes row r + C w and the activation lands in every CTA; with
         # fin_local (v21) every CTA's warp w finishes row w into its own activation
-        def finish(jf, act):
+        def finish(jf, act, me):
             gsum = np.zeros(128)
             usum = np.zeros(128)
             for q in range(C):
-                gsum = gsum + cpart_at(q, 0, jf)
-                usum = usum + cpart_at(q, 1, jf)
+                if push:  # rp = cpart + q * 2 * prow * 128 in CTA me's own inbox; gate at jf, up at prow + jf
+                    rp = inbox[me, q * 2 * prow * 128:(q + 1) * 2 * prow * 128]
+                    gsum = gsum + rp[jf * 128:jf * 128 + 128]
+                    usum = usum + rp[(prow + jf) * 128:(prow + jf) * 128 + 128]
+                else:
+                    gsum = gsum + cpart_at(q, 0, jf)
+                    usum = usum + cpart_at(q, 1, jf)
             col = slice(ib * 128, ib * 128 + 128)
             gv = fwht128(gsum) / np.sqrt(128) * svh["gate"][e, col]
             uv = fwht128(usum) / np.sqrt(128) * svh["up"][e, col]
@@ -145,7 +158,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 if jf >= rows:
                     continue
                 finished.add((r, jf) if fin_local else jf)
-                finish(jf, acts[r if fin_local else 0])
+                finish(jf, acts[r if fin_local else 0], r)
         # each row finished once (v7), or once in every CTA (v21)
         assert finished == ({(r, j) for r in range(C) for j in range(rows)} if fin_local else set(range(rows)))
         # down: CTA r's columns; warp = bw wpb + kq over kpwd of the block's 8 k-tiles
@@ -195,8 +208,9 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb, rg=rg)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False, push=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb, rg=rg,
+                        push=push)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -303,3 +317,22 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
     assert (got[10] == 0).all()
     _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
+
+
+def test_v47_partials_through_every_ctas_inbox():
+    """Variant 47: each rank stores its partials into every CTA's inbox at [rank][proj][row] and each
+    finisher sums its own inbox in rank order; the inbox is NaN until the unit's stores, so a read of
+    a slot no rank wrote shows. A four-row group, a duplicate id, and one row."""
+    H, I, E = 2048, 256, 6
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=53)
+    gen = torch.Generator().manual_seed(54)
+    m = 5
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(m)])
+    ids[:4, 0] = 4
+    ids[ids[:, 1] == 4, 1] = 5
+    ids[4] = torch.tensor([2, 2])
+    w = torch.rand(m, 2, generator=gen)
+    x = torch.randn(m, H, generator=gen).half()
+    flags = dict(fin_local=True, epi=True, rcap=True, sb=True, rg=True, push=True)
+    _check(layer, ids, w, x, "mcg", True, C=2, **flags)
+    _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, **flags)

@@ -69,6 +69,27 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // A split cluster barrier: arrive (releasing this thread's earlier accesses) now, wait later.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// An arrive that releases nothing: for a barrier that only says "this CTA's reads of shared memory
+// that peers will overwrite (or that goes away when they exit) are done". Each value read was
+// consumed, by arithmetic feeding a store that precedes the arrive, so the reads have completed.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+// This thread's mbarrier.init ordered before peers' remote operations on that barrier, once a
+// cluster barrier separates them.
+__device__ __forceinline__ void fence_mbarrier_init_cluster() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// The shared::cluster address of the same shared-memory offset in the cluster's CTA `rank`.
+__device__ __forceinline__ uint32_t mapa_rank(uint32_t saddr, int rank) {
+    uint32_t out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(saddr), "r"(rank));
+    return out;
+}
+// 16 bytes into a (possibly remote) CTA's shared memory, completing 16 bytes of a transaction on
+// that CTA's mbarrier: the receiver waits on its own barrier, with no cluster barrier and no fence.
+__device__ __forceinline__ void st_async16(uint32_t raddr, const float4& v, uint32_t rbar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(raddr),
+                 "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)),
+                 "r"(rbar)
+                 : "memory");
+}
 
 // One device-scope acquire-release add: the old value.
 __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {

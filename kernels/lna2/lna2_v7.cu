@@ -66,19 +66,22 @@ struct Dyn7 {
 __host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m < GR ? m : GR; }
 
 // prow (variant 31): rows per partial buffer (partial_rows).
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR) {
+// push (variant 47): the partial region is an inbox of every rank's partials, and one more mbarrier
+// (kpw + 1) counts their bytes.
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR,
+                                           bool push = false) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-    d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
+    d.cpart = off; off += (push ? C7 : two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // gate/up partials [buf or rank][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
     off = (off + 15) & ~15;
-    d.bar = off;   off += (g.kpw + 1) * 8;                 // one per gate/up step, one for down
+    d.bar = off;   off += (g.kpw + 2) * 8;                 // one per gate/up step, one for down, one for the inbox
     d.total = (off + 15) & ~15;
     return d;
 }
@@ -128,11 +131,22 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
+// RLX (variant 46, with SB): the arrive that says "this CTA has read its peers' partials" is relaxed:
+// it guards only a later overwrite (SB's wait) and the exit, and the values read were consumed by
+// then; a release arrive is a GPU-scope MEMBAR (session 20's SASS), paid once per unit.
+// PUSH (variant 47, with RLX): no cluster barrier before the finisher. Each CTA stores its partials
+// into every CTA's inbox (inbox[rank][proj][row]) by st.async, which completes bytes on the
+// receiver's own mbarrier; the finisher waits on that barrier and reads its inbox locally, in rank
+// order as before. SB's split barrier still guards the inbox's reuse, now before every unit's
+// stores (one more arrive after the plan, with the barrier's init fenced for the cluster). The inbox
+// is 8 x a partial buffer: two CTAs per SM stay at K2 to ~six rows, at K3 for one row only.
 // Variants measured against these and retired (27, 37-39, 41-45), with their commits and figures:
 // kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false>
 struct V7Kernel {
+    static_assert(!RLX || SB, "the relaxed arrive is SB's");
+    static_assert(!PUSH || RLX, "the inbox's reuse is guarded by SB's split barrier");
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
@@ -344,7 +358,7 @@ struct V7Kernel {
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow, PUSH);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -355,6 +369,12 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
+        if constexpr (PUSH) {
+            if (t == g.kpw + 1) {
+                mbar_init(bar + t, 1);  // the inbox: thread 0 arms each unit's bytes
+                fence_mbarrier_init_cluster();
+            }
+        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
@@ -363,6 +383,9 @@ struct V7Kernel {
             return;
         }
         if constexpr (RG) count_row_needs();
+        if constexpr (PUSH) {
+            if (cid < units) cluster_arrive_relaxed();  // the inbox barrier is initialised (waited on before the first stores)
+        }
         if (cid < units) {
             if constexpr (BULK) {
                 issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
@@ -405,6 +428,10 @@ struct V7Kernel {
                 }
             }
 
+            if constexpr (PUSH) {
+                // every rank's partials of this unit: this phase began when the last unit's finisher passed
+                if (t == 0) mbar_arm_tx(bar + g.kpw + 1, C7 * 2 * rows * 512);
+            }
             rotate(gi, BULK && it == 0 ? u : -1);
             __syncthreads();
             trace(E7_ROTATED, u);
@@ -427,7 +454,8 @@ struct V7Kernel {
             trace(E7_GU_MMA, u);
             if (u + ncl < units) issue_gu(u + ncl);
             if constexpr (SB) {
-                if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
+                // every peer has read this CTA's partials of the last unit (PUSH: every inbox is free)
+                if (it > 0 || PUSH) cluster_wait();
             }
 
             // ---- this CTA's partial over its k-range, per (proj, row), into its own cpart
@@ -443,20 +471,28 @@ struct V7Kernel {
                         const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
                         v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
                     }
-                    *reinterpret_cast<float4*>(cpart + (proj * prow + j) * 128 + 4 * lane) = v;
+                    if constexpr (PUSH) {
+                        const uint32_t dst = smem_u32(cpart + ((r * 2 + proj) * prow + j) * 128 + 4 * lane);
+                        const uint32_t ib = smem_u32(bar + g.kpw + 1);
+#pragma unroll
+                        for (int q = 0; q < C7; q++) st_async16(mapa_rank(dst, q), v, mapa_rank(ib, q));
+                    } else {
+                        *reinterpret_cast<float4*>(cpart + (proj * prow + j) * 128 + 4 * lane) = v;
+                    }
                 }
             }
             trace(E7_PARTIAL, u);
-            cluster.sync();  // every CTA's partials are visible cluster-wide
+            if constexpr (!PUSH) cluster.sync();  // every CTA's partials are visible cluster-wide
             trace(E7_SYNC1, u);
 
             // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
             // into the down input's Hadamard basis, written into every CTA's activation buffer
             if (jf < rows) {
                 float4 pg[C7], pu[C7];
+                if constexpr (PUSH) mbar_wait(bar + g.kpw + 1, par);
 #pragma unroll
                 for (int q = 0; q < C7; q++) {
-                    const float* rp = cluster.map_shared_rank(cpart, q);
+                    const float* rp = PUSH ? cpart + q * 2 * prow * 128 : cluster.map_shared_rank(cpart, q);
                     pg[q] = *reinterpret_cast<const float4*>(rp + jf * 128 + 4 * lane);
                     pu[q] = *reinterpret_cast<const float4*>(rp + (prow + jf) * 128 + 4 * lane);
                 }
@@ -480,7 +516,10 @@ struct V7Kernel {
                 }
             }
             if constexpr (FIN) {
-                if (SB || u + ncl >= units) cluster_arrive();  // this CTA's reads of its peers' partials are done
+                if (SB || u + ncl >= units) {  // this CTA's reads of its peers' partials are done
+                    if constexpr (RLX) cluster_arrive_relaxed();
+                    else cluster_arrive();
+                }
                 __syncthreads();                          // the activation is in this CTA
             } else {
                 cluster.sync();  // the activation is in every CTA; nobody reads cpart or writes act any more
@@ -603,26 +642,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false>
+          bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH>;
     return nullptr;
 }
 
@@ -631,18 +670,20 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, push;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg
-    {V7_VARIANT,      false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    push
+    {V7_VARIANT,      false, false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false},
+    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_PUSH_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -652,7 +693,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.push>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
@@ -682,6 +723,10 @@ bool two_buf(int variant) {
 int prow_of(int variant, int m) {
     const Build7* b = build7_of(variant);
     return partial_rows(b && b->rcap, m);
+}
+bool push_of(int variant) {
+    const Build7* b = build7_of(variant);
+    return b && b->push;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -759,7 +804,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m), push_of(variant)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -781,7 +826,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m), push_of(a.variant)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
