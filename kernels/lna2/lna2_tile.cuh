@@ -115,6 +115,22 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     }
 }
 
+// The same wait with cluster-scope acquire: for bytes that peers' st.async completed on this barrier
+// (their complete_tx releases at cluster scope; a CTA-scope acquire would not pair with it).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+    const uint32_t addr = smem_u32(bar);
+    uint32_t done = 0;
+    for (unsigned spin = 0;; spin++) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(addr), "r"(parity)
+            : "memory");
+        if (done) return;
+        if (spin > SPIN_LIMIT) __trap();
+    }
+}
+
 __device__ __forceinline__ uint2 ldcg2(const uint32_t* p) { return __ldcg(reinterpret_cast<const uint2*>(p)); }
 
 // A read-only 8-byte load the compiler keeps where it is written (not sunk into the branch that

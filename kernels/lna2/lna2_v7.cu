@@ -489,7 +489,7 @@ struct V7Kernel {
             // into the down input's Hadamard basis, written into every CTA's activation buffer
             if (jf < rows) {
                 float4 pg[C7], pu[C7];
-                if constexpr (PUSH) mbar_wait(bar + g.kpw + 1, par);
+                if constexpr (PUSH) mbar_wait_cluster(bar + g.kpw + 1, par);
 #pragma unroll
                 for (int q = 0; q < C7; q++) {
                     const float* rp = PUSH ? cpart + q * 2 * prow * 128 : cluster.map_shared_rank(cpart, q);
