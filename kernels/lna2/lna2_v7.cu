@@ -139,7 +139,8 @@ enum Event7 : int {
 // receiver's own mbarrier; the finisher waits on that barrier and reads its inbox locally, in rank
 // order as before. SB's split barrier still guards the inbox's reuse, now before every unit's
 // stores (one more arrive after the plan, with the barrier's init fenced for the cluster). The inbox
-// is 8 x a partial buffer: two CTAs per SM stay at K2 to ~six rows, at K3 for one row only.
+// is 8 x a partial buffer: two CTAs fit an SM at K2 up to four rows (109,088 B with the static
+// memory), at K3 at one row only (107,792; two rows need 116,416 against 115,712).
 // Variants measured against these and retired (27, 37-39, 41-45), with their commits and figures:
 // kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
