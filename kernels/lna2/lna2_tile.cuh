@@ -140,6 +140,17 @@ __device__ __forceinline__ uint2 ld_early(const void* p) {
     asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
+// Four 2-byte activations (fp16, or bf16 when dtype says so) already loaded, as floats.
+__device__ __forceinline__ void act4(uint2 u, int dtype, float (&v)[4]) {
+    if (dtype == DT_BF16) {
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+    } else {
+        const float2 a = __half22float2(u2h(u.x)), b = __half22float2(u2h(u.y));
+        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+    }
+}
 __device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
     const float2 a = __half22float2(u2h(u.x)), b = __half22float2(u2h(u.y));
     v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;

@@ -141,11 +141,16 @@ enum Event7 : int {
 // stores (one more arrive after the plan, with the barrier's init fenced for the cluster). The inbox
 // is 8 x a partial buffer: two CTAs fit an SM at K2 up to four rows (109,088 B with the static
 // memory), at K3 at one row only (107,792; two rows need 116,416 against 115,712).
+// XF (variant 48, with PUSH): the first unit's trellis is requested behind x and suh, not ahead of
+// them: no gate/up steps at the plan, and each warp requests its rows of every step and of down as
+// soon as its first x and suh loads are issued (not returned). Without trellis traffic the
+// rotation took 1.5 us at one row, with v20's two early steps ahead of x and suh 2.4 (NOTES.md).
 // Variants measured against these and retired (27, 37-39, 41-45), with their commits and figures:
 // kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false>
 struct V7Kernel {
+    static_assert(!XF || (BULK && PUSH), "x first is a bulk-copy build's, measured on v47");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
     static_assert(!PUSH || RLX, "the inbox's reuse is guarded by SB's split barrier");
     static constexpr int TILE = 32 * K;  // bytes per tile
@@ -237,11 +242,22 @@ struct V7Kernel {
             const int j = rest % rows, b = rest / rows;
             const int k = (r * g.nblk + b) * 128 + 4 * lane;
             float v[4], sc[4];
-            load4_x(a.x, a.x_dtype, size_t(s.grows[gi][j]) * a.hidden + k, v);
-            load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
+            if constexpr (XF) {  // both loads leave before the warp's trellis requests
+                const uint2 xr = ld_early(reinterpret_cast<const __half*>(a.x) + size_t(s.grows[gi][j]) * a.hidden + k);
+                const uint2 sr = ld_early(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k);
+                if (late_u >= 0 && task == warp) {
+                    issue_gu(late_u);
+                    issue_dn(late_u);
+                }
+                act4(xr, a.x_dtype, v);
+                half4(sr, sc);
+            } else {
+                load4_x(a.x, a.x_dtype, size_t(s.grows[gi][j]) * a.hidden + k, v);
+                load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
+            }
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
-            if (BULK && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
+            if (BULK && !XF && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
                 issue_gu(late_u, EARLY_STEPS);
                 issue_dn(late_u);
             }
@@ -251,7 +267,7 @@ struct V7Kernel {
             store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
         }
         if (BULK && late_u >= 0 && warp >= 2 * rows * g.nblk) {
-            issue_gu(late_u, EARLY_STEPS);
+            issue_gu(late_u, XF ? 0 : EARLY_STEPS);
             issue_dn(late_u);
         }
     }
@@ -389,7 +405,8 @@ struct V7Kernel {
         }
         if (cid < units) {
             if constexpr (BULK) {
-                issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
+                // the rest, and down, once x and suh have landed (rotate); XF: all of it there
+                if constexpr (!XF) issue_gu(cid, 0, EARLY_STEPS);
             } else {
                 issue_gu(cid);
                 issue_dn(cid);
@@ -643,26 +660,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false>
+          bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>;
     return nullptr;
 }
 
@@ -671,20 +688,21 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, push;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, push, xf;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    push
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false},
-    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_PUSH_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    push   xf
+    {V7_VARIANT,      false, false, false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false, false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false, false},
+    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false, false},
+    {V7_PUSH_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_XF_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -694,7 +712,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.push>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.push, b.xf>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }

@@ -42,7 +42,9 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
 * v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no spills)
   is the fastest variant everywhere else, and at every TP1 point.
 
-v0-v3, v6, v7, v9, v20, v21 and v31 stay available for the benchmark and the parity grid;
+v0-v3, v6, v7, v9, v20, v21 and v31 stay available for the benchmark and the parity grid, as do
+session 21's v46-v48 (a relaxed arrive, partials pushed into every CTA's inbox, the first trellis
+behind x and suh), built and not yet measured (kernels/lna2/NOTES.md, "The variants");
 v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
@@ -61,7 +63,7 @@ CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (variants 7, 9, 20, 21, 26, 31, 36, 40): whole 1024-column slices for its 8 CTAs,
+    """lna2_v7.cu's geometry (every cluster variant): whole 1024-column slices for its 8 CTAs,
     <= 4 intermediate blocks."""
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
