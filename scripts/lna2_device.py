@@ -1245,6 +1245,7 @@ REFUSALS = [
     ("flat-ids", "expert_ids flattened to [m*top_k]", "expert_ids must be"),
     ("small-scratch", "scratch one byte short", "scratch must be"),
     ("offset-x", "x as a 2-byte offset view", "16-byte aligned"),
+    ("in-place", "out is x", "does not run in place"),
 ]
 
 
@@ -1277,9 +1278,11 @@ def cmd_refusal_case(args):
     bad["variant"] = {"cluster-hidden": 26, "unknown-variant": 5}.get(args.case, 4)
     w = torch.rand((m, TOPK), device=dev)
     out = torch.empty((m, hidden), dtype=torch.float32, device=dev)
+    good["out"] = out
+    bad["out"] = bad["x"] if args.case == "in-place" else out
 
     def call(a):
-        ext.lna2_moe_decode(a["x"], out, *P, a["ids"], w, a["bits"], L_SWIGLU, a["scratch"], 256, 1, a["variant"])
+        ext.lna2_moe_decode(a["x"], a["out"], *P, a["ids"], w, a["bits"], L_SWIGLU, a["scratch"], 256, 1, a["variant"])
         torch.cuda.synchronize()
 
     try:

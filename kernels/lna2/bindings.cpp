@@ -48,6 +48,13 @@ std::string message(const T&... v) {
 
 #define LNA2_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, message("lna2_moe_decode: ", __VA_ARGS__))
 
+// Whether two tensors' element bytes share any address (both contiguous, checked before this).
+bool overlaps(const torch::Tensor& a, const torch::Tensor& b) {
+    const auto lo_a = reinterpret_cast<uintptr_t>(a.data_ptr()), lo_b = reinterpret_cast<uintptr_t>(b.data_ptr());
+    const auto hi_a = lo_a + a.nbytes(), hi_b = lo_b + b.nbytes();
+    return a.nbytes() > 0 && b.nbytes() > 0 && lo_a < hi_b && lo_b < hi_a;
+}
+
 void check_table(const torch::Tensor& t, const char* name, int64_t n_experts, const torch::Device& dev) {
     LNA2_CHECK(t.is_cuda() && t.device() == dev, name, " must be a CUDA tensor on ", dev);
     LNA2_CHECK(t.scalar_type() == torch::kInt64, name, " must be int64 (data_ptr values), got ", t.scalar_type());
@@ -155,6 +162,10 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     LNA2_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
                "x and out must be 16-byte aligned (pass fresh contiguous tensors, not offset views)");
     LNA2_CHECK(reinterpret_cast<uintptr_t>(scratch.data_ptr()) % 256 == 0, "scratch must be 256-byte aligned");
+    // One launch reads x and writes out and scratch from different CTAs at different times: a row of
+    // out written over x (an in-place call) would be read back by a later unit as its input.
+    LNA2_CHECK(!overlaps(out, x) && !overlaps(out, scratch) && !overlaps(x, scratch),
+               "out must not share memory with x or scratch, nor x with scratch (lna2 does not run in place: pass a fresh out)");
 
     const c10::cuda::CUDAGuard guard(dev);
     const auto [bps, sms] = grid_for(dev.index(), static_cast<int>(bits), static_cast<int>(codebook),
