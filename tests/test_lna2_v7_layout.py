@@ -36,8 +36,14 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
+def blk_runs(units, clusters):
+    """lna2_v7.cu's BLK order: cluster c's contiguous run of units, (first, count)."""
+    base, extra = divmod(units, clusters)
+    return [(c * base + min(c, extra), base + (c < extra)) for c in range(clusters)]
+
+
 def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False,
-             push=False):
+             push=False, blk_clusters=0):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -84,6 +90,11 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         for row in range(m):
             if need[row] == 0:
                 out[row] = 0.0
+    # blk_clusters (v49): units in contiguous runs per cluster; a run's unit whose predecessor was
+    # the same group's other block keeps that unit's xs (the kernel skips rotate())
+    run_starts = {f for f, n in blk_runs(units, blk_clusters) if n} if blk_clusters else set()
+    xs_kept = {}
+    rotations = 0
     for u in range(units):  # the clusters' order does not matter: nothing crosses units but y
         gi, ib = divmod(u, n_ib)
         e, ent0, rws = groups[gi]
@@ -97,10 +108,13 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
 
         cflat[:, base:base + 2 * prow * 128] = np.nan  # the unit two before's values are stale
         inbox[:] = np.nan
+        reuse = bool(blk_clusters) and u not in run_starts and (u - 1) // n_ib == gi
+        rotations += 0 if reuse else 1
         for r in range(C):
             # rotate(): tasks (proj, row j, block b) of this CTA's k-range into xs[proj][kt][lane][2]
-            xs = np.zeros((2, kpc, 32, 2), dtype=np.int64)
-            for task in range(2 * rows * nblk):
+            xs = xs_kept[r] if reuse else np.zeros((2, kpc, 32, 2), dtype=np.int64)
+            xs_kept[r] = xs
+            for task in range(0 if reuse else 2 * rows * nblk):
                 proj, rest = task & 1, task >> 1
                 j, b = rest % rows, rest // rows
                 k0 = (r * nblk + b) * 128
@@ -205,12 +219,13 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         assert (gathered == np.array([[1 if need[row] else 0 for row in range(m)]] * C)).all()
     if units == 0:
         out[:] = 0.0
-    return out, {"units": units, "groups": len(groups)}
+    return out, {"units": units, "groups": len(groups), "rotations": rotations}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False, push=False):
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False, push=False,
+           blk_clusters=0):
     got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb, rg=rg,
-                        push=push)
+                        push=push, blk_clusters=blk_clusters)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -336,3 +351,31 @@ def test_v47_partials_through_every_ctas_inbox():
     flags = dict(fin_local=True, epi=True, rcap=True, sb=True, rg=True, push=True)
     _check(layer, ids, w, x, "mcg", True, C=2, **flags)
     _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, **flags)
+
+
+def test_v49_contiguous_runs_partition_the_units_like_the_cyclic_order():
+    """BLK's runs cover every unit once, and each cluster gets as many as the cyclic order gives it."""
+    for units in range(0, 130):
+        for clusters in range(1, 34):
+            runs = blk_runs(units, clusters)
+            covered = [u for f, n in runs for u in range(f, f + n)]
+            assert covered == list(range(units))
+            cyclic = [len(range(c, units, clusters)) for c in range(clusters)]
+            assert [n for _, n in runs] == cyclic
+
+
+def test_v49_second_block_reuses_the_groups_rotation():
+    """Variant 49 at n_ib = 2 with three clusters over 5 groups (10 units, runs of 4, 3, 3): the
+    units whose predecessor in the run is the same group's other block skip the rotation, and the
+    output still matches the reference."""
+    H, I, E = 2048, 256, 6
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=55)
+    gen = torch.Generator().manual_seed(56)
+    m = 3
+    ids = torch.tensor([[0, 1], [2, 3], [4, 1]])
+    w = torch.rand(m, 2, generator=gen)
+    x = torch.randn(m, H, generator=gen).half()
+    cfg = _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True,
+                 blk_clusters=3)
+    # runs [0..3], [4..6], [7..9] of groups 0,0,1,1 | 2,2,3 | 3,4,4: units 1, 3, 5 and 9 reuse
+    assert cfg["units"] == 10 and cfg["rotations"] == 6

@@ -75,7 +75,8 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
     respect what the kernel's protocols assume: one partial buffer (sb) only with the local
     finisher (fin), per-row arrivals (rg) only with one buffer, row-capped buffers (rcap) only with
     the local finisher, the relaxed arrive (rlx) only on the single buffer's split barrier, the
-    inbox (push) only with the relaxed arrive, x first (xf) only with the inbox and bulk copies."""
+    inbox (push) only with the relaxed arrive, x first (xf) only with the inbox and bulk copies,
+    contiguous units (blk) only on v40's protocol without the inbox."""
     cluster, ablations = api_cluster_variants()
     consts = api_v7_constants()
     src = (KERNELS / "lna2_v7.cu").read_text()
@@ -102,3 +103,5 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
             assert f["rlx"], name
         if f["xf"]:
             assert f["push"] and f["bulk"], name
+        if f["blk"]:
+            assert f["rg"] and not f["push"], name

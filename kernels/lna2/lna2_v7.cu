@@ -56,7 +56,7 @@ __host__ __device__ inline bool geometry(int hidden, int inter, Geo& g) {
 }
 
 struct Dyn7 {
-    int gu, dn, xs, cpart, act, ptr, bar, total;
+    int gu, dn, xs, red, cpart, act, ptr, bar, total;
 };
 
 // two_buf (variants 21, 26, 31): two partial buffers, used by alternate units (see V7Kernel's FIN
@@ -68,14 +68,20 @@ __host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m
 // prow (variant 31): rows per partial buffer (partial_rows).
 // push (variant 47): the partial region is an inbox of every rank's partials, and one more mbarrier
 // (kpw + 1) counts their bytes.
+// sep_red (variant 49): the reduction buffer has a region of its own, so xs outlives the unit.
 __host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR,
-                                           bool push = false) {
+                                           bool push = false, bool sep_red = false) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
+    d.red = d.xs;
+    if (sep_red) {
+        d.red = off;
+        off += WARPS * 512 * 4;
+    }
     d.cpart = off; off += (push ? C7 : two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // gate/up partials [buf or rank][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
@@ -145,11 +151,19 @@ enum Event7 : int {
 // them: no gate/up steps at the plan, and each warp requests its rows of every step and of down as
 // soon as its first x and suh loads are issued (not returned). Without trellis traffic the
 // rotation took 1.5 us at one row, with v20's two early steps ahead of x and suh 2.4 (NOTES.md).
+// BLK (variant 49, on v40): a cluster's units are a contiguous run (cluster c: units
+// [c base + min(c, extra), ..), base = units / clusters, extra = units % clusters: the same count per
+// cluster as the cyclic order), so consecutive units of a cluster are mostly the two 128-blocks of one
+// group; the second of them skips the rotation, whose x * suh in B-fragment order depends on the group
+// only. xs then has to outlive the unit, so the reduction buffer gets 16 KB of its own: two CTAs
+// per SM still fit at K2 (at most 109,536 B at 24 rows), not at K3 from two rows.
 // Variants measured against these and retired (27, 37-39, 41-45), with their commits and figures:
 // kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false,
+          bool BLK = false>
 struct V7Kernel {
+    static_assert(!BLK || (RG && !PUSH), "the contiguous order is measured on v40");
     static_assert(!XF || (BULK && PUSH), "x first is a bulk-copy build's, measured on v47");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
     static_assert(!PUSH || RLX, "the inbox's reuse is guarded by SB's split barrier");
@@ -375,7 +389,7 @@ struct V7Kernel {
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow, PUSH);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow, PUSH, BLK);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -403,10 +417,16 @@ struct V7Kernel {
         if constexpr (PUSH) {
             if (cid < units) cluster_arrive_relaxed();  // the inbox barrier is initialised (waited on before the first stores)
         }
+        int ufirst = cid, ucnt = 0;  // BLK: this cluster's run of units (cid < units iff it has any)
+        if constexpr (BLK) {
+            const int base = units / ncl, extra = units % ncl;
+            ufirst = cid * base + min(cid, extra);
+            ucnt = base + (cid < extra);
+        }
         if (cid < units) {
             if constexpr (BULK) {
                 // the rest, and down, once x and suh have landed (rotate); XF: all of it there
-                if constexpr (!XF) issue_gu(cid, 0, EARLY_STEPS);
+                if constexpr (!XF) issue_gu(ufirst, 0, EARLY_STEPS);
             } else {
                 issue_gu(cid);
                 issue_dn(cid);
@@ -414,13 +434,13 @@ struct V7Kernel {
         }
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
-        float* red = reinterpret_cast<float*>(dyn + D.xs);
+        float* red = reinterpret_cast<float*>(dyn + (BLK ? D.red : D.xs));
         float* cpart0 = reinterpret_cast<float*>(dyn + D.cpart);
         uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
         const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
 
-        for (int it = 0, u = cid; u < units; it++, u += ncl) {
+        for (int it = 0, u = ufirst; u < units; it++, u = BLK ? (it < ucnt ? u + 1 : units) : u + ncl) {
             const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
             const int rows = s.gnr[gi], ent0 = s.gent[gi];
             const uint32_t par = it & 1;
@@ -450,7 +470,11 @@ struct V7Kernel {
                 // every rank's partials of this unit: this phase began when the last unit's finisher passed
                 if (t == 0) mbar_arm_tx(bar + g.kpw + 1, C7 * 2 * rows * 512);
             }
-            rotate(gi, BULK && it == 0 ? u : -1);
+            if constexpr (BLK) {  // unless the last unit was this group's other block: its xs is still here
+                if (it == 0 || (u - 1) / g.n_ib != gi) rotate(gi, BULK && it == 0 ? u : -1);
+            } else {
+                rotate(gi, BULK && it == 0 ? u : -1);
+            }
             __syncthreads();
             trace(E7_ROTATED, u);
 
@@ -470,7 +494,11 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            if (u + ncl < units) issue_gu(u + ncl);
+            if constexpr (BLK) {
+                if (it + 1 < ucnt) issue_gu(u + 1);
+            } else {
+                if (u + ncl < units) issue_gu(u + ncl);
+            }
             if constexpr (SB) {
                 // every peer has read this CTA's partials of the last unit (PUSH: every inbox is free)
                 if (it > 0 || PUSH) cluster_wait();
@@ -534,7 +562,7 @@ struct V7Kernel {
                 }
             }
             if constexpr (FIN) {
-                if (SB || u + ncl >= units) {  // this CTA's reads of its peers' partials are done
+                if (SB || u + ncl >= units) {  // this CTA's reads of its peers' partials are done (BLK: SB)
                     if constexpr (RLX) cluster_arrive_relaxed();
                     else cluster_arrive();
                 }
@@ -560,7 +588,11 @@ struct V7Kernel {
             }
             __syncthreads();  // down trellis is free
             trace(E7_DN_MMA, u);
-            if (u + ncl < units) issue_dn(u + ncl);
+            if constexpr (BLK) {
+                if (it + 1 < ucnt) issue_dn(u + 1);
+            } else {
+                if (u + ncl < units) issue_dn(u + ncl);
+            }
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
             // x svh, one fp32 y row per entry and intermediate block
@@ -660,26 +692,27 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false,
+          bool BLK = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false>
+          bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false, bool BLK = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>;
     return nullptr;
 }
 
@@ -688,21 +721,22 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, push, xf;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, push, xf, blk;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    push   xf
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false, false},
-    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false, false},
-    {V7_PUSH_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_XF_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  true,  true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    push   xf     blk
+    {V7_VARIANT,      false, false, false, false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false, false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false, false, false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false, false, false},
+    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false, false, false},
+    {V7_PUSH_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true,  false, false},
+    {V7_XF_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_BLK_VARIANT,  true,  true,  true,  true,  true,  true,  true,  false, false, false, true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -712,7 +746,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.push, b.xf>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.push, b.xf, b.blk>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
@@ -746,6 +780,10 @@ int prow_of(int variant, int m) {
 bool push_of(int variant) {
     const Build7* b = build7_of(variant);
     return b && b->push;
+}
+bool sep_red_of(int variant) {
+    const Build7* b = build7_of(variant);
+    return b && b->blk;
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -823,7 +861,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m), push_of(variant)).total;
+    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m), push_of(variant), sep_red_of(variant)).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -845,7 +883,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m), push_of(a.variant)).total;
+    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m), push_of(a.variant), sep_red_of(a.variant)).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
