@@ -164,6 +164,8 @@ template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = fals
           bool BLK = false>
 struct V7Kernel {
     static_assert(!BLK || (RG && !PUSH), "the contiguous order is measured on v40");
+    static_assert(!BLK || SB, "the last unit's arrive is SB's: the cyclic test u + ncl >= units does not hold a run");
+    static_assert(!SB || FIN, "SB's split barrier pairs with the local finisher's arrive, not cluster.sync");
     static_assert(!XF || (BULK && PUSH), "x first is a bulk-copy build's, measured on v47");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
     static_assert(!PUSH || RLX, "the inbox's reuse is guarded by SB's split barrier");
@@ -519,9 +521,9 @@ struct V7Kernel {
                     }
                     if constexpr (PUSH) {
                         const uint32_t dst = smem_u32(cpart + ((r * 2 + proj) * prow + j) * 128 + 4 * lane);
-                        const uint32_t ib = smem_u32(bar + g.kpw + 1);
+                        const uint32_t inbox_bar = smem_u32(bar + g.kpw + 1);
 #pragma unroll
-                        for (int q = 0; q < C7; q++) st_async16(mapa_rank(dst, q), v, mapa_rank(ib, q));
+                        for (int q = 0; q < C7; q++) st_async16(mapa_rank(dst, q), v, mapa_rank(inbox_bar, q));
                     } else {
                         *reinterpret_cast<float4*>(cpart + (proj * prow + j) * 128 + 4 * lane) = v;
                     }
