@@ -101,31 +101,25 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
 // Spins are bounded: a protocol bug traps (a launch error the caller sees) instead of hanging the GPU.
 constexpr unsigned SPIN_LIMIT = 1u << 26;
 
+// CLUSTER: with cluster-scope acquire, for bytes that peers' st.async completed on this barrier
+// (their complete_tx releases at cluster scope; a CTA-scope acquire would not pair with it).
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     const uint32_t addr = smem_u32(bar);
     uint32_t done = 0;
     for (unsigned spin = 0;; spin++) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(addr), "r"(parity)
-            : "memory");
-        if (done) return;
-        if (spin > SPIN_LIMIT) __trap();
-    }
-}
-
-// The same wait with cluster-scope acquire: for bytes that peers' st.async completed on this barrier
-// (their complete_tx releases at cluster scope; a CTA-scope acquire would not pair with it).
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-    const uint32_t addr = smem_u32(bar);
-    uint32_t done = 0;
-    for (unsigned spin = 0;; spin++) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(addr), "r"(parity)
-            : "memory");
+        if constexpr (CLUSTER)
+            asm volatile(
+                "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(addr), "r"(parity)
+                : "memory");
+        else
+            asm volatile(
+                "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(addr), "r"(parity)
+                : "memory");
         if (done) return;
         if (spin > SPIN_LIMIT) __trap();
     }

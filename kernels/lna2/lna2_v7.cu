@@ -537,7 +537,7 @@ struct V7Kernel {
             // into the down input's Hadamard basis, written into every CTA's activation buffer
             if (jf < rows) {
                 float4 pg[C7], pu[C7];
-                if constexpr (PUSH) mbar_wait_cluster(bar + g.kpw + 1, par);
+                if constexpr (PUSH) mbar_wait<true>(bar + g.kpw + 1, par);
 #pragma unroll
                 for (int q = 0; q < C7; q++) {
                     const float* rp = PUSH ? cpart + q * 2 * prow * 128 : cluster.map_shared_rank(cpart, q);
@@ -719,7 +719,7 @@ KernelFn pick_cb(int bits, int codebook) {
 }
 
 // Every cluster build but the timing ablations: its variant number and template flags. The one list
-// that pick_v7 and the host's shared-memory layout (two_buf, prow_of) read, so a variant's kernel and
+// that pick_v7 and the host's shared-memory layout (layout_of) read, so a variant's kernel and
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
@@ -770,22 +770,13 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
     }
 }
 
-// the layout's two partial buffers (FIN && !SB in the kernel) and its rows per buffer (RCAP)
-bool two_buf(int variant) {
+// The shared-memory layout a launch of `variant` asks for, from its build's flags as the kernel reads
+// them (FIN && !SB: two partial buffers; RCAP: rows per buffer; PUSH: the inbox; BLK: its own
+// reduction buffer). A timing ablation has v7's flags, all false.
+Dyn7 layout_of(int variant, int bits, const Geo& g, int n_experts, int m, int top_k) {
     const Build7* b = build7_of(variant);
-    return b && b->fin && !b->sb;
-}
-int prow_of(int variant, int m) {
-    const Build7* b = build7_of(variant);
-    return partial_rows(b && b->rcap, m);
-}
-bool push_of(int variant) {
-    const Build7* b = build7_of(variant);
-    return b && b->push;
-}
-bool sep_red_of(int variant) {
-    const Build7* b = build7_of(variant);
-    return b && b->blk;
+    const Build7 f = b ? *b : Build7{};
+    return dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), f.fin && !f.sb, partial_rows(f.rcap, m), f.push, f.blk);
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
@@ -863,7 +854,7 @@ cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), two_buf(variant), prow_of(variant, m), push_of(variant), sep_red_of(variant)).total;
+    const int dyn = layout_of(variant, bits, g, n_experts, m, top_k).total;
     {
         std::lock_guard<std::mutex> lk(g_slots_mu);
         KernelSlot* sl = nullptr;
@@ -885,7 +876,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (err != cudaSuccess) return err;
-    int dyn = dyn7_layout(a.bits, g, ucap_for(a.n_experts, a.m, a.top_k), two_buf(a.variant), prow_of(a.variant, a.m), push_of(a.variant), sep_red_of(a.variant)).total;
+    int dyn = layout_of(a.variant, a.bits, g, a.n_experts, a.m, a.top_k).total;
     // Units are known only on the device; this bounds them. When every unit's cluster can have SMs
     // of its own, the request is padded past half an SM's shared memory so that no two CTAs share
     // one (NOTES.md compares it with packing them, set_tuning's ctas_per_sm 2).
