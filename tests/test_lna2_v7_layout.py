@@ -314,6 +314,16 @@ def test_v36_single_partial_buffer_matches_reference():
     assert cfg["units"] == 10
 
 
+def hot_routes(E, m, hot, gen):
+    """Two random distinct experts per row; expert 4 takes the first `hot` rows' first slot (5 stands in
+    where it would repeat) and row `hot` names expert 2 twice."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(m)])
+    ids[:hot, 0] = 4
+    ids[ids[:, 1] == 4, 1] = 5
+    ids[hot] = torch.tensor([2, 2])
+    return ids
+
+
 def test_v40_rows_summed_by_the_unit_that_completes_them():
     """Variant 40: arrivals per (slice, row). A row with an expert twice (one entry), a row whose ids
     are all out of range (zeroed, never gathered), a nine-row expert (two groups); every counter
@@ -322,10 +332,7 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     layer = random_expert_layer(E, H, I, 2, "mcg", seed=51)
     gen = torch.Generator().manual_seed(52)
     m = 11
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(m)])
-    ids[:9, 0] = 4
-    ids[ids[:, 1] == 4, 1] = 5
-    ids[9] = torch.tensor([2, 2])          # the same expert twice
+    ids = hot_routes(E, m, 9, gen)          # row 9: the same expert twice
     ids[10] = torch.tensor([E + 1, E + 3])  # nothing in range
     w = torch.rand(m, 2, generator=gen)
     x = torch.randn(m, H, generator=gen).half()
@@ -342,10 +349,7 @@ def test_v47_partials_through_every_ctas_inbox():
     layer = random_expert_layer(E, H, I, 2, "mcg", seed=53)
     gen = torch.Generator().manual_seed(54)
     m = 5
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(m)])
-    ids[:4, 0] = 4
-    ids[ids[:, 1] == 4, 1] = 5
-    ids[4] = torch.tensor([2, 2])
+    ids = hot_routes(E, m, 4, gen)
     w = torch.rand(m, 2, generator=gen)
     x = torch.randn(m, H, generator=gen).half()
     flags = dict(fin_local=True, epi=True, rcap=True, sb=True, rg=True, push=True)
