@@ -42,15 +42,18 @@ VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).sp
 SHAPES = {"tp8": 256, "tp1": 2048}
 CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 47, 48, 49, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46-49, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
+PRE_VARIANT, PRE_MIN_INTER = 51, 1024  # v2 with inputs rotated once per group: intermediate >= 1024 (lna2_api.h)
 
 
 def serves(variant, hidden, inter, K=None):
     """Whether `variant` takes a layer of this shape (the binding refuses the cluster kernel
-    elsewhere, and the timing ablations at anything but K2 MCG)."""
+    elsewhere, v51 below an intermediate of 1024, and the timing ablations at anything but K2 MCG)."""
     from dsv4serve.lna2.policy import cluster_kernel_takes
 
     if K is not None and K != 2 and variant in ABLATION_VARIANTS:
         return False
+    if variant == PRE_VARIANT:
+        return inter >= PRE_MIN_INTER
     return variant not in CLUSTER_VARIANTS or cluster_kernel_takes(hidden, inter)
 
 
@@ -284,6 +287,7 @@ def cmd_parity(args):
                     ref = dense.moe(x, ids, w)
                     ids32 = ids.to(torch.int32).contiguous()
                     w32 = w.float().contiguous()
+                    outs = {}
                     for variant in [v for v in VARIANTS if serves(v, H, I)]:
                         out = torch.full((m, H), float("nan"), dtype=odt, device=dev)
                         if idx % 4 == 0:
@@ -299,6 +303,11 @@ def cmd_parity(args):
                         case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": rp, "x": str(xdt),
                                 "out": str(odt), "worst_rel": max(rel), "tol": tol, "ok": ok, "bitwise_repeat": rep,
                                 "U": int(torch.unique(ids[(ids >= 0) & (ids < E)]).numel())}
+                        outs[variant] = out
+                        if variant in (50, 51) and 4 in outs:
+                            # v50 decodes the same integers, v51 rotates with the same arithmetic: v4's
+                            # bits are expected, but only the tolerance above is the gate
+                            case["bitwise_vs_v4"] = bool(torch.equal(out, outs[4]))
                         res["cases"].append(case)
                         if not (ok and rep):
                             res["fail"] += 1
@@ -372,7 +381,7 @@ def cmd_smoke(args):
             w = torch.rand((m, TOPK), device=dev, generator=gen)
             x = torch.randn((m, 1024), device=dev, generator=gen).half()
             out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
-            for variant in VARIANTS:
+            for variant in [v for v in VARIANTS if serves(v, 1024, 256)]:
                 ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2, variant)
         torch.cuda.synchronize()
     # Paired down items (lna2_v2.cu make_cfg, c.DB = 2) need >= 4 down items per CTA: a 4096-wide
@@ -388,9 +397,27 @@ def cmd_smoke(args):
         w = torch.rand((m, TOPK), device=dev, generator=gen)
         x = torch.randn((m, H), device=dev, generator=gen).half()
         out = torch.empty((m, H), dtype=torch.float32, device=dev)
-        for variant in [v for v in VARIANTS if v >= 2]:
+        for variant in [v for v in VARIANTS if v >= 2 and serves(v, H, 256)]:
             ext.lna2_moe_decode(x, out, *P, ids, w, 2, L_SWIGLU, scratch, 256, 1, variant)
     ext.lna2_set_tuning(0, 0, -1)
+    # v51 serves intermediates >= 1024 only: its rotation items, their waits and its scratch at the
+    # smallest such layer, one group and two (nine rows of one expert), K2 MCG and K3 MUL1
+    for K, cb in ((2, "mcg"), (3, "mul1")):
+        pre = [v for v in VARIANTS if serves(v, 1024, 1024) and not serves(v, 1024, 256)]
+        if not pre:
+            break
+        layer = random_expert_layer(32, 1024, 1024, K, cb, seed=5, device=dev)
+        P = pointer_tables(expert_tensors(layer), dev)
+        scratch = torch.zeros(ext.lna2_moe_scratch_bytes(1024, 1024), dtype=torch.uint8, device=dev)
+        for m in (1, 9):
+            gen.manual_seed(200 + m)
+            ids = torch.randint(0, 32, (m, TOPK), device=dev, generator=gen).to(torch.int32)
+            ids[:, 0] = 7
+            w = torch.rand((m, TOPK), device=dev, generator=gen)
+            x = torch.randn((m, 1024), device=dev, generator=gen).half()
+            out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
+            for variant in pre:
+                ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 1024, 1 if cb == "mcg" else 2, variant)
     torch.cuda.synchronize()
     log("smoke ok")
 
@@ -1254,6 +1281,7 @@ REFUSALS = [
     ("small-scratch", "scratch one byte short", "scratch must be"),
     ("offset-x", "x as a 2-byte offset view", "16-byte aligned"),
     ("in-place", "out is x", "does not run in place"),
+    ("pre-small-inter", "variant 51 at intermediate 256", "needs intermediate >= 1024"),
 ]
 
 
@@ -1283,7 +1311,7 @@ def cmd_refusal_case(args):
         bad["scratch"] = good["scratch"][:-1]
     if args.case == "bits":
         bad["bits"] = 4
-    bad["variant"] = {"cluster-hidden": 26, "unknown-variant": 5}.get(args.case, 4)
+    bad["variant"] = {"cluster-hidden": 26, "unknown-variant": 5, "pre-small-inter": 51}.get(args.case, 4)
     w = torch.rand((m, TOPK), device=dev)
     out = torch.empty((m, hidden), dtype=torch.float32, device=dev)
     good["out"] = out

@@ -23,6 +23,12 @@ def api_v7_constants() -> dict[str, int]:
     return {name: int(val) for name, val in re.findall(r"\b(V7_\w+)\s*=\s*(\d+)", api)}
 
 
+def api_v2_extras() -> dict[str, int]:
+    """lna2_api.h's V2_*_VARIANT constants (v2-family builds past 0..6) and V2_PRE_MIN_INTER."""
+    api = (KERNELS / "lna2_api.h").read_text()
+    return {name: int(val) for name, val in re.findall(r"\b(V2_\w+_VARIANT|V2_PRE_MIN_INTER)\s*=\s*(\d+)", api)}
+
+
 def api_cluster_variants() -> tuple[set[int], set[int]]:
     """is_cluster_variant's set, and the timing ablations within it."""
     api = (KERNELS / "lna2_api.h").read_text()
@@ -45,15 +51,21 @@ def listed(message_start: str, text: str) -> set[int]:
 
 def test_binding_messages_name_the_api_set():
     cluster, ablations = api_cluster_variants()
+    extras = api_v2_extras()
+    v2_more = {extras["V2_PRM_VARIANT"], extras["V2_PRE_VARIANT"]}
+    api = (KERNELS / "lna2_api.h").read_text()
+    known_fn = api[api.index("inline bool variant_known"):]
+    known_fn = known_fn[:known_fn.index("}")]
+    assert "V2_PRM_VARIANT" in known_fn and "V2_PRE_VARIANT" in known_fn
     binding = (KERNELS / "bindings.cpp").read_text()
     # "variants 7, 9, ... and 31 (the cluster kernel) need ...": the non-ablation cluster builds
     assert listed('"variants ', binding) == cluster - ablations
     # "variant must be 0..4, 6, 7, ..., 31, or 10..13 / 17..19 ...": every build a user may name
     known = listed('"variant must be 0..4, ', binding)
-    assert known == {6} | (cluster - ablations)
+    assert known == {6} | v2_more | (cluster - ablations)
     # "trace is recorded by variants 2, 3, 4, 6, 7, ... and 17..19 only"
     traced = listed('"trace is recorded by variants ', binding)
-    assert traced == {2, 3, 4, 6} | (cluster - ablations) | {min(ablations)}  # "17..19" reads as 17
+    assert traced == {2, 3, 4, 6} | v2_more | (cluster - ablations) | {min(ablations)}  # "17..19" reads as 17
 
 
 def test_device_script_and_policy_use_the_api_set():
@@ -62,6 +74,9 @@ def test_device_script_and_policy_use_the_api_set():
     dev = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dev)
     assert dev.CLUSTER_VARIANTS == cluster
+    extras = api_v2_extras()
+    assert (dev.PRE_VARIANT, dev.PRE_MIN_INTER) == (extras["V2_PRE_VARIANT"], extras["V2_PRE_MIN_INTER"])
+    assert dev.serves(dev.PRE_VARIANT, 4096, 2048) and not dev.serves(dev.PRE_VARIANT, 4096, 256)
     assert {policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2, policy.ONE_ROW_VARIANT, policy.TWO_ROW_VARIANT} <= cluster
     assert policy.SEAT_VARIANT not in cluster
     # every variant the device script runs by default is one the binding knows

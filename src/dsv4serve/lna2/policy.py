@@ -45,7 +45,9 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
 v0-v3, v6, v7, v9, v20, v21 and v31 stay available for the benchmark and the parity grid, as do
 session 21's v46-v49 (a relaxed arrive, partials pushed into every CTA's inbox, the first trellis
 behind x and suh, each cluster's units in one run so a group's second block skips the rotation),
-built and not yet measured (kernels/lna2/NOTES.md, "The variants");
+built and not yet measured (kernels/lna2/NOTES.md, "The variants"), and session 22's v50 / v51 for
+TP1 (v4 with K2's byte-permute states; and with each group's gate/up inputs rotated once, not once
+per item and chunk), likewise built and not yet measured;
 v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
