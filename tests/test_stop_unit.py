@@ -164,3 +164,25 @@ def test_display_renders_each_rank_and_its_phase_in_a_terminal(monkeypatch):
         assert re.search(rf"│\s*{r}\s*│.*│\s*1/1\s*│", final)  # the marker seen on this rank
     assert "KV cache 310,688 tokens" in final
     assert "rank 0:" not in out.getvalue()  # with Live, events are not printed as lines as well
+
+
+def test_docker_that_cannot_answer_never_reads_as_a_stopped_container(tmp_path, monkeypatch):
+    """A docker CLI that fails (no permission on the socket) says nothing about the container: `down`
+    must not report the seat clean (and so must not drop its state) on the strength of it. Only the
+    engine's "No such ..." answer means gone. The docker here is a script on PATH: no engine runs in CI."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    docker = bin_dir / "docker"
+    docker.write_text("#!/bin/sh\necho 'permission denied while trying to connect to the Docker daemon socket' >&2\n"
+                      "exit 1\n")
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert stop.container_exists("dsv4-x") is None
+    st = make_state(runtime="docker", container_name="dsv4-x", tp=1, log_path=str(tmp_path / "vllm.log"),
+                    run_dir=str(tmp_path))
+    rep = stop.stop_run(st, 0.2)
+    assert rep["container_left"] is None and rep["clean"] is False
+    assert all(d["rc"] == 1 for d in rep["docker"])
+
+    docker.write_text("#!/bin/sh\necho 'Error: No such object: dsv4-x' >&2\nexit 1\n")
+    assert stop.container_exists("dsv4-x") is False

@@ -361,6 +361,12 @@ def render_down(report: dict) -> None:
         for d in rep.get("docker", []) or []:
             console.print(f"  {' '.join(d['argv'])}: rc {d.get('rc')} {d.get('error', '')}", highlight=False,
                           markup=False)
+        if rep.get("container_left") is True:
+            console.print(f"  [red]the container is still there[/]: `docker rm -f` it, then `dsv4serve down` again",
+                          highlight=False)
+        elif "container_left" in rep and rep["container_left"] is None:
+            console.print("  [red]docker could not say whether the container is gone[/] (the docker calls above say "
+                          "why); the state is kept: fix docker access, then `dsv4serve down` again", highlight=False)
         if rep.get("remaining"):
             console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False)
         if rep.get("unreaped"):

@@ -40,11 +40,15 @@ def _docker(args: list[str], timeout: float) -> dict[str, Any]:
 
 
 def container_exists(name: str) -> bool | None:
-    """True/False, or None when the docker CLI cannot say."""
+    """True/False, or None when the docker CLI cannot say. Only the engine's own "No such ..." answer
+    means gone: a failing CLI (no permission on the socket, the daemon down) says nothing about the
+    container, and reading it as "gone" would let `down` report a running seat clean."""
     r = _docker(["inspect", "--format", "{{.State.Status}}", name], timeout=30)
     if r["rc"] is None:
         return None
-    return r["rc"] == 0
+    if r["rc"] == 0:
+        return True
+    return False if "no such" in r.get("out", "").lower() else None
 
 
 def _docker_stop(exe: str, name: str, grace: float, escalate: Callable[[], bool] | None,
@@ -116,8 +120,8 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     report: dict[str, Any] = {"seat": st.seat, "run_id": st.run_id, "runtime": st.runtime, "grace_s": grace}
     if st.runtime == "docker" and st.container_name:
         report["docker"] = stop_container(st.container_name, grace, escalate)
-        gone = container_exists(st.container_name)
-        report["container_left"] = bool(gone)
+        # True, False, or None when docker could not say: only False counts as stopped
+        report["container_left"] = container_exists(st.container_name)
     report.update(procs.stop(st, grace, escalate))
     tracker = read_log(st.log_path, st.tp, [], [])
     found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
@@ -130,6 +134,6 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     report["port_free"] = not ports.in_use(host, st.port)
     report["port_owner"] = None if report["port_free"] else ports.owner(st.port)
     report["clean"] = (not report["remaining"] and not report["unreaped"] and not failed
-                       and not report["gpu"].get("ours") and not report.get("container_left")
+                       and not report["gpu"].get("ours") and report.get("container_left", False) is False
                        and (report["port_free"] or report["port_owner"] is not None))
     return report
