@@ -117,6 +117,20 @@ def test_rank_traceback_fails_fast_with_its_last_line(fake):
     assert fatal["elapsed_s"] < 20
 
 
+def test_a_fatal_line_just_after_the_canary_fails_the_bring_up(fake):
+    """The canary's answer can overtake a rank's last lines (docker relays them through the daemon):
+    `up` reads on before calling the seat ready, so a CUDA error printed 1 s after the first
+    completion fails the bring-up instead of a seat reported ready over a dead rank."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--json", scenario="late")
+    assert r.returncode == 1, r.stdout[-2000:]
+    events = json_lines(r.stdout)
+    assert not any(e["event"] == "ready" for e in events)
+    assert any(e["event"] == "readiness" for e in events)  # the canary itself passed
+    failed = events[-1]
+    assert failed["event"] == "failed" and "illegal memory access" in failed["reason"], failed
+    assert failed["clean"]
+
+
 def _deaf_container(fake, monkeypatch) -> subprocess.Popen:
     """A fake container whose main process ignores SIGTERM, as a starting vLLM does; returned once
     its ranks are loading (so the SIGTERM handler is already ignored). stop.py finds the fake CLI

@@ -38,6 +38,11 @@ STATE_POLL_S = 0.5
 # log file themselves, unbuffered, before the canary's answer leaves the server, so a short wait
 # after the canary covers every marker still in flight.
 MARKER_GRACE_S = 3.0
+# A line written just before the canary's answer can reach the log after the answer reaches us
+# (Docker relays container output through the daemon to the attached client). Before calling the
+# seat ready, the log is read on for this long through the loop's fatal check, so a fallback or a
+# crash under the canary fails the bring-up instead of slipping past it.
+READY_SETTLE_S = {"native": 1.0, "docker": 2.0}
 # After the first fatal line, how long the other ranks may take to say why before the seat is stopped:
 # ranks of one seat fail together (same load, same check), milliseconds to a second apart.
 FATAL_SETTLE_S = 2.0
@@ -412,11 +417,12 @@ class Supervisor:
                     missing = self._missing_markers()
                     kv_problem = self._kv_problem(final=True)
                     if not missing and not kv_problem:
-                        for rs in self.tracker.ranks.values():
-                            rs.advance("ready", time.time())
-                        return self._ready(Outcome(True, EXIT_OK, "ready", None, time.time() - self.t0,
-                                                   readiness=self._probe_result))
-                    if now - canary_done_at > MARKER_GRACE_S:
+                        if now - canary_done_at >= READY_SETTLE_S.get(self.spec.runtime, 2.0):
+                            for rs in self.tracker.ranks.values():
+                                rs.advance("ready", time.time())
+                            return self._ready(Outcome(True, EXIT_OK, "ready", None, time.time() - self.t0,
+                                                       readiness=self._probe_result))
+                    elif now - canary_done_at > MARKER_GRACE_S:
                         reason, hint = missing or kv_problem  # type: ignore[misc]
                         return self._fail(Outcome(False, EXIT_FAILED, reason, hint, elapsed), intr)
                 elif now - self._probe_started > self.t.ready_s + 30:
