@@ -266,6 +266,31 @@ def test_counters_file(tmp_path):
     assert json.loads((tmp_path / "counters-rank0.json").read_text())["calls"]["lna2"] == 1
 
 
+def test_sigterm_inside_a_counted_call_writes_the_final_file_without_hanging(tmp_path):
+    """The final-write signal handler runs on the main thread, which may be inside call()'s lock
+    (the MoE hot path) when SIGTERM lands: it must not wait on that lock (the worker would hang
+    until its SIGKILL and leave no final file). A real SIGTERM arrives while the lock is held, in a
+    child process so that a hang is a timeout here, not a hung test run."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, sys, time\n"
+        "from dsv4serve.plugin_counters import Counters\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)  # the handler it chains to\n"
+        f"c = Counters({str(tmp_path)!r}, rank=3, tp=8, kernel='lna2')\n"
+        "c.start(handle_signals=True)\n"
+        "c.call('lna2')\n"
+        "with c._lock:  # the hot path's critical section\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.05)  # the handler runs at this thread's next bytecode boundary\n"
+        "print('past the lock')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "past the lock" in r.stdout, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "counters-rank3.json").read_text())
+    assert doc["final"] is True and doc["calls"]["lna2"] == 1
+
+
 # --- shape declines --------------------------------------------------------------------------------
 
 

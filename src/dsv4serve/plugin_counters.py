@@ -35,6 +35,7 @@ from typing import Any
 from dsv4serve.state import atomic_write, counters_path
 
 FLUSH_INTERVAL_S = 2.0  # check-seat waits 5 s for the counters to move: stay well inside that
+SIGNAL_WRITE_WAIT_S = 1.0  # a signal handler waits at most this long for a flusher write in flight
 MAX_DECLINE_KEYS = 64  # a runaway reason text must not grow the file without bound
 OTHER_DECLINES = "other reasons (past the reason limit)"
 
@@ -80,9 +81,12 @@ class Counters:
     # -- the file ------------------------------------------------------------------------------
     def snapshot(self, final: bool = False) -> dict[str, Any]:
         with self._lock:
-            return {"rank": self.rank, "tp": self.tp, "pid": os.getpid(), "kernel": self.kernel,
-                    "layers": self.layers, "calls": dict(self.calls), "declines": dict(self.declines),
-                    "updated": time.time(), "final": final}
+            return self._snap(final)
+
+    def _snap(self, final: bool) -> dict[str, Any]:
+        return {"rank": self.rank, "tp": self.tp, "pid": os.getpid(), "kernel": self.kernel,
+                "layers": self.layers, "calls": dict(self.calls), "declines": dict(self.declines),
+                "updated": time.time(), "final": final}
 
     def write(self, final: bool = False) -> bool:
         """Write the file now (atomically); False when there is no run dir or the write failed."""
@@ -139,7 +143,7 @@ class Counters:
             prev = signal.getsignal(sig)
 
             def handler(signum: int, frame: Any, prev: Any = prev) -> None:
-                self.close()
+                self._close_from_signal()
                 if callable(prev):
                     prev(signum, frame)
                 elif prev == signal.SIG_DFL:
@@ -161,3 +165,24 @@ class Counters:
         self._final = True
         self._stop.set()
         self.write(final=True)
+
+    def _close_from_signal(self) -> None:
+        """close() for a signal handler. It runs on the main thread between two bytecodes, possibly
+        inside call()'s `with self._lock` or inside write(): taking either lock there would hang
+        the worker until its SIGKILL. So it copies the ints without the counters' lock (the
+        interrupted bytecode leaves them consistent: dict updates are single bytecodes) and waits
+        only a moment for the write lock, which the flusher thread may hold mid-write."""
+        if self._final:
+            return
+        self._final = True
+        self._stop.set()
+        if self.path is None or not self._write_lock.acquire(timeout=SIGNAL_WRITE_WAIT_S):
+            return  # the final write is best effort; the last periodic file stays
+        try:
+            if not self._written_final:
+                atomic_write(self.path, json.dumps(self._snap(True), sort_keys=True) + "\n")
+                self._written_final = True
+        except OSError:
+            self.write_errors += 1
+        finally:
+            self._write_lock.release()
