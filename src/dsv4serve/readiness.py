@@ -96,9 +96,12 @@ def check(base_url: str, model: str, canary_cfg: Any, timeout: float, port: int 
     owner = None
     if port is not None and our_pids is not None:
         owners = listeners(port)
-        if owners and not owners & our_pids:
-            raise JobFailed(f"port {port} is served by pid {sorted(owners)}, not by this seat's processes",
-                            hint="an older server answers on this port: stop it")
+        foreign = owners - our_pids
+        # Any foreign listener fails, not only an all-foreign set: with SO_REUSEPORT two servers
+        # share the port and the kernel may hand the canary to the other one.
+        if foreign:
+            raise JobFailed(f"port {port} is also served by pid {sorted(foreign)}, which is not one of this seat's "
+                            f"processes", hint="another server listens on this port: stop it")
         owner = sorted(owners & our_pids) or None
     res = canary_result(base_url, model, canary_cfg, timeout)
     return {"health": 200, "models": names, "listener": owner, "canary": res["text"][:80],
