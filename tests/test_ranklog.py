@@ -196,3 +196,19 @@ def test_seat_reference_lines_decline_and_untuned_and_kv():
     tr.feed("(Worker_TP2 pid=202) WARNING 09-04 [exl3.py:9] F3/F1 LNA preflight FAILED for model.layers.3 "
             "(backend=lna2): pointer table -- the MoE will fall back to exllamav3")
     assert tr.fatal[-1].kind == "forbidden" and tr.fatal[-1].stream == "rank2"
+
+
+def test_rank_text_counts_only_for_worker_lines_one_rank_per_pid():
+    """`rank=r/tp` in a line's text attributes it to a rank only where the prefix could not: a worker
+    process with no rank in its prefix, and one rank per pid. The marker gate counts distinct ranks;
+    an engine or API-server line, or one process naming every rank, must not satisfy it."""
+    marker = "LNA2 MoE kernel ACTIVE"
+    tr = SeatTracker(8, [marker], [])
+    for r in range(8):
+        tr.feed(f"(EngineCore_DP0 pid=77) INFO {marker} rank={r}/8")
+        tr.feed(f"(APIServer pid=1) INFO {marker} rank={r}/8")
+        tr.feed(f"(VllmWorker pid=300) INFO {marker} rank={r}/8")  # one process, eight claims
+    assert tr.marker_ranks[marker] == {0}
+    for r in range(1, 8):
+        tr.feed(f"(VllmWorker pid={300 + r}) INFO {marker} rank={r}/8")  # one process per rank
+    assert tr.marker_ranks[marker] == set(range(8))

@@ -220,8 +220,14 @@ class SeatTracker:
         text = message(p.text)
         ours = _OUR_RANK.search(text) if ("dsv4serve" in text or "LNA" in text or "lna2" in text) else None
         if ours and int(ours.group(2)) == self.tp and int(ours.group(1)) in self.ranks:
-            if rank is None:
-                rank, stream = int(ours.group(1)), f"rank{ours.group(1)}"
+            # The text names the rank only where the prefix could not: a worker process whose prefix
+            # carries no rank (stream pidN), one rank per pid. API-server and engine lines, and one
+            # process claiming several ranks, never count as ranks: the marker gate counts distinct
+            # ranks, and one process printing `rank=r/tp` for every r must not satisfy it.
+            r_txt = int(ours.group(1))
+            if rank is None and stream.startswith("pid") and p.pid is not None \
+                    and self.pid_rank.setdefault(p.pid, r_txt) == r_txt:
+                rank, stream = r_txt, f"rank{r_txt}"
         st = self.ranks.get(rank) if rank is not None else self.others.get(stream)
         if st is not None:
             st.last_line = text[-300:]
