@@ -270,6 +270,38 @@ def test_ensure_patched_checks_every_set_first(trees: Path, tmp_path: Path) -> N
     assert snapshot(root, patches.load_set("vllm-0.32.0")) == before
 
 
+def test_a_later_set_failing_undoes_the_earlier_sets(trees: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several sets are one change: when the second set's write fails (a disk error, stood in for by
+    a failing write), the first set's files, patched moments before, are restored too; a file that
+    was already patched on entry is not part of the undo and stays patched."""
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    shutil.copytree(trees / "exllamav3-1.4.5", root, dirs_exist_ok=True)
+    vset, xset = patches.load_set("vllm-0.32.0"), patches.load_set("exllamav3-1.4.5")
+    first = vset.files[0].path
+    patches.revert_set(vset, root)  # nothing to revert yet; then pre-patch one vllm file by hand
+    patches.apply_set(vset, root)
+    pre = (root / first).read_bytes()
+    for f in vset.files[1:]:
+        patches.revert_set(vset, root, only={f.path})
+    before_v, before_x = snapshot(root, vset), snapshot(root, xset)
+    assert (root / first).read_bytes() == pre
+    real_write = patches._atomic_write
+    x_paths = {root / f.path for f in xset.files}
+
+    def failing_write(path: Path, data: bytes) -> None:
+        if path in x_paths:
+            raise OSError(28, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(patches, "_atomic_write", failing_write)
+    with pytest.raises(JobFailed):
+        patches.ensure_patched(_profile(root, "[vllm-0.32.0, exllamav3-1.4.5]"), apply=True)
+    monkeypatch.setattr(patches, "_atomic_write", real_write)
+    assert snapshot(root, vset) == before_v and snapshot(root, xset) == before_x
+    assert (root / first).read_bytes() == pre  # patched on entry: left patched
+
+
 def _cli(*args: str):
     from dsv4serve.cli import app
 

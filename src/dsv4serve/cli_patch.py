@@ -166,12 +166,14 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
     results: list[Any] = []
     with handled():
         t = _targets(profile, set_name, root, action)
-        fn = patches.apply_set if action == "apply" else patches.revert_set
-        for s in t.sets:  # check every set before changing any: one refusal changes nothing
-            patches.refuse_unless(patches.set_status(s, t.root, profile=t.profile),
-                                  frozenset({"pristine", "patched"}), action, s)
-        for s in t.sets:
-            results.append(fn(s, t.root, profile=t.profile))
+        if action == "apply":  # all sets or none: a later set's failure undoes the earlier ones
+            results = patches.apply_sets(t.sets, t.root, profile=t.profile)
+        else:
+            for s in t.sets:  # check every set before changing any: one refusal changes nothing
+                patches.refuse_unless(patches.set_status(s, t.root, profile=t.profile),
+                                      frozenset({"pristine", "patched"}), action, s)
+            for s in t.sets:
+                results.append(patches.revert_set(s, t.root, profile=t.profile))
         rows = [row for res in results for row in res.rows]
         wanted = patches.OK_PATCHED if action == "apply" else patches.OK_PRISTINE
         if json_out:

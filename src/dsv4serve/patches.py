@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import yaml
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsv4serve import home
@@ -432,13 +432,28 @@ def _tree_or_refuse(pset: PatchSet, root: Path | None, rows: list[FileStatus], a
     return tree
 
 
+LOCK_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def _set_lock(sdir: Path, pset: PatchSet) -> Iterator[None]:
+    """The set's lock on its tree; a holder past the timeout is a one-line failure, not a traceback."""
+    try:
+        with FileLock(str(sdir / "lock"), timeout=LOCK_TIMEOUT_S):
+            yield
+    except Timeout:
+        raise JobFailed(f"patch set {pset.set}: another dsv4serve has held {sdir / 'lock'} for "
+                        f"{LOCK_TIMEOUT_S:.0f} s; nothing was changed",
+                        hint="let it finish (or end it), then run the command again") from None
+
+
 def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> SetResult:
     """Patch every file of `pset` (idempotent); refuse, changing nothing, unless each is pristine or patched."""
     rows = set_status(pset, root, profile=profile)
     tree = _tree_or_refuse(pset, root, rows, "apply")
     sdir = state_dir(pset, tree)
     sdir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(sdir / "lock"), timeout=60):
+    with _set_lock(sdir, pset):
         rows = set_status(pset, root, profile=profile)  # again, under the lock
         refuse_unless(rows, frozenset({"pristine", "patched"}), "apply", pset)
         specs = {f.path: f for f in pset.files}
@@ -474,18 +489,20 @@ def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None =
                      [c for c in changed if specs[c].rebuild], pset.rebuild_hint, str(sdir))
 
 
-def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> SetResult:
-    """Restore every patched file of `pset` to its pristine bytes (from the backup, else the reverse diff)."""
+def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None,
+               only: set[str] | None = None) -> SetResult:
+    """Restore every patched file of `pset` (or only those named in `only`) to its pristine bytes
+    (from the backup, else the reverse diff)."""
     rows = set_status(pset, root, profile=profile)
     tree = _tree_or_refuse(pset, root, rows, "revert")
     sdir = state_dir(pset, tree)
     sdir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(sdir / "lock"), timeout=60):
+    with _set_lock(sdir, pset):
         rows = set_status(pset, root, profile=profile)
         refuse_unless(rows, frozenset({"pristine", "patched"}), "revert", pset)
         specs = {f.path: f for f in pset.files}
         targets: list[tuple[Path, bytes, bytes]] = []
-        for r in (r for r in rows if r.state == "patched"):
+        for r in (r for r in rows if r.state == "patched" and (only is None or r.file in only)):
             spec = specs[r.file]
             current = (tree / r.file).read_bytes()
             backup = sdir / "backup" / r.file
@@ -565,11 +582,40 @@ def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
                              f"`dsv4serve up --profile {profile.name} --apply-patches`"
                              + ("" if first.state == "pristine" else f"; first: {first.fix}")))
     root = profile_root(profile)
-    sets = [load_set(n) for n in profile.patches]
-    for pset in sets:  # every set is checked before any is applied
-        refuse_unless(set_status(pset, root, profile=profile.name), frozenset({"pristine", "patched"}),
-                       "apply", pset)
-    return [apply_set(pset, root, profile=profile.name) for pset in sets]
+    return apply_sets([load_set(n) for n in profile.patches], root, profile=profile.name)
+
+
+def apply_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str | None = None) -> list[SetResult]:
+    """Apply several sets as one change: every set is checked before any is applied, and when a
+    later set fails (a refusal found under its lock, a write error) the files the earlier sets
+    changed in this call are reverted, so the trees are never left half patched. Files that were
+    already patched on entry stay patched."""
+    for pset in sets:
+        refuse_unless(set_status(pset, root, profile=profile), frozenset({"pristine", "patched"}), "apply", pset)
+    done: list[tuple[PatchSet, SetResult]] = []
+    try:
+        for pset in sets:
+            done.append((pset, apply_set(pset, root, profile=profile)))
+    except BaseException as e:
+        undo_errors = _undo(done, root, profile)
+        if undo_errors:
+            raise JobFailed(f"{e}; and undoing the sets applied before it failed: {'; '.join(undo_errors)}",
+                            hint="`dsv4serve patch status` shows each file's state") from e
+        raise
+    return [res for _, res in done]
+
+
+def _undo(done: list[tuple[PatchSet, SetResult]], root: Path | None, profile: str | None) -> list[str]:
+    """Revert exactly the files each (set, result) changed, last set first; the errors, if any."""
+    errors = []
+    for pset, res in reversed(done):
+        if not res.changed:
+            continue
+        try:
+            revert_set(pset, root, profile=profile, only=set(res.changed))
+        except Exception as e:  # keep undoing the others
+            errors.append(f"{pset.set}: {e}")
+    return errors
 
 
 @contextlib.contextmanager
@@ -580,20 +626,10 @@ def applied(set_names: list[str], root: Path | None = None) -> Iterator[list[Set
     patched on exit; a set that could not be applied was left untouched (all or none).
     """
     sets = [load_set(n) for n in set_names]
-    results: list[SetResult] = []
+    results = apply_sets(sets, root)
     try:
-        for pset in sets:
-            results.append(apply_set(pset, root))
         yield results
     finally:
-        errors = []
-        by_name = {p.set: p for p in sets}
-        for res in reversed(results):
-            if not res.changed:
-                continue
-            try:
-                revert_set(by_name[res.set], root)
-            except Exception as e:  # keep reverting the others
-                errors.append(f"{res.set}: {e}")
+        errors = _undo(list(zip(sets, results)), root, None)
         if errors:
             raise JobFailed("revert after use failed: " + "; ".join(errors))
