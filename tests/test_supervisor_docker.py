@@ -131,6 +131,21 @@ def test_a_fatal_line_just_after_the_canary_fails_the_bring_up(fake):
     assert failed["clean"]
 
 
+def test_foreground_watches_on_after_ready_and_fails_on_a_rank_error(fake):
+    """`up --foreground` stays attached after ready and keeps reading the bring-up's log from where
+    it stopped: a rank's CUDA error 4 s after the canary (past the ready settle) ends the run with
+    exit 1, the error named, and the seat stopped clean."""
+    r = cli("up", "--profile", fake.profile, "--skip-checks", "--json", "--foreground", home=fake.home,
+            timeout=120, env_extra={**fake.env, "FAKE_DOCKER_SCENARIO": "late", "FAKE_DOCKER_LATE_S": "4"})
+    assert r.returncode == 1, r.stdout[-2000:]
+    events = json_lines(r.stdout)
+    assert any(e["event"] == "ready" for e in events)
+    failed = events[-1]
+    assert failed["event"] == "failed" and failed["reason"].startswith("after ready: ") \
+        and "illegal memory access" in failed["reason"], failed
+    assert failed["clean"]
+
+
 def _deaf_container(fake, monkeypatch) -> subprocess.Popen:
     """A fake container whose main process ignores SIGTERM, as a starting vLLM does; returned once
     its ranks are loading (so the SIGTERM handler is already ignored). stop.py finds the fake CLI

@@ -72,12 +72,6 @@ class LogTail:
         self.pos = 0
         self.buf = b""
 
-    def skip_to_end(self) -> None:
-        try:
-            self.pos = self.path.stat().st_size
-        except OSError:
-            pass
-
     def read(self) -> list[str]:
         try:
             with open(self.path, "rb") as f:
@@ -605,8 +599,9 @@ class Supervisor:
 
     def _attached(self, intr: Interrupts, ready: Outcome) -> Outcome:
         """--foreground: echo the log, watch for a crash, tear down on Ctrl-C (twice: SIGKILL)."""
-        tail = self.tail = LogTail(self.log_path)
-        tail.skip_to_end()
+        # The bring-up's own tail reads on from its last line: a fresh tail skipped to the end would
+        # drop, unchecked, whatever was written between the ready verdict and this point.
+        tail = self.tail
         n_fatal = len(self.tracker.fatal)
         if not self.json_events:
             console.print("attached: Ctrl-C stops the seat (a second Ctrl-C kills it at once)", highlight=False)
