@@ -129,3 +129,37 @@ def test_down_with_nothing_running_says_so(home):
     assert r.returncode == 0 and "no seat is running: nothing to stop" in r.stdout
     r = cli("down", "--profile", "cpu-demo", home=home, timeout=60)
     assert r.returncode == 0 and "seat cpu-demo is not running: nothing to stop" in r.stdout
+
+
+def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes_and_keeps_the_file(home):
+    """A state file that does not parse must not lock the user out: `status` shows it as one row
+    beside the other seats, and `down` (which the error names as the fix) stops the processes
+    tagged with the seat's runs, the only thing left to go by, and sets the file aside, kept."""
+    run_id = f"cpu-demo-20261205-000000-{os.getpid() % 9999:04d}"
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, state.RUN_ID_ENV: run_id})
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],  # seat cpu-demo-x, not cpu-demo
+                                env={**os.environ, state.RUN_ID_ENV: "cpu-demo-x-20261205-000000-0000"})
+    try:
+        state.save(make(seat="other"))
+        state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
+        state.state_path("cpu-demo").write_text('{"seat": "cpu-demo", "run_id": ')  # truncated
+        r = cli("status", "--json", home=home, timeout=60)
+        assert r.returncode == 0, r.stderr
+        rows = {row["seat"]: row for row in json.loads(r.stdout)}
+        assert rows["cpu-demo"]["phase"] == "unreadable" and "down --profile cpu-demo" in rows["cpu-demo"]["problem"]
+        assert "other" in rows
+        r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        seat = json.loads(r.stdout)["seats"][0]
+        assert seat["clean"] and seat["run_id"] == run_id
+        assert [p["pid"] for p in seat["signalled"]] == [orphan.pid]
+        orphan.wait(timeout=10)
+        assert stranger.poll() is None  # another seat's process is not this seat's
+        kept = [p.name for p in state.seat_dir("cpu-demo").iterdir() if p.name.startswith("state.json.unreadable-")]
+        assert len(kept) == 1 and not state.state_path("cpu-demo").exists()
+        assert state.load("cpu-demo") is None
+    finally:
+        for p in (orphan, stranger):
+            p.kill()
+            p.wait()

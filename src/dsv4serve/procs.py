@@ -13,6 +13,7 @@ A run's processes are found two ways, and the union is taken:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any, Callable
@@ -66,6 +67,24 @@ def tagged(run_id: str) -> list[psutil.Process]:
                 out.append(p)
         except (psutil.Error, OSError):
             continue  # gone, or not ours to read (then not ours to kill either)
+    return out
+
+
+def tagged_runs(seat: str) -> dict[str, list[psutil.Process]]:
+    """Running processes tagged with any run of this seat, by run id: what a seat whose state file
+    is unreadable may have left. Run ids are `<seat>-YYYYmmdd-HHMMSS-<4 hex>` (seat._run_id), matched
+    whole, so seat `cpu` never claims a run of seat `cpu-demo`."""
+    me, run_of = os.getpid(), re.compile(rf"{re.escape(seat)}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}")
+    out: dict[str, list[psutil.Process]] = {}
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            tag = p.environ().get(RUN_ID_ENV)
+        except (psutil.Error, OSError):
+            continue
+        if tag and run_of.fullmatch(tag) and _running(p):
+            out.setdefault(tag, []).append(p)
     return out
 
 

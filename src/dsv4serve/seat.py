@@ -87,6 +87,7 @@ def render_plan(plan: dict[str, Any]) -> None:
 
 
 def _run_id(seat_name: str) -> str:
+    # procs.tagged_runs matches this exact shape to find a seat's processes without its state
     import secrets
     import time
 
@@ -311,13 +312,24 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
     from dsv4serve import state, stop
     from dsv4serve.errors import BadInput
 
-    names = [n for n in _seat_names(profile_name) if state.load(n) is not None]
-    if not names:
+    names, unreadable = [], []
+    for n in _seat_names(profile_name):
+        try:
+            if state.load(n) is not None:
+                names.append(n)
+        except state.UnreadableState:
+            unreadable.append(n)
+    if not names and not unreadable:
         what = f"seat {profile_name} is not running" if profile_name else "no seat is running"
         return {"clean": True, "seats": [], "message": f"{what}: nothing to stop"}
-    if len(names) > 1:
-        raise BadInput(f"{len(names)} seats are known ({', '.join(names)})", hint="name one with --profile")
+    if len(names) + len(unreadable) > 1:
+        known = sorted(names + unreadable)
+        raise BadInput(f"{len(known)} seats are known ({', '.join(known)})", hint="name one with --profile")
     out: dict[str, Any] = {"seats": [], "clean": True}
+    for n in unreadable:
+        rep = _down_unreadable(n)
+        out["seats"].append(rep)
+        out["clean"] = out["clean"] and rep["clean"]
     for n in names:
         st = state.load(n)
         if st is None:
@@ -344,12 +356,43 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
     return out
 
 
+def _down_unreadable(name: str) -> dict[str, Any]:
+    """`down` of a seat whose state file does not parse: stop every process tagged with one of the
+    seat's runs (the tag is all that is left to go by), then set the file aside, kept."""
+    from dsv4serve import procs, state, stop
+
+    runs = procs.tagged_runs(name)
+    rep: dict[str, Any] = {"seat": name, "run_id": ", ".join(sorted(runs)) or "unknown", "was": "unreadable state",
+                           "phase_before": "unknown", "unreadable_state": True, "signalled": [], "killed": [],
+                           "remaining": [], "unreaped": []}
+    for run_id in sorted(runs):
+        # only what procs.stop reads: the run's tag (no pid or group is known without the state)
+        st = state.SeatState(seat=name, run_id=run_id, profile=name, profile_digest="", runtime="native", argv=[],
+                             env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir="", log_path="")
+        r = procs.stop(st, stop.STARTUP_GRACE_S)
+        for k in ("signalled", "killed", "remaining", "unreaped"):
+            rep[k] += r[k]
+    moved = state.set_aside(name)
+    rep["set_aside"] = str(moved) if moved else None
+    rep["clean"] = not rep["remaining"] and not rep["unreaped"]
+    return rep
+
+
 def render_down(report: dict) -> None:
     if not report.get("seats"):
         console.print(report.get("message", "nothing to stop"), highlight=False)
         return
     for rep in report["seats"]:
         verdict = "[bold green]clean[/]" if rep.get("clean") else "[bold red]NOT clean[/]"
+        if rep.get("unreadable_state"):
+            console.print(f"seat {rep['seat']}: its state file was unreadable, set aside as {rep.get('set_aside')}; "
+                          f"stopped {len(rep['signalled'])} processes tagged with its runs ({rep['run_id']}): {verdict}",
+                          highlight=False)
+            console.print("  a docker seat's container cannot be named without its state: check `docker ps`",
+                          highlight=False, markup=False)
+            if rep.get("remaining"):
+                console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False)
+            continue
         n = len(rep.get("signalled", []))
         console.print(f"seat {rep['seat']} (run {rep['run_id']}, was {rep.get('phase_before')}/{rep.get('was')}): "
                       f"stopped {n} processes in {rep.get('seconds', 0):.1f} s "
@@ -404,7 +447,10 @@ def _row(name: str) -> dict[str, Any]:
     from dsv4serve import readiness, state, stop
     from dsv4serve.ranklog import read_log
 
-    st = state.load(name)
+    try:
+        st = state.load(name)
+    except state.UnreadableState as e:  # one bad file must not hide the other seats
+        return {"seat": name, "phase": "unreadable", "problem": e.line(), "last_run": state.load_last(name)}
     if st is None:
         last = state.load_last(name)
         return {"seat": name, "phase": "not running", "last_run": last}
@@ -498,6 +544,9 @@ def render_status(rows: list[dict]) -> None:
                     + (f" ({last.get('reason')})" if last.get("reason") else "")
                     + (f", diagnostics {last['diagnostics']}" if last.get("diagnostics") else "")) if last else ""
             console.print(f"seat {r['seat']}: not running{tail}", highlight=False, markup=False, soft_wrap=True)
+            continue
+        if r["phase"] == "unreadable":
+            console.print(f"seat {r['seat']}: {r['problem']}", highlight=False, markup=False, soft_wrap=True)
             continue
         s = style.get(r["phase"], "white")
         console.print(f"seat [bold]{r['seat']}[/] [{s}]{r['phase']}[/]  run {r['run_id']}  up {r['uptime_s']:.0f} s  "

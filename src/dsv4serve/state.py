@@ -134,6 +134,16 @@ def save(st: SeatState) -> None:
         atomic_write(state_path(st.seat), st.model_dump_json(indent=2))
 
 
+class UnreadableState(BadInput):
+    """A state file that exists but does not parse (truncated by a full disk, edited by hand)."""
+
+    def __init__(self, seat: str, path: Path, why: str):
+        super().__init__(f"state file {path} is unreadable ({why})",
+                         hint=f"`dsv4serve down --profile {seat}` stops what the seat's run may have left and sets "
+                              "the file aside")
+        self.seat, self.path = seat, path
+
+
 def load(seat: str) -> SeatState | None:
     p = state_path(seat)
     try:
@@ -141,8 +151,20 @@ def load(seat: str) -> SeatState | None:
     except FileNotFoundError:
         return None
     except (ValueError, OSError) as e:
-        raise BadInput(f"state file {p} is unreadable ({e.__class__.__name__})",
-                       hint="remove it after checking no seat is running (`dsv4serve down` does this)") from None
+        raise UnreadableState(seat, p, e.__class__.__name__) from None
+
+
+def set_aside(seat: str) -> Path | None:
+    """Move an unreadable state file out of the way (renamed, never deleted: it may be all that
+    says what ran); None when there was none."""
+    p = state_path(seat)
+    dest = p.with_name(f"state.json.unreadable-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    with _state_lock(seat):
+        try:
+            os.replace(p, dest)
+        except FileNotFoundError:
+            return None
+    return dest
 
 
 def update(seat: str, run_id: str, **changes: Any) -> SeatState | None:
