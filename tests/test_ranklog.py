@@ -212,3 +212,14 @@ def test_rank_text_counts_only_for_worker_lines_one_rank_per_pid():
     for r in range(1, 8):
         tr.feed(f"(VllmWorker pid={300 + r}) INFO {marker} rank={r}/8")  # one process per rank
     assert tr.marker_ranks[marker] == set(range(8))
+
+
+def test_the_docker_clients_own_error_is_the_fatal_line():
+    """When the engine cannot run the container, the only line in the log is the docker client's:
+    it is the first error (with a docker hint), not 'vLLM exited' with nothing to go by."""
+    tr = SeatTracker(8, [], [])
+    tr.feed("docker: Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?")
+    assert [f.kind for f in tr.fatal] == ["docker"] and "fix docker" in tr.fatal[0].hint
+    tr = SeatTracker(8, [], [])
+    tr.feed("docker: Error response from daemon: could not select device driver \"\" with capabilities: [[gpu]].")
+    assert tr.fatal and tr.fatal[0].kind == "docker" and tr.first_errors()

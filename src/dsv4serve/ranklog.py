@@ -74,6 +74,9 @@ FATAL = [
                              r"EngineDeadError")),
     ("cuda", re.compile(r"CUDA error: |an illegal memory access|device-side assert triggered")),
     ("plugin", re.compile(r"dsv4serve plugin FAILED")),
+    # the docker client's own errors (exit 125-127): the engine never ran the container, so no
+    # vLLM line follows to say why
+    ("docker", re.compile(r"^docker: |^Error response from daemon: |Cannot connect to the Docker daemon")),
 ]
 
 
@@ -375,6 +378,9 @@ class SeatTracker:
             return "build the lna2 extension for this GPU (`dsv4serve kernel build`) or use moe.kernel=incumbent"
         if "safetensor" in low or "incomplete metadata" in low or "header" in low and "deserializ" in low:
             return "the pack's safetensors are damaged or incomplete: re-download or re-copy the model files"
+        if low.startswith("docker: ") or "response from daemon" in low or "docker daemon" in low:
+            return ("the docker engine did not run the container: fix docker (daemon up, access to its socket, "
+                    "the image pulled, the NVIDIA runtime), then `dsv4serve up` again")
         if "died unexpectedly" in low:
             return "a rank process died: its own log lines come first (`dsv4serve logs --rank R`)"
         return None
