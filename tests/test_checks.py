@@ -375,14 +375,15 @@ def test_patch_rows_per_file(monkeypatch):
 
 
 def test_docker_seat_patch_rows_point_at_the_image():
-    """The host's vllm says nothing about the image's files: no version-mismatch, no `install` advice."""
+    """The host's vllm says nothing about the image's files: no version-mismatch, no `install` advice;
+    and since `up` refuses unverified files, the rows fail (check-seat answers "will it come up?")."""
     p = load_profile("8x16gb-380k")
     assert p.runtime.kind == "docker" and not p.runtime.patch_root and p.patches
     rep = _software(p)
     rows = [r for r in rep.rows if r.check.startswith("patch")]
     assert [r.check for r in rows] == [f"patches {s}" for s in p.patches]
     for r in rows:
-        assert r.status == "warn" and p.runtime.image in r.found
+        assert r.status == "fail" and p.runtime.image in r.found and "up refuses" in r.found
         assert "runtime.patch_root" in r.fix and "dsv4serve patch status --set-name" in r.fix and "--root" in r.fix
         assert "version-mismatch" not in r.found and "install" not in r.fix
 

@@ -152,3 +152,18 @@ def test_dry_run_json_shows_the_patched_file_mounts(tmp_path):
     for rel in PATCHED:
         assert f"{root}/{rel}:{SP}/{rel}:ro" in volumes(plan["argv"]), rel
     assert f"{root}/{PATCHED[0]}:{SP}/{PATCHED[0]}:ro" in plan["command"]
+    assert plan["up_refuses"] == []  # with the image's files copied out, up has nothing to refuse
+
+
+def test_dry_run_names_what_up_would_refuse(tmp_path):
+    """The shipped canon profile has no runtime.patch_root: up refuses to launch image files nobody
+    verified, and the dry run says so in its plan instead of looking like a plan that runs."""
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "dsv4serve", "up", "--profile", "8x16gb-380k", "--dry-run", "--json",
+                        "--no-validate"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "DSV4SERVE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    refuses = json.loads(r.stdout)["up_refuses"]
+    assert len(refuses) == 1 and "runtime.patch_root is not set" in refuses[0]

@@ -627,12 +627,14 @@ def _patches(rep: Report, ctx: Ctx) -> None:
 
 
 def _patches_in_image(rep: Report, ctx: Ctx) -> None:
-    """A Docker seat's patched files live in its image: the host's packages say nothing about them."""
+    """A Docker seat's patched files live in its image: the host's packages say nothing about them,
+    and `up` refuses to launch files nobody verified (patches.ensure_patched), so this fails."""
     p = ctx.profile
     tree = p.runtime.site_packages
     for name in p.patches:
-        rep.add("software", f"patches {name}", "warn",
-                f"docker seat: the {name} files live in image {p.runtime.image}, not checked",
+        rep.add("software", f"patches {name}", "fail",
+                f"docker seat: the {name} files live in image {p.runtime.image}, not checked "
+                "(up refuses: runtime.patch_root is not set)",
                 "patched (by content hash)",
                 f"copy {tree} out of the image (docker cp) and set runtime.patch_root to it, or run "
                 f"`dsv4serve patch status --set-name {name} --root <that copy>`")

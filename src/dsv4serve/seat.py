@@ -51,7 +51,22 @@ def dry_run(profile: Profile, validate: bool = True) -> dict[str, Any]:
         "patches": patch_plan(profile),
         "gates": launch.describe_gates(profile),
         "vllm_parser": parser,
+        "up_refuses": _up_refusals(profile),
     }
+
+
+def _up_refusals(profile: Profile) -> list[str]:
+    """What `up` refuses before launching whatever its flags: a plan that shows them is not one
+    that runs (the CLI's --dry-run exits 2 on them)."""
+    from dsv4serve import patches
+    from dsv4serve.errors import BadInput
+
+    if patches.patched_in_image(profile):
+        try:
+            patches.ensure_patched(profile, apply=False)
+        except BadInput as e:
+            return [e.line()]
+    return []
 
 
 def render_plan(plan: dict[str, Any]) -> None:
@@ -80,6 +95,8 @@ def render_plan(plan: dict[str, Any]) -> None:
     t = g["timeouts"]
     console.print(f"  stall {t['stall_s']:.0f} s, hard cap {t['total_s']:.0f} s", highlight=False)
     console.print(f"\n[bold]vLLM parser[/]: {plan['vllm_parser']['detail']}", highlight=False)
+    for line in plan.get("up_refuses", []):
+        console.print(f"\n[bold red]up would refuse[/]: {line}", highlight=False)
 
 
 # =============================================================================================
