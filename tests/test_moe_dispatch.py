@@ -323,6 +323,21 @@ def test_strict2_shape_decline_raises():
     assert h.counters.calls == {"lna2": 1, "incumbent": 0}
 
 
+def test_swapped_ids_and_weights_are_refused_not_cast():
+    """Float weights passed where ids go would cast to expert 0 everywhere and still make text:
+    the dispatch names the types instead (strict 1: the load fails loudly)."""
+    h = Harness(strict=1)
+    h.prepare()
+    _, m, _ = h.layers[0]
+    x = torch.randn(1, H).to(torch.bfloat16)
+    ids = torch.randperm(E)[:TOP_K].reshape(1, TOP_K)
+    w = torch.rand(1, TOP_K)
+    with pytest.raises(md.Lna2DispatchError, match="topk_ids is torch.float32, not an integer tensor"):
+        m.quant_method.apply(m, x, ids, w)  # (weights, ids) swapped
+    with pytest.raises(md.Lna2DispatchError, match="topk_weights is torch.int64, not a floating tensor"):
+        m.quant_method.apply(m, x, ids, ids)
+
+
 def test_canon_forbidden_regex_lets_shape_declines_through_only():
     import re
 

@@ -565,6 +565,12 @@ class Runtime:
             raise ContractError(f"x is {x.dtype}, not fp16/bf16")
         if x.device != g.device:
             raise ContractError(f"x is on {x.device}, the experts on {g.device}")
+        # A swapped pair (an apply() signature that moved) would cast float weights to ids, all
+        # expert 0, and still produce text: refuse the types, never guess.
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
+            raise ContractError(f"topk_ids is {topk_ids.dtype}, not an integer tensor")
+        if not topk_weights.dtype.is_floating_point:
+            raise ContractError(f"topk_weights is {topk_weights.dtype}, not a floating tensor")
         if topk_ids.numel() != rows * g.top_k or topk_weights.numel() != rows * g.top_k:
             raise ContractError(f"routing carries {topk_ids.numel()} ids / {topk_weights.numel()} weights for "
                                 f"rows={rows} x top_k={g.top_k}")
