@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from dsv4serve.lna2 import build, loader
 
 
-def _ext(build_id: str) -> SimpleNamespace:
+def _ext(build_id: str, path: str = "/x/dsv4serve_lna2.so") -> SimpleNamespace:
     """Stand-in for the compiled dsv4serve_lna2 module (needs a GPU): its describe()-facing API."""
-    return SimpleNamespace(__file__="/x/dsv4serve_lna2.so", lna2_build_id=lambda: build_id,
+    return SimpleNamespace(__file__=path, lna2_build_id=lambda: build_id,
                            lna2_moe_max_rows=lambda: 32, lna2_moe_scratch_bytes=lambda h, i: 1 << 20)
 
 
@@ -28,3 +28,22 @@ def test_a_build_of_these_sources_is_not_stale(monkeypatch):
 def test_a_build_of_other_sources_is_stale(monkeypatch):
     monkeypatch.setattr(loader, "load", lambda: _ext(build.build_tag("0123456789ab")))
     assert loader.describe()["stale"] is True
+
+
+def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
+    """check-seat's arch row reads `built`: it must describe the module that loaded (which
+    DSV4SERVE_LNA2_EXT may put elsewhere than the default build), never another build's file."""
+    import json
+
+    so = tmp_path / "custom" / f"{build.MODULE}.so"
+    so.parent.mkdir()
+    default = tmp_path / "default"
+    default.mkdir()
+    (default / f"{build.MODULE}.json").write_text(json.dumps({"build_id": "0123456789ab", "arch": "9.0;12.0"}))
+    monkeypatch.setattr(loader, "default_out", lambda: default)
+    monkeypatch.setattr(loader, "load", lambda: _ext("bfeedfacecafe", str(so)))
+    assert "built" not in loader.describe()  # none beside the module: not the default build's
+    so.with_suffix(".json").write_text(json.dumps({"build_id": "feedfacecafe", "arch": "12.0"}))
+    assert loader.describe()["built"]["arch"] == "12.0"
+    so.with_suffix(".json").write_text(json.dumps({"build_id": "0123456789ab", "arch": "9.0"}))
+    assert loader.describe()["built"] == f"{so.with_suffix('.json')} describes another build"

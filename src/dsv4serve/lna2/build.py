@@ -12,6 +12,7 @@ from pathlib import Path
 from dsv4serve import home
 from dsv4serve.errors import BadInput, JobFailed
 from dsv4serve.resources import kernels_dir
+from dsv4serve.state import atomic_write
 
 MODULE = "dsv4serve_lna2"
 SOURCES = ("bindings.cpp", "lna2_moe.cu", "lna2_v2.cu", "lna2_v7.cu")
@@ -93,5 +94,5 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     os.replace(tmp, target)
     meta = {"build_id": digest, "arch": arch, "torch": torch.__version__, "cuda": torch.version.cuda,
             "seconds": round(time.time() - t0, 1), "built_at": time.time()}
-    (out / f"{MODULE}.json").write_text(json.dumps(meta, indent=2))
+    atomic_write(out / f"{MODULE}.json", json.dumps(meta, indent=2))
     return target

@@ -62,19 +62,18 @@ def load() -> Any:
 def describe() -> dict[str, Any]:
     digest = _safe(source_digest)
     info: dict[str, Any] = {"module": MODULE, "source_build_id": build_tag(digest) if digest else None}
-    meta_path = default_out() / f"{MODULE}.json"
-    if meta_path.is_file():
-        try:
-            info["built"] = json.loads(meta_path.read_text())
-        except ValueError:
-            info["built"] = "unreadable metadata"
     try:
         mod = load()
     except (RuntimeError, OSError) as e:
         info.update(loadable=False, error=str(e))
+        _read_meta(info, default_out() / f"{MODULE}.json", None)
         return info
-    info.update(loadable=True, path=getattr(mod, "__file__", None), build_id=mod.lna2_build_id(),
+    path = getattr(mod, "__file__", None)
+    info.update(loadable=True, path=path, build_id=mod.lna2_build_id(),
                 max_rows=mod.lna2_moe_max_rows(), scratch_bytes_seat=mod.lna2_moe_scratch_bytes(4096, 256))
+    # The metadata beside the module that loaded (DSV4SERVE_LNA2_EXT may point elsewhere than the
+    # default build), and only if it describes that build: check-seat's arch row reads it.
+    _read_meta(info, Path(path).with_suffix(".json") if path else default_out() / f"{MODULE}.json", info["build_id"])
     info["stale"] = info["build_id"] != info["source_build_id"]
     try:
         import torch
@@ -87,6 +86,20 @@ def describe() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a kernel built for another arch fails here
         info["device_error"] = str(e)
     return info
+
+
+def _read_meta(info: dict[str, Any], meta_path: Path, build_id: str | None) -> None:
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError:
+        info["built"] = "unreadable metadata"
+        return
+    if build_id is not None and (not isinstance(meta, dict) or build_tag(str(meta.get("build_id"))) != build_id):
+        info["built"] = f"{meta_path} describes another build"
+        return
+    info["built"] = meta
 
 
 def _safe(fn) -> Any:
