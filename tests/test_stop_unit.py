@@ -186,3 +186,21 @@ def test_docker_that_cannot_answer_never_reads_as_a_stopped_container(tmp_path, 
 
     docker.write_text("#!/bin/sh\necho 'Error: No such object: dsv4-x' >&2\nexit 1\n")
     assert stop.container_exists("dsv4-x") is False
+
+
+def test_leftover_mp_blocks_are_ours_recent_and_unheld_only(tmp_path):
+    """psm_/sem.mp- blocks carry no run tag: only this user's, modified during the run and held by no
+    live process are the run's. Another user's cannot be removed from the sticky /dev/shm and would
+    turn `down` 'not clean'; an old one predates the run."""
+    from dsv4serve import leftovers
+
+    st = make_state(started_at=time.time() - 5)
+    mine, old, theirs = tmp_path / "psm_mine", tmp_path / "psm_old", tmp_path / "sem.mp-theirs"
+    for p in (mine, old, theirs):
+        p.write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    if os.getuid() == 0:
+        os.chown(theirs, 54321, -1)
+    found = leftovers.find(st, set(), set(), shm=tmp_path)
+    assert mine in found and old not in found
+    assert (theirs not in found) if os.getuid() == 0 else (theirs in found)

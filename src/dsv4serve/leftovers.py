@@ -5,7 +5,9 @@ rendezvous file `<tmp>/vllm_dist_<hex>` and `/dev/shm/vllm_dist_<hex>-tp:0-[0-1]
 (4 MiB each); a SIGKILLed run also leaves multiprocessing blocks `/dev/shm/psm_*` (160-250 MB
 each) and semaphores `/dev/shm/sem.mp-*`. Only this run's files are removed: `vllm_dist_*` by the
 hex ids of its own log, `psm_*`/`sem.mp-*` only when modified during the run's lifetime *and*
-held (open or mapped) by no live process, so another user's running vLLM is never touched.
+held (open or mapped) by no live process and owned by this user, so another user's vLLM is never
+touched. A same-user program that leaves an unmapped psm_ block on purpose during the run would
+lose it: vLLM's blocks carry no run tag to tell them apart.
 """
 
 from __future__ import annotations
@@ -65,11 +67,15 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
         if os.path.basename(p).startswith("vllm_dist_") and os.path.lexists(p):
             found.add(Path(p))
     held = held_shm()
+    me = os.getuid()
     for pat in MP_PATTERNS:
         for p in shm.glob(pat):
             try:
-                # modified since the run started (a second of slack for clock granularity)
-                if p.stat().st_mtime >= st.started_at - 1.0 and p.name not in held:
+                # ours (another user's cannot be removed from the sticky /dev/shm, and would turn
+                # `down` "not clean"), modified since the run started (a second of slack for clock
+                # granularity), and held by no live process
+                s = p.stat()
+                if s.st_uid == me and s.st_mtime >= st.started_at - 1.0 and p.name not in held:
                     found.add(p)
             except OSError:
                 continue
