@@ -204,3 +204,20 @@ def test_leftover_mp_blocks_are_ours_recent_and_unheld_only(tmp_path):
     found = leftovers.find(st, set(), set(), shm=tmp_path)
     assert mine in found and old not in found
     assert (theirs not in found) if os.getuid() == 0 else (theirs in found)
+
+
+def test_an_up_taken_over_by_down_stops_its_child_if_down_missed_it(monkeypatch):
+    """`down` owns the teardown once it marks the seat; but if its scan missed the child (it ran
+    before the child carried the run tag), the `up` that spawned it must not leave it running."""
+    from types import SimpleNamespace
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        monkeypatch.setattr(supervisor, "TAKEN_OVER_WAIT_S", 0.3)
+        fake_sup = SimpleNamespace(proc=child, t0=time.time())
+        out = supervisor.Supervisor._taken_over_outcome(fake_sup, None)
+        assert out.taken_over and child.poll() is not None
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()

@@ -12,6 +12,7 @@ distinct rank), the KV cache holds the profile's minimum, and the canary returne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -46,6 +47,8 @@ READY_SETTLE_S = {"native": 1.0, "docker": 2.0}
 # After the first fatal line, how long the other ranks may take to say why before the seat is stopped:
 # ranks of one seat fail together (same load, same check), milliseconds to a second apart.
 FATAL_SETTLE_S = 2.0
+# How long an `up` whose seat `down` took over waits for down to stop its child before doing it itself.
+TAKEN_OVER_WAIT_S = 120.0
 EXIT_INTERRUPTED = 130
 
 
@@ -547,9 +550,16 @@ class Supervisor:
 
     def _taken_over_outcome(self, intr: Interrupts) -> Outcome:
         """`down` owns the teardown now: reap our child so `down`'s reap wait can finish, write nothing."""
-        deadline = time.time() + 120
+        deadline = time.time() + TAKEN_OVER_WAIT_S
         while self.proc is not None and self.proc.poll() is None and time.time() < deadline:
             time.sleep(POLL_S)
+        if self.proc is not None and self.proc.poll() is None:
+            # `down` missed it (e.g. its scan ran before the child carried the run tag): the child
+            # and its group are ours, and nobody else will stop them now
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
         return Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` before the seat was ready", None,
                        time.time() - self.t0, taken_over=True)
 
