@@ -163,3 +163,18 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         for p in (orphan, stranger):
             p.kill()
             p.wait()
+
+
+def test_without_a_start_time_only_the_run_tag_proves_the_pid_is_ours(home):
+    """If up could not record the start time, a pid reused by another process must not pass as the
+    seat (down would signal a stranger's group): the run tag in its environment decides."""
+    tagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, state.RUN_ID_ENV: "cpu-demo-20261205-000000-beef"})
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert state.liveness(make(run_id="cpu-demo-20261205-000000-beef", pid=tagged.pid)) == "alive"
+        assert state.liveness(make(run_id="cpu-demo-20261205-000000-beef", pid=stranger.pid)) == "reused"
+    finally:
+        for p in (tagged, stranger):
+            p.kill()
+            p.wait()

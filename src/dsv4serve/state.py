@@ -255,6 +255,16 @@ def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
         return "unknown"
     if st.start_time is not None and abs(created - st.start_time) > 1.0:
         return "reused"
+    if st.start_time is None:
+        # No start time was recorded (the child was already gone when up asked): the run tag
+        # in its environment is then the only proof the pid is still ours
+        try:
+            if proc.environ().get(RUN_ID_ENV) != st.run_id:
+                return "reused"
+        except psutil.AccessDenied:
+            return "unknown"
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return "gone"
     try:
         if proc.status() == psutil.STATUS_ZOMBIE:
             return "gone"
