@@ -35,6 +35,7 @@ class Script:
     content_chunks: int = 4
     metrics: bool = True
     tokenize: bool = True
+    tokenize_reply: Any = None        # when set, /tokenize answers this JSON instead of vLLM's
     chunk_delay_s: float = 0.01
     # filled in by the server
     chat_bodies: list[dict] = field(default_factory=list)
@@ -96,7 +97,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/chat/completions":
             self._chat(body)
         elif self.path == "/tokenize" and s.tokenize:
-            if "messages" in body:
+            if s.tokenize_reply is not None:
+                self._json(200, s.tokenize_reply)
+            elif "messages" in body:
                 text = body["messages"][0]["content"]
                 self._json(200, {"count": (len(text) + 2) // 3 + 7, "max_model_len": s.max_model_len, "tokens": []})
             else:
@@ -398,3 +401,135 @@ def test_endpoint_down_is_one_line_exit_1(closed_port, sub):
     res = run(*sub, "--base-url", f"http://127.0.0.1:{closed_port}")
     assert res.exit_code == 1
     assert f"cannot reach http://127.0.0.1:{closed_port}" in one_line_error(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: refused up front, one line, exit 2
+
+
+@pytest.mark.parametrize("url, words", [
+    ("http://[::1", "is not a valid URL"),
+    ("notaurl", "must start with http:// or https://"),
+    ("ftp://127.0.0.1:8000", "must start with http:// or https://"),
+    ("http://", "has no host"),
+    ("http://a..b:8000", "invalid host name 'a..b'"),
+    ("http://127.0.0.1:99999", "outside 1-65535"),
+    ("http://127.0.0.1:8000/?x=1", "must not carry a query"),
+])
+@pytest.mark.parametrize("sub", [[], ["needle", "--tokens", "300"], ["ppl"]])
+def test_bad_base_url_is_one_line_exit_2(sub, url, words):
+    res = run(*sub, "--base-url", url, "--json")
+    assert res.exit_code == 2, res.output
+    err = one_line_error(res)
+    assert f"--base-url '{url}'" in err and words in err and "e.g. --base-url http://" in err
+
+
+def test_base_url_v1_suffix_gets_a_hint(fake):
+    res = run("--base-url", fake.url + "/v1")
+    assert res.exit_code == 1
+    assert "drop the trailing /v1" in one_line_error(res)
+
+
+@pytest.mark.parametrize("sub", [[], ["needle", "--tokens", "300"], ["ppl"]])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_timeout_must_be_positive(fake, sub, value):
+    res = run(*sub, "--base-url", fake.url, "--timeout", value)
+    assert res.exit_code == 2, res.output
+    assert f"--timeout {value} must be a number of seconds above 0" in one_line_error(res)
+    assert fake.chat_bodies == [] and fake.completion_bodies == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--runs", "0"], "--runs 0 must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens 0 must be at least 1"),
+    (["needle", "--tokens", "0"], "--tokens 0 must be between 1 and"),
+    (["needle", "--tokens", "99999999999"], "--tokens 99999999999 must be between 1 and"),
+    (["needle", "--tokens", "300", "--depth", "nan"], "--depth nan must be between 0 and 1"),
+    (["ppl", "--ctx", "1"], "--ctx 1 must be at least 2"),
+    (["ppl", "--chunks", "0"], "--chunks 0 must be at least 1"),
+])
+def test_numeric_options_are_refused_before_any_request(closed_port, args, words):
+    # A closed port: were the endpoint contacted first, the error would be "cannot reach" (exit 1).
+    res = run(*args, "--base-url", f"http://127.0.0.1:{closed_port}")
+    assert res.exit_code == 2, res.output
+    assert words in one_line_error(res)
+
+
+def test_unwritable_out_is_refused_before_measuring(fake, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = run("--base-url", fake.url, "--out", str(blocker / "sub"))
+    assert res.exit_code == 2
+    assert "cannot create --out" in one_line_error(res)
+    assert fake.chat_bodies == []
+
+
+# ---------------------------------------------------------------------------------------------
+# a server that answers, but not as vLLM does
+
+
+@pytest.mark.parametrize("reply, missing", [
+    ({"max_model_len": 4096}, "'count'"),
+    ({"count": "many", "tokens": [1]}, "'count'"),
+    ([1, 2], "not a JSON object"),
+])
+def test_needle_malformed_tokenize_is_one_line_exit_1(fake, reply, missing):
+    fake.tokenize_reply = reply
+    res = run("needle", "--base-url", fake.url, "--tokens", "900", "--json")
+    assert res.exit_code == 1, res.output
+    err = one_line_error(res)
+    assert f"POST {fake.url}/tokenize answered" in err and missing in err
+    assert fake.chat_bodies == []
+
+
+@pytest.mark.parametrize("reply", [{"count": 3}, {"count": 2, "tokens": ["a", "b"]}, {"count": 1, "tokens": 7}])
+def test_ppl_malformed_tokenize_is_one_line_exit_1(fake, reply):
+    fake.tokenize_reply = reply
+    res = run("ppl", "--base-url", fake.url, "--ctx", "32", "--json")
+    assert res.exit_code == 1, res.output
+    err = one_line_error(res)
+    assert f"POST {fake.url}/tokenize answered without a 'tokens' list" in err
+    assert fake.completion_bodies == []
+
+
+# ---------------------------------------------------------------------------------------------
+# several seats
+
+
+def _seat(fake, home, name: str, profile: str) -> None:
+    from dsv4serve import state
+
+    port = int(fake.url.rsplit(":", 1)[1])
+    state.save(state.SeatState(seat=name, run_id=f"r-{name}", profile=profile, profile_digest="x", runtime="native",
+                               pid=os.getpid(), start_time=psutil.Process().create_time(), argv=["vllm"], env={},
+                               host="127.0.0.1", port=port, served_name="fake-model", tp=2, run_dir=str(home),
+                               log_path=str(home / "log"), phase="ready"))
+
+
+def test_several_seats_name_the_seat_flag(fake, isolated_home):
+    _seat(fake, isolated_home, "fa", "fa")
+    _seat(fake, isolated_home, "fb", "cpu-demo")
+    res = run("--streams", "1", "--suite", "en", "--runs", "1")
+    assert res.exit_code == 2
+    err = one_line_error(res)
+    assert "2 seats are running (fa, fb)" in err and "name one with --seat" in err
+    assert "name one with --profile" not in err
+    # --seat picks one; so does a --profile naming a running seat, even when that seat's
+    # profile ('fa') cannot be loaded by name.
+    for args in (["--seat", "fb"], ["--profile", "fa"]):
+        res = run("--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup", "--json", *args)
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["endpoint"]["seat"] == args[1]
+    # A --profile naming no running seat only picks figures: the seat still has to be named.
+    res = run("--streams", "1", "--profile", "8x16gb-380k")
+    assert res.exit_code == 2
+    assert "name one with --seat" in one_line_error(res)
+
+
+def test_help_says_what_seat_and_profile_do():
+    for sub in ([], ["needle"], ["ppl"]):
+        res = CliRunner().invoke(app, ["bench", *sub, "--help"])
+        out = " ".join(res.stdout.replace("│", " ").split())  # rich wraps help inside a box
+        assert "name of the running seat to measure" in out
+        assert "profile whose reference figures to show beside the results" in out
+        assert "to choose which running seat to measure, use --seat" in out

@@ -9,21 +9,26 @@ from pathlib import Path
 
 import pytest
 
-from dsv4serve.bench import RunResult, Stat, parse_streams, parse_suites, summarize_cell
+import httpx
+
+from dsv4serve.bench import BenchSettings, RunResult, Stat, check_timeout, parse_streams, parse_suites, summarize_cell
 from dsv4serve.bench_client import (
     ACCEPTED,
     DRAFT_TOKENS,
     DRAFTS,
+    Endpoint,
     SpecDelta,
     StreamError,
     StreamResult,
+    Tokenizer,
+    check_base_url,
     consume_stream,
     iter_sse_data,
     parse_metrics,
     spec_delta,
 )
 from dsv4serve.bench_needle import NeedleSettings, _boundary, build_prompt, compose
-from dsv4serve.bench_ppl import PplSettings, window_nll, windows
+from dsv4serve.bench_ppl import PplSettings, _exp, window_nll, windows
 from dsv4serve.bench_report import bench_markdown, needle_markdown, ppl_markdown, write_outputs
 from dsv4serve.errors import BadInput, JobFailed
 from dsv4serve.profile import load_profile
@@ -252,7 +257,7 @@ def test_cell_without_reference_for_that_stream_count():
     assert c["acceptance_length"] is None
 
 
-@pytest.mark.parametrize("text", ["", "1,,4", "0", "-1", "1;4", "a", "1.5", "65"])
+@pytest.mark.parametrize("text", ["", "1,,4", "0", "-1", "1;4", "a", "1.5", "65", "²", "1,٤"])
 def test_bad_streams_syntax(text):
     with pytest.raises(BadInput):
         parse_streams(text)
@@ -441,3 +446,79 @@ def test_burst_delivery_gives_no_decode_rate():
     r = RunResult(4, "ja", 1, [s, ok], None)
     assert r.per_stream_tok_s == pytest.approx([16 / 0.3])
     assert r.aggregate_tok_s == pytest.approx(32 / 1.3363)  # the aggregate still counts every token
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks and malformed answers
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://seat.example/prefix/", " http://[::1]:8000 ",
+                                 "HTTP://localhost"])
+def test_good_base_urls_pass_without_trailing_slash(url):
+    out = check_base_url(url)
+    assert out == url.strip().rstrip("/")
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "notaurl", "localhost:8000", "ftp://h", "http://", "http://:80",
+                                 "http://a..b", "http://h:0", "http://h:70000", "http://h/#x", "https://h:abc"])
+def test_bad_base_urls_are_bad_input(url):
+    with pytest.raises(BadInput, match="--base-url") as ei:
+        check_base_url(url)
+    assert "\n" not in ei.value.line() and ei.value.exit_code == 2
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf, 1e12])
+def test_timeout_bounds(value):
+    with pytest.raises(BadInput, match="--timeout"):
+        check_timeout(value)
+    with pytest.raises(BadInput, match="--timeout"):
+        BenchSettings(streams=[1], suites=["en"], read_timeout_s=value).check_inputs()
+    with pytest.raises(BadInput, match="--timeout"):
+        NeedleSettings(tokens=100, depth=0.5, read_timeout_s=value).check_inputs()
+    with pytest.raises(BadInput, match="--timeout"):
+        PplSettings(read_timeout_s=value).check_inputs()
+    check_timeout(0.5)
+
+
+def _tokenizer(reply) -> Tokenizer:
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, json=reply))
+    return Tokenizer(httpx.Client(transport=transport), Endpoint(base_url="http://t", model="m"))
+
+
+@pytest.mark.parametrize("reply", [{}, {"count": None}, {"count": -1}, {"count": 2.5}, {"count": True}])
+def test_tokenize_without_a_count_is_job_failed(reply):
+    with pytest.raises(JobFailed, match=r"POST http://t/tokenize answered without a 'count'"):
+        _tokenizer(reply).chat_count("hi", False)
+
+
+@pytest.mark.parametrize("reply", [{}, {"tokens": None}, {"tokens": [1, "x"]}, {"tokens": [1.5]}, {"tokens": {"a": 1}}])
+def test_tokenize_without_tokens_is_job_failed(reply):
+    with pytest.raises(JobFailed, match=r"POST http://t/tokenize answered without a 'tokens' list"):
+        _tokenizer(reply).encode("hi")
+
+
+def test_tokenize_well_formed_answers_pass():
+    assert _tokenizer({"count": 4, "tokens": [1, 2.0]}).encode("hi") == [1, 2]
+    assert _tokenizer({"count": 4}).chat_count("hi", False) == 4
+
+
+def test_tokenize_non_json_is_job_failed():
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, text="<html>proxy</html>"))
+    tok = Tokenizer(httpx.Client(transport=transport), Endpoint(base_url="http://t", model="m"))
+    with pytest.raises(JobFailed, match="not a JSON object"):
+        tok.encode("hi")
+
+
+@pytest.mark.parametrize("event", [
+    {"choices": {"0": {}}}, {"choices": ["x"]}, {"choices": [{"delta": "abc"}]},
+    {"choices": [{"delta": {"content": 5}}]},
+])
+def test_malformed_choices_are_stream_errors(event):
+    with pytest.raises(StreamError):
+        consume_stream(iter_sse_data(sse("data: " + json.dumps(event), "data: [DONE]")), StreamResult(t_start=0.0))
+
+
+def test_ppl_non_numeric_logprob_and_overflow():
+    with pytest.raises(JobFailed, match="non-numeric logprob None"):
+        window_nll([1, 2], [None, {"2": {"logprob": None}}])
+    assert _exp(1000.0) is None and _exp(math.nan) is None and _exp(0.0) == 1.0

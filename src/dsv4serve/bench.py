@@ -9,6 +9,7 @@ around each measurement.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dsv4serve.bench_client import (
     SpecDelta,
     StreamResult,
     chat_body,
+    check_base_url,
     resolve_endpoint,
     scrape_spec,
     spec_delta,
@@ -42,6 +44,8 @@ SUITES: dict[str, str] = {
 
 DEFAULT_STREAMS = "1,4"
 DEFAULT_SUITES = "en,ja,code"
+# A socket cannot wait for ever (settimeout overflows near 1e10 s); no seat is silent for a day.
+MAX_TIMEOUT_S = 86400.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,13 +56,21 @@ def parse_streams(text: str) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
         part = part.strip()
-        if not part.isdigit() or int(part) < 1:
+        # isdigit() admits superscripts like '²' that int() rejects: ASCII decimals only.
+        if not (part.isascii() and part.isdecimal()) or int(part) < 1:
             raise BadInput(f"--streams '{text}' must be a comma list of positive integers", hint="e.g. --streams 1,4")
         if int(part) > 64:
             raise BadInput(f"--streams {part} is more than this bench opens at once (64)")
         if int(part) not in out:
             out.append(int(part))
     return out
+
+
+def check_timeout(seconds: float) -> None:
+    # Zero makes every read fail at once and a negative value is refused by the socket layer.
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise BadInput(f"--timeout {seconds:g} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}",
+                       hint="e.g. --timeout 300")
 
 
 def parse_suites(text: str) -> list[str]:
@@ -85,14 +97,22 @@ class Target:
     notes: list[str] = field(default_factory=list)
 
 
-def _running_seat(seat: str | None, profile: str | None) -> state.SeatState:
+def _running_seat(seat: str | None, profile: str | None) -> tuple[state.SeatState, bool]:
+    """The seat to measure, and whether --profile (not --seat) picked it."""
     try:
-        return state.find_running(seat)
+        return state.find_running(seat), False
     except BadInput as e:
-        # Several seats up and no --seat: a --profile that names one of them picks it.
-        if seat is None and profile is not None and "seats are running" in e.message:
-            return state.find_running(profile)
-        raise
+        if seat is not None or "seats are running" not in e.message:
+            raise
+        # Several seats up and no --seat: a --profile that names one of them picks it, since a
+        # seat is named after the profile it was brought up with.
+        if profile is not None:
+            try:
+                return state.find_running(profile), True
+            except BadInput:
+                pass
+        # state's hint names --profile, the seat flag of `down` and `logs`; bench's is --seat.
+        raise BadInput(e.message, hint="name one with --seat (--profile only picks the reference figures)") from None
 
 
 def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | None,
@@ -100,15 +120,20 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     notes: list[str] = []
     seat_profile: Profile | None = None
     seat_name: str | None = None
-    if base_url is None:
-        st = _running_seat(seat, profile)
+    picked_by_profile = False
+    if base_url is not None:
+        base_url = check_base_url(base_url)
+    else:
+        st, picked_by_profile = _running_seat(seat, profile)
         base_url, seat_name = st.base_url, st.seat
         model = model or st.served_name
         try:
             seat_profile = load_profile(st.profile)
         except DsvError as e:
             notes.append(f"the seat's profile could not be loaded ({e.line()})")
-    ref_profile = load_profile(profile) if profile else seat_profile
+    # A --profile that picked the seat means that seat's own profile, which is already loaded
+    # (or noted as unloadable): the seat's name need not be a loadable profile name.
+    ref_profile = load_profile(profile) if profile and not picked_by_profile else seat_profile
     # When /v1/models lacks max_model_len: a running seat's own profile knows its window (a
     # --profile given only for comparison does not); with --base-url, --profile is the best guess.
     fallback = seat_profile if seat_name else ref_profile
@@ -116,7 +141,8 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     endpoint = resolve_endpoint(client, base_url, model, fallback_len)
     seqs = seat_profile.vllm.max_num_seqs if seat_profile else None
     if ref_profile is None:
-        notes.append("no reference figures: pass --profile NAME to compare with a profile's")
+        notes.append("no reference figures: pass --profile NAME (e.g. 8x16gb-380k) to compare with that "
+                     "profile's reference figures")
     return Target(endpoint=endpoint, profile=ref_profile, seat=seat_name, max_num_seqs=seqs, notes=notes)
 
 
@@ -271,11 +297,16 @@ class BenchSettings:
     read_timeout_s: float = 300.0
     warmup: bool = True
 
-    def validate(self, endpoint: Endpoint) -> None:
+    def check_inputs(self) -> None:
+        """What can be refused before the endpoint is contacted."""
         if self.max_tokens < 1:
-            raise BadInput("--max-tokens must be at least 1")
+            raise BadInput(f"--max-tokens {self.max_tokens} must be at least 1", hint="e.g. --max-tokens 256")
         if self.runs < 1:
-            raise BadInput("--runs must be at least 1")
+            raise BadInput(f"--runs {self.runs} must be at least 1", hint="e.g. --runs 3")
+        check_timeout(self.read_timeout_s)
+
+    def validate(self, endpoint: Endpoint) -> None:
+        self.check_inputs()
         if endpoint.max_model_len is not None and self.max_tokens >= endpoint.max_model_len:
             raise BadInput(f"--max-tokens {self.max_tokens} does not fit the seat's max-model-len "
                            f"{endpoint.max_model_len} with a prompt", hint=f"use at most {endpoint.max_model_len // 2}")

@@ -23,10 +23,43 @@ CONNECT_TIMEOUT_S = 5.0
 # Faster than 5,000 tok/s for one stream is no decode any seat does; it is a delivery burst.
 BURST_S_PER_TOKEN = 0.0002
 
+# What a request to a bad endpoint can raise besides httpx.HTTPError: httpx.InvalidURL is a bare
+# Exception, and a host name the IDNA codec rejects ("a..b", a 64-character label) surfaces as a
+# UnicodeError from the socket layer.
+REQUEST_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, httpx.InvalidURL, UnicodeError)
+
 
 def timeout(read_s: float) -> httpx.Timeout:
     """Connect fast or fail; `read_s` bounds the silence between two bytes of a response."""
     return httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_s, write=60.0, pool=CONNECT_TIMEOUT_S)
+
+
+def check_base_url(url: str) -> str:
+    """`url` as the bench will use it (no trailing slash), or BadInput naming what is wrong.
+
+    Checked before any request: httpx reports a malformed URL only once a request is built, and
+    in its own words; a query or fragment would swallow every path appended to the base.
+    """
+    hint = "give the server's root, e.g. --base-url http://127.0.0.1:8000"
+    text = url.strip()
+    try:
+        parsed = httpx.URL(text)
+        port = parsed.port
+    except httpx.InvalidURL as e:
+        raise BadInput(f"--base-url '{url}' is not a valid URL ({e})", hint=hint) from None
+    if parsed.scheme not in ("http", "https"):
+        raise BadInput(f"--base-url '{url}' must start with http:// or https://", hint=hint)
+    if not parsed.host:
+        raise BadInput(f"--base-url '{url}' has no host", hint=hint)
+    if port is not None and not 0 < port < 65536:
+        raise BadInput(f"--base-url '{url}' has port {port}, outside 1-65535", hint=hint)
+    try:
+        parsed.host.encode("idna")
+    except UnicodeError:
+        raise BadInput(f"--base-url '{url}' has an invalid host name '{parsed.host}'", hint=hint) from None
+    if parsed.query or parsed.fragment:
+        raise BadInput(f"--base-url '{url}' must not carry a query or fragment", hint=hint)
+    return text.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -63,7 +96,7 @@ def _server_message(resp: httpx.Response) -> str:
     return json.dumps(body)[:300]
 
 
-def http_failure(base_url: str, e: httpx.HTTPError) -> JobFailed:
+def http_failure(base_url: str, e: Exception) -> JobFailed:
     if isinstance(e, httpx.ConnectError):
         return JobFailed(f"cannot reach {base_url} (connection refused or no route)",
                          hint="is the seat up? check `dsv4serve status`, or the --base-url")
@@ -85,13 +118,18 @@ def check_status(resp: httpx.Response, what: str) -> None:
 def list_models(client: httpx.Client, base_url: str) -> list[dict[str, Any]]:
     try:
         resp = client.get(base_url.rstrip("/") + "/v1/models", timeout=timeout(SHORT_TIMEOUT_S))
-    except httpx.HTTPError as e:
+    except REQUEST_ERRORS as e:
         raise http_failure(base_url, e) from None
+    if resp.status_code == 404 and httpx.URL(base_url).path.rstrip("/").endswith("/v1"):
+        raise JobFailed(f"GET {base_url}/v1/models: HTTP 404",
+                        hint="drop the trailing /v1 from --base-url: bench appends /v1/... itself")
     check_status(resp, f"GET {base_url}/v1/models")
     try:
         data = resp.json().get("data", [])
     except (ValueError, AttributeError):
-        raise JobFailed(f"{base_url}/v1/models did not return an OpenAI model list") from None
+        data = None
+    if not isinstance(data, list):
+        raise JobFailed(f"{base_url}/v1/models did not return an OpenAI model list")
     return [m for m in data if isinstance(m, dict) and "id" in m]
 
 
@@ -110,8 +148,8 @@ def resolve_endpoint(client: httpx.Client, base_url: str, model: str | None,
         raise BadInput(f"model '{model}' is not served at {base_url} (served: {', '.join(served)})",
                        hint="pass one of those to --model")
     entry = next(m for m in models if m["id"] == model)
-    mml = entry.get("max_model_len")
-    max_len = int(mml) if isinstance(mml, (int, float)) and mml > 0 else fallback_max_len
+    mml = _int_or_none(entry.get("max_model_len"))
+    max_len = mml if mml is not None and mml > 0 else fallback_max_len
     return Endpoint(base_url=base_url.rstrip("/"), model=model, max_model_len=max_len, served=served)
 
 
@@ -234,10 +272,17 @@ def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.per
         if isinstance(usage, dict):
             result.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
             result.completion_tokens = _int_or_none(usage.get("completion_tokens"))
-        for choice in chunk["choices"] or []:
+        choices = chunk["choices"] or []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise StreamError(f"stream chunk's 'choices' is not a list of objects: {payload[:200]}")
+        for choice in choices:
             delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise StreamError(f"stream chunk has a malformed delta: {payload[:200]}")
             text = delta.get("content")
             reason = delta.get("reasoning_content") or delta.get("reasoning")
+            if not isinstance(text or "", str) or not isinstance(reason or "", str):
+                raise StreamError(f"stream chunk has a non-text delta: {payload[:200]}")
             if text or reason:
                 if result.t_first is None:
                     result.t_first = now
@@ -256,7 +301,10 @@ def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.per
 
 
 def _int_or_none(v: Any) -> int | None:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    # Python's json accepts Infinity and NaN, which int() cannot take.
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return int(v)
 
 
 def chat_body(endpoint: Endpoint, prompt: str, max_tokens: int, thinking: bool) -> dict[str, Any]:
@@ -290,7 +338,7 @@ def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], 
                 raise StreamError(f"chat completion did not stream (content-type {ctype or 'missing'}): "
                                   f"{resp.text[:200]}")
             return consume_stream(iter_sse_data(resp.iter_lines()), result, clock)
-    except httpx.HTTPError as e:
+    except REQUEST_ERRORS as e:
         raise http_failure(endpoint.base_url, e) from None
 
 
@@ -363,7 +411,7 @@ def scrape_spec(client: httpx.Client, base_url: str) -> dict[str, float] | None:
     """The speculative-decoding counters now, or None when /metrics is absent or unreadable."""
     try:
         resp = client.get(base_url.rstrip("/") + "/metrics", timeout=timeout(SHORT_TIMEOUT_S))
-    except httpx.HTTPError:
+    except REQUEST_ERRORS:
         return None  # acceptance becomes "n/a"; the token figures do not depend on it
     if resp.status_code != 200:
         return None
@@ -421,17 +469,33 @@ class Tokenizer:
     def _post(self, body: dict[str, Any]) -> dict[str, Any] | None:
         try:
             resp = self.client.post(self.endpoint.url("/tokenize"), json=body, timeout=timeout(self.read_timeout_s))
-        except httpx.HTTPError as e:
+        except REQUEST_ERRORS as e:
             raise http_failure(self.endpoint.base_url, e) from None
         if resp.status_code in (404, 405, 501):
             self.available = False
             return None
         check_status(resp, "POST /tokenize")
-        return resp.json()
+        try:
+            out = resp.json()
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            raise self._malformed(f"not a JSON object: {resp.text[:120]!r}")
+        return out
+
+    def _malformed(self, what: str) -> JobFailed:
+        return JobFailed(f"POST {self.endpoint.base_url}/tokenize answered {what}",
+                         hint="the server's /tokenize is not vLLM's; measure against a vLLM endpoint")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int] | None:
         out = self._post({"model": self.endpoint.model, "prompt": text, "add_special_tokens": add_special_tokens})
-        return None if out is None else [int(t) for t in out["tokens"]]
+        if out is None:
+            return None
+        tokens = out.get("tokens")
+        ids = [_int_or_none(t) for t in tokens] if isinstance(tokens, list) else None
+        if ids is None or any(i is None or i != t for i, t in zip(ids, tokens)):
+            raise self._malformed("without a 'tokens' list of token ids")
+        return [i for i in ids if i is not None]
 
     def chat_count(self, prompt: str, thinking: bool) -> int | None:
         """Tokens of the whole chat-templated prompt, exactly as the server will see it."""
@@ -440,4 +504,9 @@ class Tokenizer:
         if not thinking:
             body["chat_template_kwargs"] = {"thinking": False}
         out = self._post(body)
-        return None if out is None else int(out["count"])
+        if out is None:
+            return None
+        count = _int_or_none(out.get("count"))
+        if count is None or count < 0 or count != out.get("count"):
+            raise self._malformed("without a 'count' of tokens")
+        return count

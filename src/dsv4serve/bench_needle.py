@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import httpx
 
-from dsv4serve.bench import Target
+from dsv4serve.bench import Target, check_timeout
 from dsv4serve.bench_client import Tokenizer, chat_body, stream_chat
 from dsv4serve.errors import BadInput, DsvError, JobFailed
 
@@ -24,6 +24,9 @@ from dsv4serve.errors import BadInput, DsvError, JobFailed
 # large BPE vocabularies. The usage figure after the request tells the truth either way.
 EST_CHARS_PER_TOKEN = 4.0
 MAX_SIZING_ROUNDS = 8
+# Far beyond any served window; above it the haystack string alone could exhaust memory when
+# the server does not report its max-model-len.
+MAX_TOKENS = 10_000_000
 
 _WORDS_A = ("amber", "cobalt", "willow", "harbor", "saffron", "granite", "lantern", "meadow", "ember", "juniper",
             "quartz", "thistle", "marble", "falcon", "cedar", "orchid")
@@ -109,13 +112,18 @@ class NeedleSettings:
     haystack: Path | None = None
     seed: int | None = None
 
-    def validate(self, max_model_len: int | None) -> None:
+    def check_inputs(self) -> None:
+        """What can be refused before the endpoint is contacted."""
         if not 0.0 <= self.depth <= 1.0:
             raise BadInput(f"--depth {self.depth} must be between 0 and 1", hint="e.g. --depth 0.37")
-        if self.tokens < 1:
-            raise BadInput("--tokens must be positive")
+        if not 1 <= self.tokens <= MAX_TOKENS:
+            raise BadInput(f"--tokens {self.tokens} must be between 1 and {MAX_TOKENS}", hint="e.g. --tokens 166000")
         if self.max_tokens < 1:
-            raise BadInput("--max-tokens must be at least 1")
+            raise BadInput(f"--max-tokens {self.max_tokens} must be at least 1", hint="e.g. --max-tokens 32")
+        check_timeout(self.read_timeout_s)
+
+    def validate(self, max_model_len: int | None) -> None:
+        self.check_inputs()
         if max_model_len is not None and self.tokens + self.max_tokens > max_model_len:
             room = max_model_len - self.max_tokens
             raise BadInput(f"needle of {self.tokens} tokens (+{self.max_tokens} answer tokens) exceeds the seat's "
@@ -166,7 +174,8 @@ def build_prompt(tok: Tokenizer, settings: NeedleSettings, code: str, nonce: str
     for _ in range(MAX_SIZING_ROUNDS):
         prompt = compose(filler, chars, settings.depth, code, nonce)
         count = tok.chat_count(prompt.text, settings.thinking)
-        assert count is not None  # /tokenize answered once already
+        if count is None:
+            raise JobFailed("/tokenize stopped answering while the haystack was being sized")
         diff = target - count
         # Never keep a prompt longer than asked: it could cross max-model-len.
         if diff >= 0 and (best is None or diff < best[0]):

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import httpx
 
-from dsv4serve.bench import Target
-from dsv4serve.bench_client import Endpoint, Tokenizer, check_status, http_failure, timeout
+from dsv4serve.bench import Target, check_timeout
+from dsv4serve.bench_client import REQUEST_ERRORS, Endpoint, Tokenizer, check_status, http_failure, timeout
 from dsv4serve.errors import BadInput, JobFailed
 
 SAMPLE_NAME = "ppl_sample.txt"
@@ -41,11 +41,16 @@ class PplSettings:
     text: Path | None = None
     read_timeout_s: float = 600.0
 
-    def validate(self, max_model_len: int | None) -> None:
+    def check_inputs(self) -> None:
+        """What can be refused before the endpoint is contacted."""
         if self.ctx < 2:
-            raise BadInput("--ctx must be at least 2 tokens")
+            raise BadInput(f"--ctx {self.ctx} must be at least 2 tokens", hint="e.g. --ctx 512")
         if self.chunks < 1:
-            raise BadInput("--chunks must be at least 1")
+            raise BadInput(f"--chunks {self.chunks} must be at least 1", hint="e.g. --chunks 16")
+        check_timeout(self.read_timeout_s)
+
+    def validate(self, max_model_len: int | None) -> None:
+        self.check_inputs()
         # The prompt plus the one generated token must fit the window.
         if max_model_len is not None and self.ctx + 1 > max_model_len:
             raise BadInput(f"--ctx {self.ctx} plus the one generated token exceeds the seat's max-model-len "
@@ -96,7 +101,10 @@ def window_nll(prompt: list[int], prompt_logprobs: Any) -> tuple[float, int]:
         item = entry.get(str(prompt[pos])) if isinstance(entry, dict) else None
         if not isinstance(item, dict) or "logprob" not in item:
             raise JobFailed(f"prompt_logprobs at position {pos} has no entry for the prompt token {prompt[pos]}")
-        total -= float(item["logprob"])
+        logprob = item["logprob"]
+        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+            raise JobFailed(f"prompt_logprobs at position {pos} has a non-numeric logprob {logprob!r}")
+        total -= float(logprob)
     return total, len(prompt) - 1
 
 
@@ -104,14 +112,25 @@ def score(client: httpx.Client, ep: Endpoint, prompt: list[int], read_timeout_s:
     body = {"model": ep.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
     try:
         resp = client.post(ep.url("/v1/completions"), json=body, timeout=timeout(read_timeout_s))
-    except httpx.HTTPError as e:
+    except REQUEST_ERRORS as e:
         raise http_failure(ep.base_url, e) from None
     check_status(resp, "completion with prompt_logprobs")
     try:
         choice = resp.json()["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise JobFailed(f"completion response has no choices: {resp.text[:200]}") from None
+        choice = None
+    if not isinstance(choice, dict):
+        raise JobFailed(f"completion response has no choices: {resp.text[:200]}")
     return window_nll(prompt, choice.get("prompt_logprobs"))
+
+
+def _exp(x: float) -> float | None:
+    """exp(x), or None where it is not a finite number (math.exp raises past ~709)."""
+    try:
+        y = math.exp(x)
+    except OverflowError:
+        return None
+    return y if math.isfinite(y) else None
 
 
 def run_ppl(client: httpx.Client, target: Target, settings: PplSettings,
@@ -138,15 +157,14 @@ def run_ppl(client: httpx.Client, target: Target, settings: PplSettings,
         if progress:
             progress(f"window {i}/{len(wins)}")
         nll, n = score(client, ep, w, settings.read_timeout_s)
-        per_window.append(math.exp(nll / n) if math.isfinite(nll) else None)
+        per_window.append(_exp(nll / n))
         nll_sum += nll
         scored += n
-    ppl: float | None = math.exp(nll_sum / scored)
-    if not math.isfinite(ppl):
-        # A -inf logprob (a token the model gives zero probability): say so rather than print
-        # a bare Infinity that strict JSON readers reject.
-        notes.append("perplexity is infinite: a prompt token had zero probability")
-        ppl = None
+    ppl = _exp(nll_sum / scored)
+    if ppl is None:
+        # A -inf (or absurdly low) logprob: say so rather than print a bare Infinity that strict
+        # JSON readers reject.
+        notes.append("perplexity is infinite: a prompt token had zero (or vanishing) probability")
     ref = target.profile.reference.ppl if target.profile else None
     shipped = settings.text is None
     comparable = bool(ref and not shipped and ref.ctx == settings.ctx and ref.chunks == len(wins))

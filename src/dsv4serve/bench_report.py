@@ -7,6 +7,7 @@ terminal shows, what --json prints and what --out writes are the same figures.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -218,15 +219,29 @@ def write_png(result: dict[str, Any], path: Path) -> str | None:
 # files
 
 
+def prepare_out(out_dir: Path) -> None:
+    """Create --out and check it is writable, so a bad path fails before a long measurement."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"cannot create --out {out_dir}: {e.strerror or e}", hint="pass a writable directory") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise BadInput(f"cannot write to --out {out_dir}", hint="pass a writable directory")
+
+
 def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[list[Path], list[str]]:
     """`stem`.json and `stem`.md (and bench.png for the main table) under out_dir.
 
     A skipped chart is noted in the returned notes and in the files themselves.
     """
+    prepare_out(out_dir)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        return _write_outputs(result, out_dir, stem)
     except OSError as e:
-        raise BadInput(f"cannot create --out {out_dir}: {e.strerror or e}") from None
+        raise BadInput(f"cannot write to --out {out_dir}: {e.strerror or e}", hint="pass a writable directory") from None
+
+
+def _write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[list[Path], list[str]]:
     written: list[Path] = []
     notes: list[str] = []
     if stem == "bench":

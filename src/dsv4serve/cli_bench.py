@@ -5,11 +5,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import typer
 
 from dsv4serve.cli_common import console, emit_json, err_console, handled
+
+if TYPE_CHECKING:  # the bench modules load lazily, so `--help` stays fast
+    from dsv4serve.bench import BenchSettings
+    from dsv4serve.bench_needle import NeedleSettings
+    from dsv4serve.bench_ppl import PplSettings
 
 app = typer.Typer(help="Measure a running seat (or any OpenAI-compatible endpoint) from the client side.",
                   invoke_without_command=True, no_args_is_help=False)
@@ -38,11 +43,13 @@ def _opt_model():
 
 def _opt_profile():
     return typer.Option(None, "--profile", "-p",
-                        help="profile whose reference figures to compare with (default: the seat's own)")
+                        help="profile whose reference figures to show beside the results (default: the measured "
+                             "seat's own); to choose which running seat to measure, use --seat")
 
 
 def _opt_seat():
-    return typer.Option(None, "--seat", help="which running seat, when several are up")
+    return typer.Option(None, "--seat", help="name of the running seat to measure (see `dsv4serve status`); "
+                                             "needed when several seats are up")
 
 
 def _opt_json():
@@ -79,6 +86,15 @@ def _progress(enabled: bool, total: int | None) -> Iterator[Callable[[str], None
             bar.update(task, description=desc)
 
         yield step
+
+
+def _check_inputs(sh: Shared, settings: Union["BenchSettings", "NeedleSettings", "PplSettings"]) -> None:
+    """Refuse bad options before contacting the endpoint, so a typo fails in a second, not after a run."""
+    settings.check_inputs()
+    if sh.out is not None:
+        from dsv4serve.bench_report import prepare_out
+
+        prepare_out(sh.out)
 
 
 @contextmanager
@@ -136,6 +152,7 @@ def bench(ctx: typer.Context,
     with handled():
         settings = BenchSettings(streams=parse_streams(streams), suites=parse_suites(suite), max_tokens=max_tokens,
                                  runs=runs, thinking=thinking, read_timeout_s=timeout, warmup=warmup)
+        _check_inputs(sh, settings)
         with _session(sh) as (client, target):
             total = settings.runs * len(settings.streams) * len(settings.suites) + (1 if warmup else 0)
             with _progress(not sh.json_out, total) as step:
@@ -169,6 +186,7 @@ def needle(ctx: typer.Context,
     with handled():
         settings = NeedleSettings(tokens=tokens, depth=depth, max_tokens=max_tokens, thinking=thinking,
                                   read_timeout_s=timeout, haystack=haystack, seed=seed)
+        _check_inputs(sh, settings)
         with _session(sh) as (client, target):
             with _progress(not sh.json_out, None) as step:
                 result = run_needle(client, target, settings, progress=step)
@@ -187,8 +205,7 @@ def ppl(ctx: typer.Context,
         json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
     """Perplexity over disjoint token windows via /v1/completions prompt_logprobs.
 
-    prompt_logprobs gathers full-vocabulary logits: on a full seat this can run out of memory, so
-    measure on a seat sized for it (profile 8x16gb-ppl).
+    prompt_logprobs gathers full-vocabulary logits, which can run a full seat out of memory: use profile 8x16gb-ppl.
     """
     from dsv4serve.bench_ppl import PplSettings, run_ppl
     from dsv4serve.bench_report import ppl_table
@@ -196,6 +213,7 @@ def ppl(ctx: typer.Context,
     sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
     with handled():
         settings = PplSettings(ctx=ctx_len, chunks=chunks, text=text, read_timeout_s=timeout)
+        _check_inputs(sh, settings)
         with _session(sh) as (client, target):
             with _progress(not sh.json_out, chunks) as step:
                 result = run_ppl(client, target, settings, progress=step)
