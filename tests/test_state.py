@@ -178,3 +178,9 @@ def test_without_a_start_time_only_the_run_tag_proves_the_pid_is_ours(home):
         for p in (tagged, stranger):
             p.kill()
             p.wait()
+
+
+def test_logs_of_an_unknown_seat_names_the_known_ones(home):
+    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down", "log": "/nonexistent/log"})
+    r = cli("logs", "--profile", "nope", home=home, timeout=60)
+    assert r.returncode == 2 and "seat nope has no log" in r.stderr and "known seats: cpu-demo" in r.stderr, r.stderr

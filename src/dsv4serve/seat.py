@@ -583,7 +583,7 @@ def render_status(rows: list[dict]) -> None:
             ok = "[green]ok[/]" if m["ok"] else "[red]MISSING[/]"
             console.print(f"  marker '{text}': ranks {m['ranks']} of {m['need']} needed: {ok}", highlight=False)
         kv, kmin = r.get("kv_cache_tokens"), r.get("kv_min_tokens")
-        console.print(f"  KV cache: {f'{kv:,}' if kv is not None else 'not reported'} tokens"
+        console.print(f"  KV cache: {f'{kv:,} tokens' if kv is not None else 'not reported'}"
                       + (f" (gate ≥ {kmin:,})" if kmin else ""), highlight=False)
 
 
@@ -615,7 +615,10 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     else:
         last = state.load_last(name)
         if not last or not last.get("log"):
-            raise BadInput(f"seat {name} has no log", hint=f"start it with `dsv4serve up --profile {name}`")
+            known = state.known_seats()
+            raise BadInput(f"seat {name} has no log",
+                           hint=(f"known seats: {', '.join(known)}" if known and name not in known
+                                 else f"start it with `dsv4serve up --profile {name}`"))
         path, run_id = last["log"], last.get("run_id")
         tp = 1
         try:
