@@ -27,7 +27,7 @@ app = typer.Typer(help="Apply, verify and revert the exllamav3 / vLLM patch sets
 ProfileOpt = typer.Option(None, "--profile", "-p",
                           help="the sets this profile names, in its runtime.patch_root if it has one")
 SetNameOpt = typer.Option(None, "--set-name", "-s", help="a patch set by name, e.g. vllm-0.32.0 (repeatable)")
-RootOpt = typer.Option(None, "--root", help="site-packages tree to check instead of the installed packages")
+RootOpt = typer.Option(None, "--root", help="site-packages tree to act on (check, patch or restore) instead of the installed packages")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
 
 _STYLE = {"patched": "green", "pristine": "yellow", "not-applicable": "dim", "modified-unknown": "bold red",
