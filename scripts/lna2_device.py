@@ -1118,7 +1118,7 @@ def summarize_trace(doc):
     """Phase durations of v2 items from a trace (cmd_trace's JSON): medians and maxima in us."""
     out = []
     for run in doc["runs"]:
-        items = {"gu": [], "dn": []}
+        items = {"gu": [], "dn": [], "rot": []}
         plans, exits, gathers = [], [], []
         for evs in run["ctas"]:
             cur = None
@@ -1138,7 +1138,9 @@ def summarize_trace(doc):
                     cur[name] = t
                 elif cur is not None and name == "arrived":
                     cur["arrived"] = t
-                    items["dn" if "ready" in cur else "gu"].append(cur)
+                    # gate/up items have ring stages (v51's also wait, "ready", for their group's
+                    # rotation), down items wait without stage0, v51's rotation items do neither
+                    items["gu" if "stage0" in cur else "dn" if "ready" in cur else "rot"].append(cur)
                     cur = None
 
         def span(lst, a, b):
@@ -1147,9 +1149,11 @@ def summarize_trace(doc):
         def at(v):
             return ns_stats(v, with_min=True)
 
-        gu, dn = items["gu"], items["dn"]
+        gu, dn, rot = items["gu"], items["dn"], items["rot"]
         out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
                     "plan_done": at(plans), "exit": at(exits), "gathers_done": at(gathers),
+                    "rot_items": len(rot), "rot_start_to_arrived": span(rot, "start", "arrived"),
+                    "gu_start_to_ready": span(gu, "start", "ready"),
                     "gu_items": len(gu), "gu_start_to_first_stage": span(gu, "start", "stage0"),
                     "gu_first_stage_to_mma_done": span(gu, "stage0", "mma"),
                     "gu_mma_done_to_arrived": span(gu, "mma", "arrived"),

@@ -120,3 +120,4 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
             assert f["push"] and f["bulk"], name
         if f["blk"]:
             assert f["rg"] and not f["push"], name
+
