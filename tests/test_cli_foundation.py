@@ -139,3 +139,104 @@ def test_demo_model_is_deterministic_and_complete(tmp_path):
     mtime = (a / "model.safetensors").stat().st_mtime
     ensure_demo_model(a, seed=3)
     assert (a / "model.safetensors").stat().st_mtime == mtime
+
+
+# --- bad input at the CLI: one line, exit 2, nothing of the user's touched --------------------
+
+
+def _one_line_exit_2(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_demo_model_never_deletes_a_directory_that_is_not_a_demo_model(home, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    for extra in ([], ["--force"]):
+        line = _one_line_exit_2(run("demo-model", "--out", str(mine), *extra, env={"DSV4SERVE_HOME": str(home)}))
+        assert "not empty" in line and "nothing was changed" in line
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"] and (mine / "thesis.tex").read_text() == "years of work"
+
+
+def test_demo_model_refuses_a_file_and_out_of_range_seeds(home, tmp_path):
+    f = tmp_path / "f"
+    f.write_text("keep")
+    assert "is a file" in _one_line_exit_2(run("demo-model", "--out", str(f), env={"DSV4SERVE_HOME": str(home)}))
+    assert f.read_text() == "keep"
+    for seed in ("99999999999999999999", "-1"):
+        line = _one_line_exit_2(run("demo-model", "--seed", seed, "--out", str(tmp_path / "m"),
+                                    env={"DSV4SERVE_HOME": str(home)}))
+        assert "out of range" in line and "0 to 4294967295" in line
+    assert not (tmp_path / "m").exists()
+
+
+def test_demo_model_replaces_only_its_own_files(tmp_path, monkeypatch):
+    from dsv4serve import demo_model
+
+    def tiny(out: Path, seed: int) -> None:  # the layout without the seconds of training and init
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model.safetensors").write_text(f"weights {seed}")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(demo_model, "_write", tiny)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert demo_model.ensure_demo_model(empty, seed=1) == empty and demo_model.is_complete(empty, 1)
+    (empty / "notes.txt").write_text("mine")
+    demo_model.ensure_demo_model(empty, seed=2)  # another seed: our files replaced, the user's kept
+    assert demo_model.is_complete(empty, 2) and (empty / "model.safetensors").read_text() == "weights 2"
+    assert (empty / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in empty.iterdir()) == ["config.json", "dsv4serve-demo.json", "model.safetensors",
+                                                       "notes.txt"]
+
+
+def test_a_state_dir_that_is_a_file_is_one_line(tmp_path):
+    f = tmp_path / "home-file"
+    f.write_text("not a dir")
+    # (`patch apply` goes through the same check; it is left out here so a regression could
+    # never patch the installed vLLM from a unit test.)
+    for args in (["up", "--profile", "cpu-demo", "--skip-checks"], ["demo-model"], ["status"]):
+        line = _one_line_exit_2(run(*args, env={"DSV4SERVE_HOME": str(f / "sub")}))
+        assert f"state dir {f / 'sub'} is not a directory" in line and "set DSV4SERVE_HOME" in line, args
+    assert f.read_text() == "not a dir"
+
+
+def test_a_read_only_state_dir_is_bad_input(tmp_path, monkeypatch):
+    from dsv4serve import home as home_mod
+    from dsv4serve.errors import BadInput
+
+    # Root ignores mode bits, so stand in for a read-only mount at both checks.
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "h"))
+    monkeypatch.setattr(home_mod.os, "access", lambda *a, **k: False)
+    with pytest.raises(BadInput) as e:
+        home_mod.seats_dir()
+    assert "is not writable" in e.value.line() and "set DSV4SERVE_HOME to a writable directory" in e.value.line()
+    monkeypatch.setenv("DSV4SERVE_RUN_ID", "r1")  # a seat's own workers only read it: never fail them
+    assert home_mod.cache_dir() == tmp_path / "h" / "cache"
+    monkeypatch.undo()
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(BadInput, match=r"not writable \(Permission denied\)"):
+        home_mod.ensure(tmp_path / "runs")
+
+
+def test_profile_file_not_utf8_or_a_directory_is_one_line(home, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfename: x\n")
+    env = {"DSV4SERVE_HOME": str(home)}
+    for args in (["profiles", "show", str(bad)], ["up", "--profile", str(bad), "--dry-run"],
+                 ["check-seat", "--profile", str(bad)]):
+        assert "bad.yaml is not UTF-8" in _one_line_exit_2(run(*args, env=env)), args
+    assert "is a directory" in _one_line_exit_2(run("profiles", "show", str(tmp_path), env=env))
+
+
+def test_bad_seat_name_writes_nothing_outside_home(home, tmp_path):
+    line = _one_line_exit_2(run("up", "--profile", "cpu-demo", "--set", "name=../../escape", "--skip-checks",
+                                env={"DSV4SERVE_HOME": str(home)}))
+    assert "name:" in line
+    assert not (tmp_path / "escape").exists() and not home.exists()

@@ -130,3 +130,87 @@ def test_digest_changes_with_content():
     a = load_profile("cpu-demo").digest()
     assert a == load_profile("cpu-demo").digest()
     assert a != load_profile("cpu-demo", ["vllm.port=9999"]).digest()
+
+
+# --- input-handling defects: every one a one-line ProfileError, nothing loaded ---------------
+
+
+def test_profile_that_is_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "utf16.yaml"
+    p.write_bytes(b"\xff\xfe" + "name: x\n".encode("utf-16-le"))
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p))
+    assert "utf16.yaml is not UTF-8" in e.value.line() and "\n" not in e.value.line()
+
+
+def test_a_directory_is_not_a_profile(tmp_path):
+    with pytest.raises(ProfileError, match="is a directory"):
+        load_profile(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "", ".hidden", "-x", "a b", "x" * 101])
+def test_seat_names_are_one_path_component(name):
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", [f"name={name}"])
+    assert "name:" in e.value.line()
+
+
+def test_shipped_names_are_valid_seat_names():
+    for n in shipped_profiles():
+        assert load_profile("cpu-demo", [f"name={n}"]).name == n
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("vllm.port=true", "vllm.port: Input should be a valid integer (got true)"),
+    ("vllm.tensor_parallel_size=0", "vllm.tensor_parallel_size"),
+    ("vllm.tensor_parallel_size=-2", "vllm.tensor_parallel_size"),
+    ("vllm.max_model_len=0", "vllm.max_model_len"),
+    ("vllm.gpu_memory_utilization=true", "vllm.gpu_memory_utilization"),
+    ("gates.timeouts.stall_s=-1", "gates.timeouts.stall_s"),
+    ("gates.timeouts.shutdown_grace_s=-1", "gates.timeouts.shutdown_grace_s"),
+    ("gates.markers=[{text: x, ranks: 0}]", 'gates.markers.0.ranks: must be a whole number of at least 1 or "all"'),
+    ("gates.markers=[{text: x, ranks: -1}]", "gates.markers.0.ranks"),
+    ("gates.markers=[{text: x, ranks: 3}]", "gates.markers.0.ranks: 3 exceeds vllm.tensor_parallel_size 2"),
+    ("moe.strict=true", "moe.strict"),
+    ("vllm.speculative_config.num_speculative_tokens=x", "num_speculative_tokens must be a whole number"),
+    ("vllm.speculative_config.num_speculative_tokens=0", "num_speculative_tokens must be a whole number"),
+    ("env.BAD-NAME=1", "env.BAD-NAME: not a valid variable name"),
+    ("env.1X=1", "env.1X: not a valid variable name"),
+    ("model.demo_seed=-1", "model.demo_seed"),
+    ("extends=8x16gb-380k", "'extends' cannot be set on the command line"),
+    ('vllm.compilation_config={a: 1, a: 2}', "key 'a' is given twice"),
+])
+def test_nonsense_values_are_refused(override, needle):
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", [override])
+    line = e.value.line()
+    assert needle in line and "\n" not in line, line
+    assert "(got dict)" not in line and "Value error" not in line
+
+
+def test_markers_may_count_every_rank():
+    p = load_profile("cpu-demo", ["gates.markers=[{text: x, ranks: 2}]"])
+    assert p.gates.markers[0].ranks == 2
+
+
+def test_env_set_keeps_the_literal_string():
+    p = load_profile("cpu-demo", ["env.A=0755", "env.B=0x10", "env.C=12:30", "env.D=on", "env.E=1e3",
+                                  "env.F='0755'", "env.G=plain"])
+    assert {k: p.env[k] for k in "ABCDEFG"} == {"A": "0755", "B": "0x10", "C": "12:30", "D": "on", "E": "1e3",
+                                                 "F": "0755", "G": "plain"}
+    assert "VLLM_NO_USAGE_STATS" not in load_profile("cpu-demo", ["env.VLLM_NO_USAGE_STATS=null"]).env
+
+
+def test_boolean_env_in_a_file_says_boolean(tmp_path):
+    path = write(tmp_path, {"extends": "cpu-demo", "env": {"X": True}})
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(path))
+    assert "env.X: true is a YAML boolean" in e.value.line() and "(got dict)" not in e.value.line()
+
+
+def test_duplicate_yaml_keys_are_refused_with_lines(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("extends: cpu-demo\nvllm:\n  port: 9000\n  max_num_seqs: 1\n  port: 9001\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p))
+    assert "key 'port' is given twice (lines 3 and 5)" in e.value.line()

@@ -164,8 +164,9 @@ def logs(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="wh
 
 @app.command("demo-model")
 def demo_model(out: Optional[Path] = typer.Option(None, "--out", help="where to write it (default: state dir)"),
-               seed: int = typer.Option(0, "--seed", help="RNG seed; the same seed gives the same model"),
-               force: bool = typer.Option(False, "--force", help="rebuild even if a complete copy exists")) -> None:
+               seed: int = typer.Option(0, "--seed", help="RNG seed, 0 to 4294967295; the same seed gives the same model"),
+               force: bool = typer.Option(False, "--force", help="rebuild even if a complete copy exists (only ever "
+                                                                 "replaces a demo model's own files)")) -> None:
     """Write the tiny DeepSeek-V3-style MoE + MTP demo model (no network needed)."""
     from dsv4serve.demo_model import ensure_demo_model
 

@@ -5,14 +5,48 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dsv4serve.errors import BadInput
 
-def home() -> Path:
+_FIX = "set DSV4SERVE_HOME to a writable directory"
+
+
+def _configured() -> Path:
     env = os.environ.get("DSV4SERVE_HOME")
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
     return base / "dsv4serve"
+
+
+def _check_usable(path: Path) -> None:
+    """Refuse a state dir that cannot work before any command writes into it.
+
+    Every state path (seats, runs, models, caches, patch backups) is derived from here, so one
+    read-only check covers every writer, including those that call mkdir themselves; a dry run
+    still writes nothing. The nearest existing ancestor stands in for a dir not created yet.
+    """
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        if probe.is_symlink():  # a dangling link: mkdir would fail on it
+            raise BadInput(f"state dir {path} is not usable ({probe} is a broken symlink)", hint=_FIX)
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is a file" if probe == path else f"is under {probe}, which is a file"
+        raise BadInput(f"state dir {path} is not a directory (it {what})", hint=_FIX)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "" if probe == path else f" to {probe}, where it would be created"
+        raise BadInput(f"state dir {path} is not writable (no write access{where})", hint=_FIX)
+
+
+def home() -> Path:
+    path = _configured()
+    # Processes a seat started (tagged with its run id: vLLM and the plugin in its workers, maybe
+    # in a container with its own home) only look here for a prebuilt lna2; `up` checked the
+    # state dir before starting them, and a raise there would fail a worker, not a command.
+    if not os.environ.get("DSV4SERVE_RUN_ID"):
+        _check_usable(path)
+    return path
 
 
 def seats_dir() -> Path:
@@ -32,5 +66,10 @@ def cache_dir() -> Path:
 
 
 def ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # What os.access cannot foresee: a read-only mount seen only at mkdir, a full disk, a
+        # file where a subdirectory should be.
+        raise BadInput(f"state dir {path} is not writable ({e.strerror or e})", hint=_FIX) from None
     return path
