@@ -214,3 +214,10 @@ def test_duplicate_yaml_keys_are_refused_with_lines(tmp_path):
     with pytest.raises(ProfileError) as e:
         load_profile(str(p))
     assert "key 'port' is given twice (lines 3 and 5)" in e.value.line()
+
+
+def test_a_forbidden_pattern_that_is_not_a_regex_is_refused_at_load():
+    """up's log watch compiles gates.forbidden; the profile load does too, so --dry-run and
+    check-seat refuse the same profile instead of passing it."""
+    with pytest.raises(ProfileError, match=r"gates.forbidden.*\(unclosed.*not a valid regex"):
+        load_profile("cpu-demo", ['gates.forbidden=["(unclosed"]'])

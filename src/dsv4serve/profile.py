@@ -192,6 +192,17 @@ class GatesSection(_Strict):
     markers: list[Marker] = Field(default_factory=list)
     kv_cache_min_tokens: Annotated[Union[PosInt, Literal["max_model_len"], None], _count_or("max_model_len")] = None
     forbidden: list[str] = Field(default_factory=list, description="regexes that fail the seat when seen")
+
+    @field_validator("forbidden")
+    @classmethod
+    def _forbidden(cls, v: list[str]) -> list[str]:
+        # compiled here, so --dry-run and check-seat refuse what up's log watch would
+        for pat in v:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"/{pat}/ is not a valid regex ({e})") from None
+        return v
     timeouts: Timeouts = Field(default_factory=Timeouts)
     canary: Canary = Field(default_factory=Canary)
 
