@@ -240,3 +240,18 @@ def test_bad_seat_name_writes_nothing_outside_home(home, tmp_path):
                                 env={"DSV4SERVE_HOME": str(home)}))
     assert "name:" in line
     assert not (tmp_path / "escape").exists() and not home.exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["up", "--bogus"], "No such option: --bogus"),
+    (["up"], "Missing option '--profile'"),
+    (["logs", "--lines", "-5"], "'--lines'"),
+    (["down", "--grace", "-1"], "'--grace'"),
+    (["nonexist"], "No such command 'nonexist'"),
+])
+def test_usage_errors_are_one_line_with_exit_2(home, argv, needle):
+    """An unknown flag, a missing option or a value out of range is one line naming it and where
+    the help is, exit 2, like every other refusal (not a boxed multi-line panel)."""
+    r = run(*argv, env={"DSV4SERVE_HOME": str(home)})
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "--help" in lines[0], r.stderr

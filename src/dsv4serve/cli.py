@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -118,7 +118,7 @@ def up(profile: str = ProfileOpt,
 
 @app.command()
 def down(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat (default: the only one)"),
-         grace: Optional[float] = typer.Option(None, "--grace", help="seconds between SIGTERM and SIGKILL"),
+         grace: Optional[float] = typer.Option(None, "--grace", min=0.0, help="seconds between SIGTERM and SIGKILL"),
          json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Stop a seat: the whole process group, its leftovers, and proof nothing is left."""
     from dsv4serve import seat
@@ -150,7 +150,7 @@ def status(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="
 def logs(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat"),
          rank: Optional[str] = typer.Option(None, "--rank", "-r", help="a rank number, 'api' or 'engine'"),
          follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
-         lines: int = typer.Option(200, "--lines", "-n", help="lines of history to print first")) -> None:
+         lines: int = typer.Option(200, "--lines", "-n", min=0, help="lines of history to print first")) -> None:
     """Print a seat's log, whole or one rank's stream."""
     from dsv4serve import seat
 
@@ -219,12 +219,37 @@ def kernel_info(json_out: bool = typer.Option(False, "--json", help="machine-rea
         raise typer.Exit(0 if info.get("loadable") else 1)
 
 
-def main() -> None:
+def _usage_exceptions() -> Any:
+    """The exception classes of the click that typer runs on (recent typer vendors its own)."""
     try:
-        app()
-    except KeyboardInterrupt:
+        from typer._click import exceptions as cx
+    except ImportError:
+        from click import exceptions as cx
+    return cx
+
+
+def main() -> None:
+    cx = _usage_exceptions()
+    no_args = getattr(cx, "NoArgsIsHelpError", ())
+    try:
+        # standalone_mode=False: usage errors come back here instead of as typer's boxed panel, so
+        # they are one line like every other refusal (exit 2 all the same)
+        rc = app(standalone_mode=False)
+    except no_args as e:
+        print(e.ctx.get_help() if e.ctx else str(e))
+        raise SystemExit(2) from None
+    except cx.UsageError as e:
+        cmd = e.ctx.command_path if e.ctx else "dsv4serve"
+        err_console.print(f"error: {e.format_message()} (see `{cmd} --help`)", highlight=False, markup=False,
+                          soft_wrap=True)
+        raise SystemExit(e.exit_code) from None
+    except cx.ClickException as e:
+        err_console.print(f"error: {e.format_message()}", highlight=False, markup=False, soft_wrap=True)
+        raise SystemExit(e.exit_code) from None
+    except (KeyboardInterrupt, typer.Abort):
         err_console.print("interrupted")
         raise SystemExit(130) from None
+    raise SystemExit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":
