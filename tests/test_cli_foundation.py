@@ -101,6 +101,10 @@ def test_profiles_list_and_show(home):
     r = run("profiles", "show", "8x16gb-380k-incumbent", "--json")
     data = json.loads(r.stdout)
     assert data["moe"]["kernel"] == "incumbent" and data["vllm"]["max_model_len"] == 389120
+    # the table at 80 columns (a pipe, not a terminal) keeps every name whole: they are what
+    # users copy into --profile
+    r = run("profiles", "list", env={"DSV4SERVE_HOME": str(home), "COLUMNS": "80"})
+    assert r.returncode == 0 and all(n in r.stdout for n in names), r.stdout
 
 
 def test_every_command_has_help():

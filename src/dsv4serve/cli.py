@@ -43,6 +43,7 @@ SetOpt = typer.Option(None, "--set", help="override a profile key: --set vllm.po
 @profiles_app.command("list")
 def profiles_list(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """List the shipped seat profiles."""
+    from rich import box
     from rich.table import Table
 
     from dsv4serve.profile import load_profile, shipped_profiles
@@ -58,12 +59,14 @@ def profiles_list(json_out: bool = typer.Option(False, "--json", help="machine-r
         if json_out:
             emit_json(rows)
             return
-        t = Table(title="seat profiles")
-        for col in ("name", "runtime", "TP", "window", "seqs", "spec", "MoE kernel"):
+        t = Table(title="seat profiles", box=box.SIMPLE_HEAD, pad_edge=False)
+        # the name is what users copy into --profile: never cut it, let the other columns give way
+        t.add_column("name", no_wrap=True, min_width=max(len(r["name"]) for r in rows) if rows else 4)
+        for col in ("runtime", "TP", "window", "seqs", "spec", "kernel (strict)"):
             t.add_column(col, no_wrap=True)
         for r in rows:
             t.add_row(r["name"], r["runtime"], str(r["tp"]), str(r["max_model_len"] or "-"), str(r["seqs"] or "-"),
-                      str(r["spec"]), f"{r['kernel']} strict {r['strict']}")
+                      str(r["spec"]), f"{r['kernel']} ({r['strict']})")
         console.print(t)
 
 
