@@ -533,3 +533,18 @@ def test_help_says_what_seat_and_profile_do():
         assert "name of the running seat to measure" in out
         assert "profile whose reference figures to show beside the results" in out
         assert "to choose which running seat to measure, use --seat" in out
+
+
+@pytest.mark.parametrize("before", [["--timeout", "60"], ["--max-tokens", "8"], ["--no-warmup"]])
+def test_table_options_before_a_subcommand_are_refused_not_dropped(before, closed_port):
+    """`bench --timeout 60 needle` would have measured with needle's own default timeout, silently;
+    it is refused, naming the flag and where it goes. Nothing is contacted (the port is closed)."""
+    res = run(*before, "--base-url", f"http://127.0.0.1:{closed_port}", "needle", "--tokens", "100")
+    assert res.exit_code == 2
+    err = one_line_error(res)
+    assert f"{before[0]} before `needle` would be ignored" in err and "bench needle" in err
+
+
+def test_seat_and_base_url_together_are_refused(closed_port):
+    res = run("--seat", "cpu-demo", "--base-url", f"http://127.0.0.1:{closed_port}", "--runs", "1")
+    assert res.exit_code == 2 and "--seat and --base-url both name what to measure" in one_line_error(res)

@@ -102,6 +102,10 @@ def _session(sh: Shared):
     """An HTTP client and the resolved target; the client is closed however the measurement ends."""
     from dsv4serve.bench import make_client, resolve_target
 
+    from dsv4serve.errors import BadInput
+
+    if sh.base_url is not None and sh.seat is not None:
+        raise BadInput("--seat and --base-url both name what to measure", hint="give one of them")
     client = make_client()
     try:
         yield client, resolve_target(client, base_url=sh.base_url, model=sh.model, profile=sh.profile, seat=sh.seat)
@@ -126,6 +130,22 @@ def _finish(sh: Shared, result: dict, stem: str, render: Callable[[dict], None])
         console.print(f"wrote {p}", highlight=False)
 
 
+# The table bench's own options: before a subcommand they would be dropped without a word
+# (the subcommand has its own --timeout and --max-tokens, with other defaults).
+TABLE_ONLY = ("streams", "suite", "max_tokens", "runs", "thinking", "timeout", "warmup")
+
+
+def _refuse_table_options(ctx: typer.Context, sub: str) -> None:
+    from dsv4serve.errors import BadInput
+
+    given = [p for p in ctx.command.params if p.name in TABLE_ONLY
+             and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") != "DEFAULT"]
+    if given:
+        flags = ", ".join(p.opts[0] for p in given)
+        raise BadInput(f"{flags} before `{sub}` would be ignored: they are the table bench's options",
+                       hint=f"put the {sub} options after the subcommand: `dsv4serve bench {sub} {given[0].opts[0]} ...`")
+
+
 @app.callback()
 def bench(ctx: typer.Context,
           streams: str = typer.Option("1,4", "--streams", help="concurrent stream counts to measure, e.g. 1,4"),
@@ -145,6 +165,8 @@ def bench(ctx: typer.Context,
     sh = Shared(base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
     ctx.obj = sh
     if ctx.invoked_subcommand is not None:
+        with handled():
+            _refuse_table_options(ctx, ctx.invoked_subcommand)
         return
     from dsv4serve.bench import BenchSettings, parse_streams, parse_suites, run_bench
     from dsv4serve.bench_report import bench_tables
