@@ -141,7 +141,7 @@ def _refuse_table_options(ctx: typer.Context, sub: str) -> None:
     given = [p for p in ctx.command.params if p.name in TABLE_ONLY
              and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") != "DEFAULT"]
     if given:
-        flags = ", ".join(p.opts[0] for p in given)
+        flags = ", ".join("/".join(p.opts[:1] + list(getattr(p, "secondary_opts", []))[:1]) for p in given)
         raise BadInput(f"{flags} before `{sub}` would be ignored: they are the table bench's options",
                        hint=f"put the {sub} options after the subcommand: `dsv4serve bench {sub} {given[0].opts[0]} ...`")
 
