@@ -188,7 +188,10 @@ def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_ev
         if json_events:
             from dsv4serve.cli_common import emit_json_line
 
-            emit_json_line({"event": "checks", "state": "failed", "report": report.as_json()})
+            import time
+
+            emit_json_line({"t": round(time.time(), 3), "event": "checks", "state": "failed",
+                            "report": report.as_json()})
         else:
             checks.render(report)
         bad = report.failures()

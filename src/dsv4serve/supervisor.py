@@ -667,7 +667,8 @@ class Supervisor:
     def _finish(self, out: Outcome) -> Outcome:
         if out.ok or out.code == EXIT_OK:
             if self.json_events and out.stop_report is not None:
-                emit_json_line({"event": "stopped", "reason": out.reason, "clean": out.stop_report["clean"]})
+                emit_json_line({"t": round(time.time(), 3), "event": "stopped", "reason": out.reason,
+                                "clean": out.stop_report["clean"]})
             return out
         report_failure(self.seat, self.tracker, out, self.json_events)
         return out
