@@ -287,7 +287,7 @@ def cmd_parity(args):
                     ref = dense.moe(x, ids, w)
                     ids32 = ids.to(torch.int32).contiguous()
                     w32 = w.float().contiguous()
-                    outs = {}
+                    outs, cases = {}, {}
                     for variant in [v for v in VARIANTS if serves(v, H, I)]:
                         out = torch.full((m, H), float("nan"), dtype=odt, device=dev)
                         if idx % 4 == 0:
@@ -303,15 +303,16 @@ def cmd_parity(args):
                         case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": rp, "x": str(xdt),
                                 "out": str(odt), "worst_rel": max(rel), "tol": tol, "ok": ok, "bitwise_repeat": rep,
                                 "U": int(torch.unique(ids[(ids >= 0) & (ids < E)]).numel())}
-                        outs[variant] = out
-                        if variant in (50, 51) and 4 in outs:
-                            # v50 decodes the same integers, v51 rotates with the same arithmetic: v4's
-                            # bits are expected, but only the tolerance above is the gate
-                            case["bitwise_vs_v4"] = bool(torch.equal(out, outs[4]))
+                        outs[variant], cases[variant] = out, case
                         res["cases"].append(case)
                         if not (ok and rep):
                             res["fail"] += 1
                             log("FAIL", case)
+                    for v in (50, 51):
+                        if v in outs and 4 in outs:
+                            # v50 decodes the same integers, v51 rotates with the same arithmetic: v4's
+                            # bits are expected, but only the tolerance above is the gate
+                            cases[v]["bitwise_vs_v4"] = bool(torch.equal(outs[v], outs[4]))
             worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +
