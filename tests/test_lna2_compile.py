@@ -80,3 +80,36 @@ def test_binding_is_valid_cpp_against_torch_headers(tmp_path):
                         f"-I{cuda_inc}", f"-I{kernels_dir()}", "-DTORCH_EXTENSION_NAME=dsv4serve_lna2",
                         str(kernels_dir() / "bindings.cpp")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("unit, pick", [("lna2_v2.cu", "pick_v2"), ("lna2_v7.cu", "pick_v7")])
+def test_every_known_variant_dispatches_to_a_kernel(tmp_path, unit, pick):
+    """The host dispatch tables, run on the CPU (taking a kernel's address needs no GPU): every
+    variant the API knows for this family returns a kernel for K2/K3 x MCG/MUL1, the timing
+    ablations for K2 MCG only. Session 22's v50/v51 compiled cleanly and fell into the ablation
+    branch, returning no kernel at all; only a device run would have said so, as an occupancy error."""
+    from tests.test_lna2_variant_sets import api_cluster_variants, api_v2_extras
+
+    _need_nvcc()
+    cluster, cluster_abl = api_cluster_variants()
+    if unit == "lna2_v2.cu":
+        extras = api_v2_extras()
+        variants = {2, 3, 4, 6, 10, 11, 12, 13, extras["V2_PRM_VARIANT"], extras["V2_PRE_VARIANT"]}
+        ablations = {10, 11, 12, 13}
+    else:
+        variants, ablations = cluster, cluster_abl
+    src = tmp_path / "pick.cu"
+    src.write_text(f'#include "{unit}"\n#include <cstdio>\nint main() {{\n'
+                   f'    const int vs[] = {{{", ".join(map(str, sorted(variants)))}}};\n'
+                   "    for (int v : vs) for (int bits = 2; bits <= 3; bits++) for (int cb = 1; cb <= 2; cb++)\n"
+                   f'        printf("%d %d %d %d\\n", v, bits, cb, lna2::{pick}(bits, cb, v) != nullptr);\n'
+                   "    return 0;\n}\n")
+    exe = tmp_path / "pick"
+    r = subprocess.run([NVCC, "-std=c++17", "-O1", f"-I{kernels_dir()}", "-gencode", "arch=compute_90,code=sm_90",
+                        str(src), "-o", str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = {tuple(map(int, ln.split()[:3])): ln.split()[3] == "1" for ln in out.stdout.splitlines()}
+    want = {(v, b, cb): (v not in ablations or (b, cb) == (2, 1)) for v in variants for b in (2, 3) for cb in (1, 2)}
+    assert got == want, sorted(k for k in want if got.get(k) != want[k])

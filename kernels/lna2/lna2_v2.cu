@@ -814,7 +814,7 @@ using KernelFn = void (*)(Args);
 // kernel compiled for 2 CTAs per SM
 KernelFn pick_v2(int bits, int codebook, int variant) {
     constexpr int M3 = V2_MIN_BLOCKS, M2 = V4_MIN_BLOCKS;
-    if (variant >= ABLATION_VARIANT_BASE) {  // timing ablations of variant 4, K2 MCG only
+    if (is_ablation(variant)) {  // timing ablations of variant 4, K2 MCG only (50 and 51 are not)
         if (bits != 2 || codebook != CB_MCG) return nullptr;
         switch (variant - ABLATION_VARIANT_BASE) {
             case 0: return moe_decode_v2<2, CB_MCG, true, M2, ABL_NO_DECODE>;
