@@ -221,3 +221,15 @@ def test_a_forbidden_pattern_that_is_not_a_regex_is_refused_at_load():
     check-seat refuse the same profile instead of passing it."""
     with pytest.raises(ProfileError, match=r"gates.forbidden.*\(unclosed.*not a valid regex"):
         load_profile("cpu-demo", ['gates.forbidden=["(unclosed"]'])
+
+
+def test_nested_yaml_merges_are_not_duplicate_keys():
+    """A mapping that merges one which itself merges another is valid YAML: PyYAML folds the merged
+    keys in place before the inner mapping's own turn, which must not read as a key given twice.
+    A real duplicate in one mapping still is one."""
+    from dsv4serve.profile import _yaml_load
+
+    text = "a: &a {x: 1}\ndefs:\n  b: &b\n    <<: *a\n    x: 2\nc:\n  <<: *b\n  y: 3\n"
+    assert _yaml_load(text) == yaml.safe_load(text)
+    with pytest.raises(Exception, match="duplicate key 'x'"):
+        _yaml_load("m:\n  x: 1\n  y: 2\n  x: 5\n")

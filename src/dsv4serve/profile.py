@@ -350,21 +350,29 @@ class _DuplicateKey(yaml.YAMLError):
 
 class _Loader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping instead of keeping the last,
-    which would silently drop the setting the user may have meant."""
+    which would silently drop the setting the user may have meant. Each mapping is checked as
+    written, before `<<` merges fold other mappings' keys into it (a merged key may be overridden
+    by design, and PyYAML flattens a merged node in place before its own turn comes)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may be overridden by design
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                if key in first:
-                    raise _DuplicateKey(key, first[key] + 1, key_node.start_mark.line + 1)
-                first[key] = key_node.start_mark.line
-            except TypeError:  # unhashable key: the base constructor reports it
-                continue
-        return super().construct_mapping(node, deep=deep)
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in first:
+                        raise _DuplicateKey(key, first[key] + 1, key_node.start_mark.line + 1)
+                    first[key] = key_node.start_mark.line
+                except TypeError:  # unhashable key: the base constructor reports it
+                    continue
+        super().flatten_mapping(node)
 
 
 def _yaml_load(text: str) -> Any:
