@@ -259,3 +259,15 @@ def test_usage_errors_are_one_line_with_exit_2(home, argv, needle):
     r = run(*argv, env={"DSV4SERVE_HOME": str(home)})
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "--help" in lines[0], r.stderr
+
+
+def test_an_interrupted_demo_build_does_not_lock_its_directory(home, tmp_path):
+    """A build killed mid-way leaves its temp dir, or a swap killed after the stamp went, leaves our
+    files without a stamp: the next run must take the directory back, not call it someone else's."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / ".demo-killed").mkdir()  # a build dir that was never cleaned up
+    (out / "config.json").write_text("{}")  # half a swap, no stamp
+    r = run("demo-model", "--out", str(out), env={"DSV4SERVE_HOME": str(home)})
+    assert r.returncode == 0, r.stderr
+    assert (out / "dsv4serve-demo.json").is_file() and (out / "model.safetensors").is_file()
