@@ -271,3 +271,9 @@ def test_an_interrupted_demo_build_does_not_lock_its_directory(home, tmp_path):
     r = run("demo-model", "--out", str(out), env={"DSV4SERVE_HOME": str(home)})
     assert r.returncode == 0, r.stderr
     assert (out / "dsv4serve-demo.json").is_file() and (out / "model.safetensors").is_file()
+    # the same names without our build dir are someone's model (a Hugging Face directory): refused
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"real": true}')
+    r = run("demo-model", "--out", str(hf), "--force", env={"DSV4SERVE_HOME": str(home)})
+    assert r.returncode == 2 and (hf / "config.json").read_text() == '{"real": true}'
