@@ -502,7 +502,7 @@ def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None 
         refuse_unless(rows, frozenset({"pristine", "patched"}), "revert", pset)
         specs = {f.path: f for f in pset.files}
         targets: list[tuple[Path, bytes, bytes]] = []
-        for r in (r for r in rows if r.state == "patched" and (only is None or r.file in only)):
+        for r in (r for r in rows if r.state == "patched" and (only is None or str(Path(r.file)) in only)):
             spec = specs[r.file]
             current = (tree / r.file).read_bytes()
             backup = sdir / "backup" / r.file

@@ -133,8 +133,12 @@ def _clear_if_stale(name: str, json_events: bool) -> None:
         return
     live = state.liveness(st)
     running = live in ("alive", "unknown") and st.phase != "stopped"
-    if st.runtime == "docker" and st.container_name and stop.container_exists(st.container_name):
-        running = True
+    if st.runtime == "docker" and st.container_name:
+        exists = stop.container_exists(st.container_name)
+        if exists is None:  # docker cannot answer: the stale run's container may still hold the GPUs
+            raise BadInput(f"seat {name}: docker could not say whether container {st.container_name} of run "
+                           f"{st.run_id} is gone", hint="fix docker access (daemon, socket permission), then up again")
+        running = running or exists
     if running:
         raise BadInput(f"seat {name} is already running (run {st.run_id}, pid {st.pid}, {st.phase}, {st.base_url})",
                        hint=f"use it, or stop it first: `dsv4serve down --profile {name}`")
