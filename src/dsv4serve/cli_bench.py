@@ -101,7 +101,6 @@ def _check_inputs(sh: Shared, settings: Union["BenchSettings", "NeedleSettings",
 def _session(sh: Shared):
     """An HTTP client and the resolved target; the client is closed however the measurement ends."""
     from dsv4serve.bench import make_client, resolve_target
-
     from dsv4serve.errors import BadInput
 
     if sh.base_url is not None and sh.seat is not None:
