@@ -136,10 +136,15 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
     beside the other seats, and `down` (which the error names as the fix) stops the processes
     tagged with the seat's runs, the only thing left to go by, and sets the file aside, kept."""
     run_id = f"cpu-demo-20261205-000000-{os.getpid() % 9999:04d}"
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                              env={**os.environ, state.RUN_ID_ENV: run_id})
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],  # seat cpu-demo-x, not cpu-demo
-                                env={**os.environ, state.RUN_ID_ENV: "cpu-demo-x-20261205-000000-0000"})
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    orphan = subprocess.Popen(sleep, env={**os.environ, state.RUN_ID_ENV: run_id,
+                                          "DSV4SERVE_RUN_DIR": str(home / "runs" / run_id)})
+    # seat cpu-demo-x, not cpu-demo
+    stranger = subprocess.Popen(sleep, env={**os.environ, state.RUN_ID_ENV: "cpu-demo-x-20261205-000000-0000",
+                                            "DSV4SERVE_RUN_DIR": str(home / "runs" / "cpu-demo-x-20261205-000000-0000")})
+    # a cpu-demo run of another state dir (another user's, another test's)
+    elsewhere = subprocess.Popen(sleep, env={**os.environ, state.RUN_ID_ENV: "cpu-demo-20261205-000000-ffff",
+                                             "DSV4SERVE_RUN_DIR": "/elsewhere/runs/cpu-demo-20261205-000000-ffff"})
     try:
         state.save(make(seat="other"))
         state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
@@ -155,12 +160,12 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         assert seat["clean"] and seat["run_id"] == run_id
         assert [p["pid"] for p in seat["signalled"]] == [orphan.pid]
         orphan.wait(timeout=10)
-        assert stranger.poll() is None  # another seat's process is not this seat's
+        assert stranger.poll() is None and elsewhere.poll() is None  # not this seat's, not this state dir's
         kept = [p.name for p in state.seat_dir("cpu-demo").iterdir() if p.name.startswith("state.json.unreadable-")]
         assert len(kept) == 1 and not state.state_path("cpu-demo").exists()
         assert state.load("cpu-demo") is None
     finally:
-        for p in (orphan, stranger):
+        for p in (orphan, stranger, elsewhere):
             p.kill()
             p.wait()
 
@@ -184,3 +189,13 @@ def test_logs_of_an_unknown_seat_names_the_known_ones(home):
     state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down", "log": "/nonexistent/log"})
     r = cli("logs", "--profile", "nope", home=home, timeout=60)
     assert r.returncode == 2 and "seat nope has no log" in r.stderr and "known seats: cpu-demo" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("arg", ["/etc/passwd", "../x", "a/b"])
+def test_a_path_is_never_taken_as_a_seat_name(home, arg):
+    """`-p` names a seat or a profile file; a path that is not a loadable profile must not be joined
+    onto the state dir (`down -p ../x` renamed and locked files outside it)."""
+    for cmd in ("down", "status", "logs"):
+        r = cli(cmd, "--profile", arg, home=home, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (cmd, r.stderr)
+    assert not (home.parent / "x").exists() and not (home / "seats").exists()

@@ -16,10 +16,12 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil
 
+from dsv4serve.launch import PLUGIN_ENV_RUN_DIR as RUN_DIR_ENV
 from dsv4serve.state import RUN_ID_ENV, SeatState, liveness
 
 
@@ -70,20 +72,25 @@ def tagged(run_id: str) -> list[psutil.Process]:
     return out
 
 
-def tagged_runs(seat: str) -> dict[str, list[psutil.Process]]:
+def tagged_runs(seat: str, runs_dir: Path) -> dict[str, list[psutil.Process]]:
     """Running processes tagged with any run of this seat, by run id: what a seat whose state file
     is unreadable may have left. Run ids are `<seat>-YYYYmmdd-HHMMSS-<4 hex>` (seat._run_id), matched
-    whole, so seat `cpu` never claims a run of seat `cpu-demo`."""
+    whole, so seat `cpu` never claims a run of seat `cpu-demo`; and the run's directory (the
+    plugin's DSV4SERVE_RUN_DIR tag) must be under `runs_dir`, so another state dir's seat of the same
+    name (another user's, a test's) is never touched."""
     me, run_of = os.getpid(), re.compile(rf"{re.escape(seat)}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}")
     out: dict[str, list[psutil.Process]] = {}
     for p in psutil.process_iter():
         if p.pid == me:
             continue
         try:
-            tag = p.environ().get(RUN_ID_ENV)
+            env = p.environ()
         except (psutil.Error, OSError):
             continue
-        if tag and run_of.fullmatch(tag) and _running(p):
+        tag, run_dir = env.get(RUN_ID_ENV), env.get(RUN_DIR_ENV)
+        if not (tag and run_of.fullmatch(tag) and run_dir and Path(run_dir).parent == runs_dir):
+            continue
+        if _running(p):
             out.setdefault(tag, []).append(p)
     return out
 

@@ -324,6 +324,10 @@ def _seat_names(profile_name: str | None) -> list[str]:
 
     if not profile_name:
         return state.all_seats()
+    if not state.SEAT_NAME.fullmatch(profile_name):
+        # not a seat name, so a profile file: it must load (a broken or missing one is said so,
+        # never taken as a seat that "is not running", nor joined onto the state dir as a path)
+        return [load_profile(profile_name).name]
     if state.state_path(profile_name).exists() or state.last_path(profile_name).exists():
         return [profile_name]
     try:
@@ -337,14 +341,15 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
     from dsv4serve.errors import BadInput
 
     names, unreadable = [], []
-    for n in _seat_names(profile_name):
+    asked = _seat_names(profile_name)
+    for n in asked:
         try:
             if state.load(n) is not None:
                 names.append(n)
         except state.UnreadableState:
             unreadable.append(n)
     if not names and not unreadable:
-        what = f"seat {profile_name} is not running" if profile_name else "no seat is running"
+        what = f"seat {asked[0]} is not running" if profile_name and asked else "no seat is running"
         return {"clean": True, "seats": [], "message": f"{what}: nothing to stop"}
     if len(names) + len(unreadable) > 1:
         known = sorted(names + unreadable)
@@ -383,9 +388,9 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
 def _down_unreadable(name: str) -> dict[str, Any]:
     """`down` of a seat whose state file does not parse: stop every process tagged with one of the
     seat's runs (the tag is all that is left to go by), then set the file aside, kept."""
-    from dsv4serve import procs, state, stop
+    from dsv4serve import home, procs, state, stop
 
-    runs = procs.tagged_runs(name)
+    runs = procs.tagged_runs(name, home.runs_dir())
     rep: dict[str, Any] = {"seat": name, "run_id": ", ".join(sorted(runs)) or "unknown", "was": "unreadable state",
                            "phase_before": "unknown", "unreadable_state": True, "signalled": [], "killed": [],
                            "remaining": [], "unreaped": []}
