@@ -233,3 +233,26 @@ def test_nested_yaml_merges_are_not_duplicate_keys():
     assert _yaml_load(text) == yaml.safe_load(text)
     with pytest.raises(Exception, match="duplicate key 'x'"):
         _yaml_load("m:\n  x: 1\n  y: 2\n  x: 5\n")
+
+
+def test_env_numbers_in_a_file_reach_the_process_as_written(tmp_path):
+    """YAML 1.1 would turn 0755 into 493 and 0x10 into 16: such env values stay the text the user
+    typed; a float (1.10 reads as 1.1) is refused with a hint to quote it; a plain integer is fine."""
+    f = tmp_path / "p.yaml"
+    f.write_text("extends: cpu-demo\nname: envtest\nenv: {A: 0755, D: 0x10, E: 1_000, G: 4}\n")
+    env = load_profile(str(f)).env
+    assert (env["A"], env["D"], env["E"], env["G"]) == ("0755", "0x10", "1_000", "4")
+    f.write_text("extends: cpu-demo\nname: envtest\nenv: {F: 1.10}\n")
+    with pytest.raises(ProfileError, match=r"env.F: 1.1 is a YAML number; quote the value"):
+        load_profile(str(f))
+
+
+@pytest.mark.parametrize("override, needle", [
+    ('gates.markers=[{text: "", ranks: all}]', "gates.markers.0.text"),
+    ('gates.forbidden=[""]', "an empty pattern matches every line"),
+])
+def test_empty_markers_and_forbidden_patterns_are_refused(override, needle):
+    """An empty marker is 'seen' on any line, so its gate proves nothing; an empty forbidden pattern
+    fails every seat."""
+    with pytest.raises(ProfileError, match=needle):
+        load_profile("cpu-demo", [override])

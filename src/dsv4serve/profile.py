@@ -170,7 +170,8 @@ class MoeSection(_Strict):
 
 
 class Marker(_Strict):
-    text: str = Field(..., description="substring that must appear in a rank's log")
+    text: str = Field(..., min_length=1, description="substring that must appear in a rank's log (an empty one "
+                                                     "would match any line)")
     ranks: Annotated[Union[Literal["all"], PosInt], _count_or("all")] = Field(
         "all", description='"all" ranks, or this many distinct ranks (at most vllm.tensor_parallel_size)')
 
@@ -198,6 +199,8 @@ class GatesSection(_Strict):
     def _forbidden(cls, v: list[str]) -> list[str]:
         # compiled here, so --dry-run and check-seat refuse what up's log watch would
         for pat in v:
+            if not pat:
+                raise ValueError("an empty pattern matches every line: remove it")
             try:
                 re.compile(pat)
             except re.error as e:
@@ -280,6 +283,10 @@ class Profile(_Strict):
                 # YAML reads yes/no/on/off/true/false as booleans; which string was meant is lost.
                 raise ValueError(f"env.{k}: {json.dumps(val)} is a YAML boolean; quote the value, "
                                  "e.g. \"1\" or \"true\"")
+            if isinstance(val, float):
+                # 1.10 reads as 1.1 and 1e3 as 1000.0: the text the user wrote is gone
+                raise ValueError(f"env.{k}: {val!r} is a YAML number; quote the value as it should reach the "
+                                 "process, e.g. \"1.10\"")
             out[k] = str(val) if isinstance(val, (int, float)) else val
         return out
 
@@ -373,6 +380,19 @@ class _Loader(yaml.SafeLoader):
                 except TypeError:  # unhashable key: the base constructor reports it
                     continue
         super().flatten_mapping(node)
+
+
+_PLAIN_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> Any:
+    # YAML 1.1 reads 0755 as 493, 0x10 as 16, 1_000 as 1000 and 12:30 as 750: kept as written,
+    # an env value stays what the user typed and a number field refuses the text by name.
+    text = loader.construct_scalar(node)
+    return int(text) if _PLAIN_INT.fullmatch(text) else text
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def _yaml_load(text: str) -> Any:
