@@ -152,7 +152,9 @@ def test_dry_run_json_shows_the_patched_file_mounts(tmp_path):
     for rel in PATCHED:
         assert f"{root}/{rel}:{SP}/{rel}:ro" in volumes(plan["argv"]), rel
     assert f"{root}/{PATCHED[0]}:{SP}/{PATCHED[0]}:ro" in plan["command"]
-    assert plan["up_refuses"] == []  # with the image's files copied out, up has nothing to refuse
+    # with the image's files copied out, up has no patch refusal (a port 8000 held on this machine
+    # would be listed too, and is not this test's business)
+    assert not [x for x in plan["up_refuses"] if "patch" in x]
 
 
 def test_dry_run_names_what_up_would_refuse(tmp_path):
@@ -167,3 +169,21 @@ def test_dry_run_names_what_up_would_refuse(tmp_path):
     assert r.returncode == 0, r.stderr
     refuses = json.loads(r.stdout)["up_refuses"]
     assert len(refuses) == 1 and "runtime.patch_root is not set" in refuses[0]
+
+
+def test_dry_run_names_a_port_in_use(tmp_path):
+    """up refuses a port something already listens on; the dry run lists that refusal too."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "dsv4serve", "up", "--profile", "cpu-demo", "--set",
+                            f"vllm.port={port}", "--dry-run", "--json", "--no-validate"], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "DSV4SERVE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    refuses = json.loads(r.stdout)["up_refuses"]
+    assert len(refuses) == 1 and f"port 127.0.0.1:{port} is already in use" in refuses[0]

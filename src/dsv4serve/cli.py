@@ -121,7 +121,8 @@ def up(profile: str = ProfileOpt,
 
 @app.command()
 def down(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat (default: the only one)"),
-         grace: Optional[float] = typer.Option(None, "--grace", min=0.0, help="seconds between SIGTERM and SIGKILL"),
+         grace: Optional[float] = typer.Option(None, "--grace", min=0.0, max=3600.0,
+                                               help="seconds between SIGTERM and SIGKILL (at most an hour)"),
          json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Stop a seat: the whole process group, its leftovers, and proof nothing is left."""
     from dsv4serve import seat

@@ -61,12 +61,17 @@ def _up_refusals(profile: Profile) -> list[str]:
     from dsv4serve import patches
     from dsv4serve.errors import BadInput
 
+    out = []
     if patches.patched_in_image(profile):
         try:
             patches.ensure_patched(profile, apply=False)
         except BadInput as e:
-            return [e.line()]
-    return []
+            out.append(e.line())
+    try:
+        _check_port(profile)
+    except BadInput as e:
+        out.append(e.line())
+    return out
 
 
 def render_plan(plan: dict[str, Any]) -> None:
