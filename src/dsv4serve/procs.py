@@ -17,7 +17,7 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psutil
 
@@ -58,18 +58,20 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
-def tagged(run_id: str) -> list[psutil.Process]:
+def _environs() -> Iterator[tuple[psutil.Process, dict[str, str]]]:
+    """Every other process whose environment we may read, with it (the run tags live there)."""
     me = os.getpid()
-    out = []
     for p in psutil.process_iter():
         if p.pid == me:
             continue
         try:
-            if p.environ().get(RUN_ID_ENV) == run_id:
-                out.append(p)
+            yield p, p.environ()
         except (psutil.Error, OSError):
             continue  # gone, or not ours to read (then not ours to kill either)
-    return out
+
+
+def tagged(run_id: str) -> list[psutil.Process]:
+    return [p for p, env in _environs() if env.get(RUN_ID_ENV) == run_id]
 
 
 def tagged_runs(seat: str, runs_dir: Path) -> dict[str, list[psutil.Process]]:
@@ -78,19 +80,11 @@ def tagged_runs(seat: str, runs_dir: Path) -> dict[str, list[psutil.Process]]:
     whole, so seat `cpu` never claims a run of seat `cpu-demo`; and the run's directory (the
     plugin's DSV4SERVE_RUN_DIR tag) must be under `runs_dir`, so another state dir's seat of the same
     name (another user's, a test's) is never touched."""
-    me, run_of = os.getpid(), re.compile(rf"{re.escape(seat)}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}")
+    run_of = re.compile(rf"{re.escape(seat)}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}")
     out: dict[str, list[psutil.Process]] = {}
-    for p in psutil.process_iter():
-        if p.pid == me:
-            continue
-        try:
-            env = p.environ()
-        except (psutil.Error, OSError):
-            continue
+    for p, env in _environs():
         tag, run_dir = env.get(RUN_ID_ENV), env.get(RUN_DIR_ENV)
-        if not (tag and run_of.fullmatch(tag) and run_dir and Path(run_dir).parent == runs_dir):
-            continue
-        if _running(p):
+        if tag and run_of.fullmatch(tag) and run_dir and Path(run_dir).parent == runs_dir and _running(p):
             out.setdefault(tag, []).append(p)
     return out
 
