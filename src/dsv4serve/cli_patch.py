@@ -169,9 +169,7 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
         if action == "apply":  # all sets or none: a later set's failure undoes the earlier ones
             results = patches.apply_sets(t.sets, t.root, profile=t.profile)
         else:
-            for s in t.sets:  # check every set before changing any: one refusal changes nothing
-                patches.refuse_unless(patches.set_status(s, t.root, profile=t.profile),
-                                      frozenset({"pristine", "patched"}), action, s)
+            patches.check_sets(t.sets, t.root, action, profile=t.profile)
             for s in t.sets:
                 results.append(patches.revert_set(s, t.root, profile=t.profile))
         rows = [row for res in results for row in res.rows]

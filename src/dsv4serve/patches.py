@@ -585,13 +585,19 @@ def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     return apply_sets([load_set(n) for n in profile.patches], root, profile=profile.name)
 
 
+def check_sets(sets: list[PatchSet], root: Path | None, action: str, *, profile: str | None = None) -> None:
+    """Refuse, changing nothing, unless every file of every set is pristine or patched: one
+    refusal among several sets changes none of them."""
+    for pset in sets:
+        refuse_unless(set_status(pset, root, profile=profile), frozenset({"pristine", "patched"}), action, pset)
+
+
 def apply_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str | None = None) -> list[SetResult]:
     """Apply several sets as one change: every set is checked before any is applied, and when a
     later set fails (a refusal found under its lock, a write error) the files the earlier sets
     changed in this call are reverted, so the trees are never left half patched. Files that were
     already patched on entry stay patched."""
-    for pset in sets:
-        refuse_unless(set_status(pset, root, profile=profile), frozenset({"pristine", "patched"}), "apply", pset)
+    check_sets(sets, root, "apply", profile=profile)
     done: list[tuple[PatchSet, SetResult]] = []
     try:
         for pset in sets:
