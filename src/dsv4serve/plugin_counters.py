@@ -88,28 +88,42 @@ class Counters:
                 "layers": self.layers, "calls": dict(self.calls), "declines": dict(self.declines),
                 "updated": time.time(), "final": final}
 
-    def write(self, final: bool = False) -> bool:
-        """Write the file now (atomically); False when there is no run dir or the write failed."""
+    def write(self, final: bool = False, *, from_signal: bool = False) -> bool:
+        """Write the file now (atomically); False when there is no run dir or the write failed.
+        `from_signal`: called from a signal handler on the main thread, which may be inside
+        call()'s `with self._lock` or inside this very method: the ints are copied without the
+        counters' lock (the interrupted bytecode leaves them consistent: dict updates are single
+        bytecodes), and the write lock, which the flusher thread may hold mid-write, is waited for
+        only a moment; blocking on either would hang the worker until its SIGKILL."""
         if self.path is None:
             return False
         # Serialised, and nothing overwrites the final file: the flusher thread may be mid-write
         # when close() runs.
-        with self._write_lock:
+        if not self._write_lock.acquire(timeout=SIGNAL_WRITE_WAIT_S if from_signal else -1):
+            return False  # the final write is best effort; the last periodic file stays
+        try:
             if self._written_final:
                 return False
-            with self._lock:
-                self._dirty = False
+            if from_signal:
+                snap = self._snap(final)
+            else:
+                with self._lock:
+                    self._dirty = False
+                snap = self.snapshot(final)
             try:
-                atomic_write(self.path, json.dumps(self.snapshot(final), sort_keys=True) + "\n")
+                atomic_write(self.path, json.dumps(snap, sort_keys=True) + "\n")
             except OSError:
                 # The run dir vanished or the disk is full: counting goes on, the next write
                 # retries. The missing or stale file is what check-seat then reports.
                 self.write_errors += 1
-                with self._lock:
-                    self._dirty = True
+                if not from_signal:
+                    with self._lock:
+                        self._dirty = True
                 return False
             self._written_final = final
             return True
+        finally:
+            self._write_lock.release()
 
     def flush_if_dirty(self) -> None:
         if self._dirty and not self._final:
@@ -167,22 +181,9 @@ class Counters:
         self.write(final=True)
 
     def _close_from_signal(self) -> None:
-        """close() for a signal handler. It runs on the main thread between two bytecodes, possibly
-        inside call()'s `with self._lock` or inside write(): taking either lock there would hang
-        the worker until its SIGKILL. So it copies the ints without the counters' lock (the
-        interrupted bytecode leaves them consistent: dict updates are single bytecodes) and waits
-        only a moment for the write lock, which the flusher thread may hold mid-write."""
+        """close() for a signal handler: see write(from_signal=True)."""
         if self._final:
             return
         self._final = True
         self._stop.set()
-        if self.path is None or not self._write_lock.acquire(timeout=SIGNAL_WRITE_WAIT_S):
-            return  # the final write is best effort; the last periodic file stays
-        try:
-            if not self._written_final:
-                atomic_write(self.path, json.dumps(self._snap(True), sort_keys=True) + "\n")
-                self._written_final = True
-        except OSError:
-            self.write_errors += 1
-        finally:
-            self._write_lock.release()
+        self.write(final=True, from_signal=True)
