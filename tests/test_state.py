@@ -47,6 +47,18 @@ def test_unreadable_state_is_one_line(home):
         state.load("cpu-demo")
 
 
+def test_a_state_that_is_a_directory_is_an_unreadable_row_that_down_sets_aside(home):
+    state.state_path("cpu-demo").mkdir(parents=True)
+    r = cli("status", "--json", home=home, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {row["seat"]: row for row in json.loads(r.stdout)}
+    assert rows["cpu-demo"]["phase"] == "unreadable"
+    r = cli("down", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not state.state_path("cpu-demo").exists()
+    assert [p for p in state.seat_dir("cpu-demo").iterdir() if p.name.startswith("state.json.unreadable-")]
+
+
 def test_update_refuses_a_stopping_or_foreign_state(home):
     st = make()
     state.save(st)

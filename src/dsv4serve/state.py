@@ -240,7 +240,10 @@ def all_seats() -> list[str]:
     d = home.seats_dir()
     if not d.is_dir():
         return []
-    return sorted(p.name for p in d.iterdir() if (p / "state.json").is_file())
+    # exists(), not is_file(): a state.json that is a directory (or anything unreadable) is still a
+    # seat's state; load() reports it as unreadable and `down` sets it aside, instead of the seat
+    # vanishing from `status` without a word
+    return sorted(p.name for p in d.iterdir() if (p / "state.json").exists())
 
 
 def known_seats() -> list[str]:
@@ -248,7 +251,7 @@ def known_seats() -> list[str]:
     d = home.seats_dir()
     if not d.is_dir():
         return []
-    return sorted(p.name for p in d.iterdir() if (p / "state.json").is_file() or (p / "last.json").is_file())
+    return sorted(p.name for p in d.iterdir() if (p / "state.json").exists() or (p / "last.json").is_file())
 
 
 def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
