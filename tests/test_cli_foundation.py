@@ -162,6 +162,13 @@ def test_demo_model_never_deletes_a_directory_that_is_not_a_demo_model(home, tmp
         line = _one_line_exit_2(run("demo-model", "--out", str(mine), *extra, env={"DSV4SERVE_HOME": str(home)}))
         assert "not empty" in line and "nothing was changed" in line
     assert [p.name for p in mine.iterdir()] == ["thesis.tex"] and (mine / "thesis.tex").read_text() == "years of work"
+    # a stamp that is not ours is named as such, not reported missing; still nothing is touched
+    from dsv4serve.demo_model import STAMP
+
+    (mine / STAMP).write_text("{corrupt")
+    line = _one_line_exit_2(run("demo-model", "--out", str(mine), env={"DSV4SERVE_HOME": str(home)}))
+    assert f"its {STAMP} is not a demo model's stamp" in line and "nothing was changed" in line
+    assert sorted(p.name for p in mine.iterdir()) == sorted([STAMP, "thesis.tex"])
 
 
 def test_demo_model_refuses_a_file_and_out_of_range_seeds(home, tmp_path):

@@ -222,7 +222,8 @@ def _check_out(out: Path) -> None:
         raise BadInput(f"cannot read demo model directory {out} ({e.strerror or e})", hint=fix) from None
     if not empty and not _is_demo_dir(out):
         # --force does not override this: it rebuilds a demo model, it never deletes other files.
-        raise BadInput(f"{out} is not empty and holds no demo model (no {STAMP}); nothing was changed",
+        why = f"its {STAMP} is not a demo model's stamp" if (out / STAMP).exists() else f"no {STAMP}"
+        raise BadInput(f"{out} is not empty and holds no demo model ({why}); nothing was changed",
                        hint=f"{fix}, or move its files away")
 
 
