@@ -53,6 +53,11 @@ python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
+# Every step's python sees them: the device image has no pydantic, and since 825e24d lna2's build
+# imports dsv4serve.state (pydantic), so without this every step died at import (2026-12-05).
+# The scripts put the repo's src/ first, so the wheel's copy of dsv4serve is not the one run.
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import pydantic; print('pydantic', pydantic.VERSION)" 2>&1 | tail -1 | tee -a "$LOG"
 
 declare -A PID
 for INC in ${INCS//,/ }; do
@@ -183,7 +188,7 @@ if has bench; then
     fi
     [ "$(left)" -lt 60 ] && { echo "skip bench vs $INC: $(left)s left" | tee -a "$LOG"; continue; }
     step "bench vs $INC"
-    PYTHONPATH=/tmp/site$INC timeout $(( $(left) > 280 ? 280 : $(left) )) python3 scripts/lna2_device.py bench \
+    PYTHONPATH=/tmp/site$INC:$PYTHONPATH timeout $(( $(left) > 280 ? 280 : $(left) )) python3 scripts/lna2_device.py bench \
       --incumbent $INC --ms $MS --variants $BV ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} > "$OUT/bench_$INC.log" 2>&1; echo "exit $?" >> "$OUT/bench_$INC.log"
     grep -E "^tp|exit|Error" "$OUT/bench_$INC.log" | tee -a "$LOG"
   done
@@ -211,7 +216,7 @@ for INC in ${INCS//,/ }; do [ "$INC" != none ] && [ -n "${PID[$INC]:-}" ] && rea
 if has dispatch; then
   DI=none; case ",$INCS," in *",145,"*) ready_inc 145 && DI=145;; esac
   step "moe_dispatch.Runtime on this GPU vs exllamav3 $DI"
-  PYTHONPATH=/tmp/site$DI:/tmp/site timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch.log" 2>&1
+  PYTHONPATH=/tmp/site$DI:$PYTHONPATH timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch.log" 2>&1
   echo "exit $?" >> "$OUT/dispatch.log"
   grep -E "prepared|calls, worst|graph:|timing|dispatch:|FAIL|FAULT|Error|exit|ACTIVE" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
 fi
