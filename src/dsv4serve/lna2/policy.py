@@ -39,23 +39,31 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
-* v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no spills)
-  is the fastest variant everywhere else, and at every TP1 point.
+* v50 -- v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no
+  spills) with v20's byte-permute state extraction at K2; at K3 it is v4's kernel -- serves
+  everything else, every TP1 point included. Session 23 (2026-12-05, one process per incumbent, the
+  slower of the two medians): TP1 K2 71.2 / 121.2 / 197.8 / 386.6 / 662.5 / 999.3 us at 1 / 2 / 4 /
+  8 / 16 / 24 rows against v4's 78.6 / 134.8 / 216.2 / 423.7 / 712.0 / 1069.6, K3 within 0.6 us of
+  v4 everywhere; its outputs were bitwise v4's in all 136 parity cases.
 
-v0-v3, v6, v7, v9, v20, v21 and v31 stay available for the benchmark and the parity grid, as do
-session 21's v46-v49 (a relaxed arrive, partials pushed into every CTA's inbox, the first trellis
-behind x and suh, each cluster's units in one run so a group's second block skips the rotation),
-built and not yet measured (kernels/lna2/NOTES.md, "The variants"), and session 22's v50 / v51 for
-TP1 (v4 with K2's byte-permute states; and with each group's gate/up inputs rotated once, not once
-per item and chunk), likewise built and not yet measured;
-v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 run for MUL1 layers.
+Session 23 also measured session 21's v46-v49 and session 22's v51. v46 (v40 with the "reads done"
+cluster arrive relaxed) was 0.1-2.1 us faster than v40 at every multi-row TP8 point (as the slower
+of two same-process medians; in one process it was 0.2 us slower at sixteen K2 rows); it is not
+served until compute-sanitizer has run on it (the run checked v48, which carries the same arrive,
+not v46 itself). v47 / v48 (partials pushed into per-CTA inboxes) tied at one and four K2 rows and
+lost from eight; v49 (each cluster's units in one run) tied at K2 and lost at K3; v51 (TP1's
+gate/up inputs rotated once per group) tied from eight K2 rows and lost below and at K3. Those four
+are retired.
+
+v0-v4, v6, v7, v9, v20, v21, v31 and v46 stay available for the benchmark and the parity grid;
+v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 and 50 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
 the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03)."""
 
 from __future__ import annotations
 
-SEAT_VARIANT = 4
+SEAT_VARIANT = 50  # v4 with K2's byte-permute states (v4's kernel at K3)
 ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 40  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
 TWO_ROW_VARIANT = 36  # K3 (and any bits but 2), two rows
