@@ -40,7 +40,7 @@ E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 DEFAULT_VARIANTS = "40,26,36,31,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
-CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 47, 48, 49, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46-49, its timing ablations (lna2_api.h)
+CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 PRE_VARIANT, PRE_MIN_INTER = 51, 1024  # v2 with inputs rotated once per group: intermediate >= 1024 (lna2_api.h)
 
@@ -1064,8 +1064,6 @@ def cmd_trace(args):
                 f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
             log("   arrivals by pass (CTAs, median/max us):", " ".join(
                 f"{p['ctas']}:{p['median_us']}/{p['max_us']}" for p in row["arrivals_by_pass"]))
-            log("   arrival -> next rotation by unit 2, 3, .. (CTAs, median/max us):", " ".join(
-                f"{p['ctas']}:{p['median_us']}/{p['max_us']}" for p in row["rotation_after_arrival_by_unit"]))
         dump(f"trace-summary-{tag}.json", summary)
 
 
@@ -1082,8 +1080,6 @@ def summarize_trace_v7(doc):
         spans = {}
         plan, gathered, exits = [], [], []
         by_pass = []  # arrival times of each CTA's first, second, ... unit: the passes of the clusters
-        # arrived -> rotated of each CTA's second, third, ... unit: where v49 skips the rotation
-        next_rot = []
         for evs in run["ctas"]:
             last = None
             k = 0
@@ -1101,17 +1097,13 @@ def summarize_trace_v7(doc):
                     exits.append(t)
                 if last is not None and name not in ("gathered", "exit"):
                     spans.setdefault(f"{last[1]}->{name}", []).append(t - last[0])
-                if last is not None and last[1] == "arrived" and name == "rotated":
-                    next_rot += [[] for _ in range(k - len(next_rot))]
-                    next_rot[k - 1].append(t - last[0])
                 if name not in ("gathered", "exit"):
                     last = (t, name)
 
         out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
                     "plan_done": ns_stats(plan), "last_gather_done": ns_stats(gathered), "exit": ns_stats(exits),
                     "phases": {k: ns_stats(v) for k, v in spans.items()},
-                    "arrivals_by_pass": [dict(ns_stats(p), ctas=len(p)) for p in by_pass],
-                    "rotation_after_arrival_by_unit": [dict(ns_stats(p) or {}, ctas=len(p)) for p in next_rot]})
+                    "arrivals_by_pass": [dict(ns_stats(p), ctas=len(p)) for p in by_pass]})
     return out
 
 

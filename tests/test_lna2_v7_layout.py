@@ -36,14 +36,7 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def blk_runs(units, clusters):
-    """lna2_v7.cu's BLK order: cluster c's contiguous run of units, (first, count)."""
-    base, extra = divmod(units, clusters)
-    return [(c * base + min(c, extra), base + (c < extra)) for c in range(clusters)]
-
-
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False,
-             push=False, blk_clusters=0):
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -64,8 +57,6 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
     prow = min(8, m) if rcap else 8
     nbuf = 2 if fin_local and not sb else 1
     cflat = np.full((C, nbuf * 2 * prow * 128), np.nan)
-    # push (v47): every CTA's inbox [rank][proj][row][128], written by each rank into all of them
-    inbox = np.full((C, C * 2 * prow * 128), np.nan)
     done = [0] * C
     out = np.full((m, H), np.nan)
     # rg (v40): arrivals per (slice, row); a row expects its distinct in-range experts x n_ib of them
@@ -90,11 +81,6 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         for row in range(m):
             if need[row] == 0:
                 out[row] = 0.0
-    # blk_clusters (v49): units in contiguous runs per cluster; a run's unit whose predecessor was
-    # the same group's other block keeps that unit's xs (the kernel skips rotate())
-    run_starts = {f for f, n in blk_runs(units, blk_clusters) if n} if blk_clusters else set()
-    xs_kept = {}
-    rotations = 0
     for u in range(units):  # the clusters' order does not matter: nothing crosses units but y
         gi, ib = divmod(u, n_ib)
         e, ent0, rws = groups[gi]
@@ -107,14 +93,10 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
             return cflat[r, o:o + 128]
 
         cflat[:, base:base + 2 * prow * 128] = np.nan  # the unit two before's values are stale
-        inbox[:] = np.nan
-        reuse = bool(blk_clusters) and u not in run_starts and (u - 1) // n_ib == gi
-        rotations += 0 if reuse else 1
         for r in range(C):
             # rotate(): tasks (proj, row j, block b) of this CTA's k-range into xs[proj][kt][lane][2]
-            xs = xs_kept[r] if reuse else np.zeros((2, kpc, 32, 2), dtype=np.int64)
-            xs_kept[r] = xs
-            for task in range(0 if reuse else 2 * rows * nblk):
+            xs = np.zeros((2, kpc, 32, 2), dtype=np.int64)
+            for task in range(2 * rows * nblk):
                 proj, rest = task & 1, task >> 1
                 j, b = rest % rows, rest // rows
                 k0 = (r * nblk + b) * 128
@@ -137,24 +119,15 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 for ks in range(NW // 2):
                     tot = tot + red[2 * ks + proj]
                 for j in range(rows):
-                    if push:  # st.async into every CTA q: cpart + ((r * 2 + proj) * prow + j) * 128
-                        o = ((r * 2 + proj) * prow + j) * 128
-                        inbox[:, o:o + 128] = tot[j]
-                    else:
-                        cpart_at(r, proj, j)[:] = tot[j]
+                    cpart_at(r, proj, j)[:] = tot[j]
         # finisher: rank r's warp w finishes row r + C w and the activation lands in every CTA; with
         # fin_local (v21) every CTA's warp w finishes row w into its own activation
-        def finish(jf, act, me):
+        def finish(jf, act):
             gsum = np.zeros(128)
             usum = np.zeros(128)
             for q in range(C):
-                if push:  # rp = cpart + q * 2 * prow * 128 in CTA me's own inbox; gate at jf, up at prow + jf
-                    rp = inbox[me, q * 2 * prow * 128:(q + 1) * 2 * prow * 128]
-                    gsum = gsum + rp[jf * 128:jf * 128 + 128]
-                    usum = usum + rp[(prow + jf) * 128:(prow + jf) * 128 + 128]
-                else:
-                    gsum = gsum + cpart_at(q, 0, jf)
-                    usum = usum + cpart_at(q, 1, jf)
+                gsum = gsum + cpart_at(q, 0, jf)
+                usum = usum + cpart_at(q, 1, jf)
             col = slice(ib * 128, ib * 128 + 128)
             gv = fwht128(gsum) / np.sqrt(128) * svh["gate"][e, col]
             uv = fwht128(usum) / np.sqrt(128) * svh["up"][e, col]
@@ -172,7 +145,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 if jf >= rows:
                     continue
                 finished.add((r, jf) if fin_local else jf)
-                finish(jf, acts[r if fin_local else 0], r)
+                finish(jf, acts[r if fin_local else 0])
         # each row finished once (v7), or once in every CTA (v21)
         assert finished == ({(r, j) for r in range(C) for j in range(rows)} if fin_local else set(range(rows)))
         # down: CTA r's columns; warp = bw wpb + kq over kpwd of the block's 8 k-tiles
@@ -219,13 +192,11 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         assert (gathered == np.array([[1 if need[row] else 0 for row in range(m)]] * C)).all()
     if units == 0:
         out[:] = 0.0
-    return out, {"units": units, "groups": len(groups), "rotations": rotations}
+    return out, {"units": units, "groups": len(groups)}
 
 
-def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False, push=False,
-           blk_clusters=0):
-    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb, rg=rg,
-                        push=push, blk_clusters=blk_clusters)
+def _check(layer, ids, w, x, cb, dup, C, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
+    got, cfg = model_v7(x, ids, w, layer, cb, dup, C=C, fin_local=fin_local, epi=epi, rcap=rcap, sb=sb, rg=rg)
     E = layer.gate_trellis.shape[0]
     ref_ids, ref_w = ids.clone(), w.clone()
     ref_w[ref_ids >= E] = 0.0
@@ -339,47 +310,3 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
     assert (got[10] == 0).all()
     _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
-
-
-def test_v47_partials_through_every_ctas_inbox():
-    """Variant 47: each rank stores its partials into every CTA's inbox at [rank][proj][row] and each
-    finisher sums its own inbox in rank order; the inbox is NaN until the unit's stores, so a read of
-    a slot no rank wrote shows. A four-row group, a duplicate id, and one row."""
-    H, I, E = 2048, 256, 6
-    layer = random_expert_layer(E, H, I, 2, "mcg", seed=53)
-    gen = torch.Generator().manual_seed(54)
-    m = 5
-    ids = hot_routes(E, m, 4, gen)
-    w = torch.rand(m, 2, generator=gen)
-    x = torch.randn(m, H, generator=gen).half()
-    flags = dict(fin_local=True, epi=True, rcap=True, sb=True, rg=True, push=True)
-    _check(layer, ids, w, x, "mcg", True, C=2, **flags)
-    _check(layer, ids[:1], w[:1], x[:1], "mcg", True, C=2, **flags)
-
-
-def test_v49_contiguous_runs_partition_the_units_like_the_cyclic_order():
-    """BLK's runs cover every unit once, and each cluster gets as many as the cyclic order gives it."""
-    for units in range(0, 130):
-        for clusters in range(1, 34):
-            runs = blk_runs(units, clusters)
-            covered = [u for f, n in runs for u in range(f, f + n)]
-            assert covered == list(range(units))
-            cyclic = [len(range(c, units, clusters)) for c in range(clusters)]
-            assert [n for _, n in runs] == cyclic
-
-
-def test_v49_second_block_reuses_the_groups_rotation():
-    """Variant 49 at n_ib = 2 with three clusters over 5 groups (10 units, runs of 4, 3, 3): the
-    units whose predecessor in the run is the same group's other block skip the rotation, and the
-    output still matches the reference."""
-    H, I, E = 2048, 256, 6
-    layer = random_expert_layer(E, H, I, 2, "mcg", seed=55)
-    gen = torch.Generator().manual_seed(56)
-    m = 3
-    ids = torch.tensor([[0, 1], [2, 3], [4, 1]])
-    w = torch.rand(m, 2, generator=gen)
-    x = torch.randn(m, H, generator=gen).half()
-    cfg = _check(layer, ids, w, x, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True,
-                 blk_clusters=3)
-    # runs [0..3], [4..6], [7..9] of groups 0,0,1,1 | 2,2,3 | 3,4,4: units 1, 3, 5 and 9 reuse
-    assert cfg["units"] == 10 and cfg["rotations"] == 6

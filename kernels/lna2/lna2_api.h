@@ -162,17 +162,14 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // 31 is 26 with partial buffers of min(8, m) rows, which keeps K3 at two CTAs per SM up to six rows;
 // 36 is 31 with one partial buffer (a split cluster barrier guards its reuse), two K3 CTAs per SM to
 // eighteen rows; 40 is 36 with arrivals counted per (column slice, row) and each row summed by the unit
-// that completes it; 46 is 40 with a relaxed arrive after the finisher's reads; 47 is 46 whose
-// partials are stored into every CTA's inbox by st.async instead of read after a cluster barrier;
-// 48 is 47 whose first unit requests its trellis behind x and suh instead of ahead of them; 49 is
-// 40 with each cluster's units in one contiguous run, a group's second block skipping the rotation.
-// (32-35 were session 17's experiments, 37-39 session 18's, 41-44 session 19's and 45 session 20's,
-// measured and retired: kernels/lna2/NOTES.md, "The variants".)
+// that completes it; 46 is 40 with a relaxed arrive after the finisher's reads.
+// (32-35 were session 17's experiments, 37-39 session 18's, 41-44 session 19's, 45 session 20's and
+// 47-49 session 21's, measured and retired: kernels/lna2/NOTES.md, "The variants".)
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
 // copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;
 constexpr int V7_EPI_VARIANT = 26, V7_RCAP_VARIANT = 31, V7_SB_VARIANT = 36, V7_RG_VARIANT = 40;
-constexpr int V7_RLX_VARIANT = 46, V7_PUSH_VARIANT = 47, V7_XF_VARIANT = 48, V7_BLK_VARIANT = 49;
+constexpr int V7_RLX_VARIANT = 46;
 constexpr int V7_ABLATION_BASE = 17, V7_ABLATIONS = 3;
 inline bool is_ablation(int v) {
     return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) ||
@@ -180,8 +177,7 @@ inline bool is_ablation(int v) {
 }
 inline bool is_cluster_variant(int v) {
     return v == V7_VARIANT || v == V7_BULK_VARIANT || v == V7_PRM_VARIANT || v == V7_FIN_VARIANT || v == V7_EPI_VARIANT ||
-           v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT || v == V7_PUSH_VARIANT ||
-           v == V7_XF_VARIANT || v == V7_BLK_VARIANT ||
+           v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT ||
            (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
 // Variants 50 and 51 are v4 (the ticket-scheduled v2 kernel at 2 CTAs per SM) with v20's

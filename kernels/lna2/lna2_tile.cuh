@@ -73,23 +73,6 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 // that peers will overwrite (or that goes away when they exit) are done". Each value read was
 // consumed, by arithmetic feeding a store that precedes the arrive, so the reads have completed.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-// This thread's mbarrier.init ordered before peers' remote operations on that barrier, once a
-// cluster barrier separates them.
-__device__ __forceinline__ void fence_mbarrier_init_cluster() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-// The shared::cluster address of the same shared-memory offset in the cluster's CTA `rank`.
-__device__ __forceinline__ uint32_t mapa_rank(uint32_t saddr, int rank) {
-    uint32_t out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(saddr), "r"(rank));
-    return out;
-}
-// 16 bytes into a (possibly remote) CTA's shared memory, completing 16 bytes of a transaction on
-// that CTA's mbarrier: the receiver waits on its own barrier, with no cluster barrier and no fence.
-__device__ __forceinline__ void st_async16(uint32_t raddr, const float4& v, uint32_t rbar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(raddr),
-                 "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)),
-                 "r"(rbar)
-                 : "memory");
-}
 
 // One device-scope acquire-release add: the old value.
 __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
@@ -101,25 +84,15 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
 // Spins are bounded: a protocol bug traps (a launch error the caller sees) instead of hanging the GPU.
 constexpr unsigned SPIN_LIMIT = 1u << 26;
 
-// CLUSTER: with cluster-scope acquire, for bytes that peers' st.async completed on this barrier
-// (their complete_tx releases at cluster scope; a CTA-scope acquire would not pair with it).
-template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     const uint32_t addr = smem_u32(bar);
     uint32_t done = 0;
     for (unsigned spin = 0;; spin++) {
-        if constexpr (CLUSTER)
-            asm volatile(
-                "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                : "=r"(done)
-                : "r"(addr), "r"(parity)
-                : "memory");
-        else
-            asm volatile(
-                "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                : "=r"(done)
-                : "r"(addr), "r"(parity)
-                : "memory");
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(addr), "r"(parity)
+            : "memory");
         if (done) return;
         if (spin > SPIN_LIMIT) __trap();
     }
@@ -133,17 +106,6 @@ __device__ __forceinline__ uint2 ld_early(const void* p) {
     uint2 v;
     asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
-}
-// Four 2-byte activations (fp16, or bf16 when dtype says so) already loaded, as floats.
-__device__ __forceinline__ void act4(uint2 u, int dtype, float (&v)[4]) {
-    if (dtype == DT_BF16) {
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
-    } else {
-        const float2 a = __half22float2(u2h(u.x)), b = __half22float2(u2h(u.y));
-        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
-    }
 }
 __device__ __forceinline__ void half4(uint2 u, float (&v)[4]) {
     const float2 a = __half22float2(u2h(u.x)), b = __half22float2(u2h(u.y));

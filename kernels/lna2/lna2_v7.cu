@@ -56,7 +56,7 @@ __host__ __device__ inline bool geometry(int hidden, int inter, Geo& g) {
 }
 
 struct Dyn7 {
-    int gu, dn, xs, red, cpart, act, ptr, bar, total;
+    int gu, dn, xs, cpart, act, ptr, bar, total;
 };
 
 // two_buf (variants 21, 26, 31): two partial buffers, used by alternate units (see V7Kernel's FIN
@@ -66,28 +66,19 @@ struct Dyn7 {
 __host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m < GR ? m : GR; }
 
 // prow (variant 31): rows per partial buffer (partial_rows).
-// push (variant 47): the partial region is an inbox of every rank's partials, and one more mbarrier
-// (kpw + 1) counts their bytes.
-// sep_red (variant 49): the reduction buffer has a region of its own, so xs outlives the unit.
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR,
-                                           bool push = false, bool sep_red = false) {
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
     d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
     d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
     d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-    d.red = d.xs;
-    if (sep_red) {
-        d.red = off;
-        off += WARPS * 512 * 4;
-    }
-    d.cpart = off; off += (push ? C7 : two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // gate/up partials [buf or rank][proj][row][128]
+    d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
     d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
     off = (off + 15) & ~15;
-    d.bar = off;   off += (g.kpw + 2) * 8;                 // one per gate/up step, one for down, one for the inbox
+    d.bar = off;   off += (g.kpw + 1) * 8;                 // one per gate/up step, one for down
     d.total = (off + 15) & ~15;
     return d;
 }
@@ -140,35 +131,13 @@ enum Event7 : int {
 // RLX (variant 46, with SB): the arrive that says "this CTA has read its peers' partials" is relaxed:
 // it guards only a later overwrite (SB's wait) and the exit, and the values read were consumed by
 // then; a release arrive is a GPU-scope MEMBAR (session 20's SASS), paid once per unit.
-// PUSH (variant 47, with RLX): no cluster barrier before the finisher. Each CTA stores its partials
-// into every CTA's inbox (inbox[rank][proj][row]) by st.async, which completes bytes on the
-// receiver's own mbarrier; the finisher waits on that barrier and reads its inbox locally, in rank
-// order as before. SB's split barrier still guards the inbox's reuse, now before every unit's
-// stores (one more arrive after the plan, with the barrier's init fenced for the cluster). The inbox
-// is 8 x a partial buffer: two CTAs fit an SM at K2 up to four rows (109,088 B with the static
-// memory), at K3 at one row only (107,792; two rows need 116,416 against 115,712).
-// XF (variant 48, with PUSH): the first unit's trellis is requested behind x and suh, not ahead of
-// them: no gate/up steps at the plan, and each warp requests its rows of every step and of down as
-// soon as its first x and suh loads are issued (not returned). Without trellis traffic the
-// rotation took 1.5 us at one row, with v20's two early steps ahead of x and suh 2.4 (NOTES.md).
-// BLK (variant 49, on v40): a cluster's units are a contiguous run (cluster c: units
-// [c base + min(c, extra), ..), base = units / clusters, extra = units % clusters: the same count per
-// cluster as the cyclic order), so consecutive units of a cluster are mostly the two 128-blocks of one
-// group; the second of them skips the rotation, whose x * suh in B-fragment order depends on the group
-// only. xs then has to outlive the unit, so the reduction buffer gets 16 KB of its own: two CTAs
-// per SM still fit at K2 (at most 109,536 B at 24 rows), not at K3 from two rows.
-// Variants measured against these and retired (27, 37-39, 41-45), with their commits and figures:
-// kernels/lna2/NOTES.md, "The variants".
+// Variants measured against these and retired (27, 37-39, 41-45, 47-49), with their commits and
+// figures: kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false,
-          bool BLK = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false>
 struct V7Kernel {
-    static_assert(!BLK || (RG && !PUSH), "the contiguous order is measured on v40");
-    static_assert(!BLK || SB, "the last unit's arrive is SB's: the cyclic test u + ncl >= units does not hold a run");
     static_assert(!SB || FIN, "SB's split barrier pairs with the local finisher's arrive, not cluster.sync");
-    static_assert(!XF || (BULK && PUSH), "x first is a bulk-copy build's, measured on v47");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
-    static_assert(!PUSH || RLX, "the inbox's reuse is guarded by SB's split barrier");
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
@@ -258,22 +227,11 @@ struct V7Kernel {
             const int j = rest % rows, b = rest / rows;
             const int k = (r * g.nblk + b) * 128 + 4 * lane;
             float v[4], sc[4];
-            if constexpr (XF) {  // both loads leave before the warp's trellis requests
-                const uint2 xr = ld_early(reinterpret_cast<const __half*>(a.x) + size_t(s.grows[gi][j]) * a.hidden + k);
-                const uint2 sr = ld_early(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k);
-                if (late_u >= 0 && task == warp) {
-                    issue_gu(late_u);
-                    issue_dn(late_u);
-                }
-                act4(xr, a.x_dtype, v);
-                half4(sr, sc);
-            } else {
-                load4_x(a.x, a.x_dtype, size_t(s.grows[gi][j]) * a.hidden + k, v);
-                load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
-            }
+            load4_x(a.x, a.x_dtype, size_t(s.grows[gi][j]) * a.hidden + k, v);
+            load4_half(reinterpret_cast<const __half*>(P(gi, proj ? 4 : 1)) + k, sc);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
-            if (BULK && !XF && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
+            if (BULK && late_u >= 0 && task == warp) {  // the warp's first task: its loads have returned
                 issue_gu(late_u, EARLY_STEPS);
                 issue_dn(late_u);
             }
@@ -283,7 +241,7 @@ struct V7Kernel {
             store_frag_pairs(xs + (proj * g.kpc + b * 8 + (lane >> 2)) * 64, j, lane, v);
         }
         if (BULK && late_u >= 0 && warp >= 2 * rows * g.nblk) {
-            issue_gu(late_u, XF ? 0 : EARLY_STEPS);
+            issue_gu(late_u, EARLY_STEPS);
             issue_dn(late_u);
         }
     }
@@ -391,7 +349,7 @@ struct V7Kernel {
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow, PUSH, BLK);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -402,12 +360,6 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
-        if constexpr (PUSH) {
-            if (t == g.kpw + 1) {
-                mbar_init(bar + t, 1);  // the inbox: thread 0 arms each unit's bytes
-                fence_mbarrier_init_cluster();
-            }
-        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
@@ -416,19 +368,9 @@ struct V7Kernel {
             return;
         }
         if constexpr (RG) count_row_needs();
-        if constexpr (PUSH) {
-            if (cid < units) cluster_arrive_relaxed();  // the inbox barrier is initialised (waited on before the first stores)
-        }
-        int ufirst = cid, ucnt = 0;  // BLK: this cluster's run of units (cid < units iff it has any)
-        if constexpr (BLK) {
-            const int base = units / ncl, extra = units % ncl;
-            ufirst = cid * base + min(cid, extra);
-            ucnt = base + (cid < extra);
-        }
         if (cid < units) {
             if constexpr (BULK) {
-                // the rest, and down, once x and suh have landed (rotate); XF: all of it there
-                if constexpr (!XF) issue_gu(ufirst, 0, EARLY_STEPS);
+                issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
             } else {
                 issue_gu(cid);
                 issue_dn(cid);
@@ -436,13 +378,13 @@ struct V7Kernel {
         }
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
-        float* red = reinterpret_cast<float*>(dyn + (BLK ? D.red : D.xs));
+        float* red = reinterpret_cast<float*>(dyn + D.xs);
         float* cpart0 = reinterpret_cast<float*>(dyn + D.cpart);
         uint32_t* act = reinterpret_cast<uint32_t*>(dyn + D.act);
         const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
         const int wpb = WARPS / g.nblk, kpwd = 8 / wpb;  // down: warps per output block, k-tiles per warp
 
-        for (int it = 0, u = ufirst; u < units; it++, u = BLK ? (it < ucnt ? u + 1 : units) : u + ncl) {
+        for (int it = 0, u = cid; u < units; it++, u += ncl) {
             const int gi = u / g.n_ib, ib = u - gi * g.n_ib;
             const int rows = s.gnr[gi], ent0 = s.gent[gi];
             const uint32_t par = it & 1;
@@ -468,15 +410,7 @@ struct V7Kernel {
                 }
             }
 
-            if constexpr (PUSH) {
-                // every rank's partials of this unit: this phase began when the last unit's finisher passed
-                if (t == 0) mbar_arm_tx(bar + g.kpw + 1, C7 * 2 * rows * 512);
-            }
-            if constexpr (BLK) {  // unless the last unit was this group's other block: its xs is still here
-                if (it == 0 || (u - 1) / g.n_ib != gi) rotate(gi, BULK && it == 0 ? u : -1);
-            } else {
-                rotate(gi, BULK && it == 0 ? u : -1);
-            }
+            rotate(gi, BULK && it == 0 ? u : -1);
             __syncthreads();
             trace(E7_ROTATED, u);
 
@@ -496,14 +430,9 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            if constexpr (BLK) {
-                if (it + 1 < ucnt) issue_gu(u + 1);
-            } else {
-                if (u + ncl < units) issue_gu(u + ncl);
-            }
+            if (u + ncl < units) issue_gu(u + ncl);
             if constexpr (SB) {
-                // every peer has read this CTA's partials of the last unit (PUSH: every inbox is free)
-                if (it > 0 || PUSH) cluster_wait();
+                if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
             }
 
             // ---- this CTA's partial over its k-range, per (proj, row), into its own cpart
@@ -519,28 +448,20 @@ struct V7Kernel {
                         const float4 x = *reinterpret_cast<const float4*>(red + (2 * ks + proj) * 512 + rr * 128 + 4 * lane);
                         v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
                     }
-                    if constexpr (PUSH) {
-                        const uint32_t dst = smem_u32(cpart + ((r * 2 + proj) * prow + j) * 128 + 4 * lane);
-                        const uint32_t inbox_bar = smem_u32(bar + g.kpw + 1);
-#pragma unroll
-                        for (int q = 0; q < C7; q++) st_async16(mapa_rank(dst, q), v, mapa_rank(inbox_bar, q));
-                    } else {
-                        *reinterpret_cast<float4*>(cpart + (proj * prow + j) * 128 + 4 * lane) = v;
-                    }
+                    *reinterpret_cast<float4*>(cpart + (proj * prow + j) * 128 + 4 * lane) = v;
                 }
             }
             trace(E7_PARTIAL, u);
-            if constexpr (!PUSH) cluster.sync();  // every CTA's partials are visible cluster-wide
+            cluster.sync();  // every CTA's partials are visible cluster-wide
             trace(E7_SYNC1, u);
 
             // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
             // into the down input's Hadamard basis, written into every CTA's activation buffer
             if (jf < rows) {
                 float4 pg[C7], pu[C7];
-                if constexpr (PUSH) mbar_wait<true>(bar + g.kpw + 1, par);
 #pragma unroll
                 for (int q = 0; q < C7; q++) {
-                    const float* rp = PUSH ? cpart + q * 2 * prow * 128 : cluster.map_shared_rank(cpart, q);
+                    const float* rp = cluster.map_shared_rank(cpart, q);
                     pg[q] = *reinterpret_cast<const float4*>(rp + jf * 128 + 4 * lane);
                     pu[q] = *reinterpret_cast<const float4*>(rp + (prow + jf) * 128 + 4 * lane);
                 }
@@ -564,7 +485,7 @@ struct V7Kernel {
                 }
             }
             if constexpr (FIN) {
-                if (SB || u + ncl >= units) {  // this CTA's reads of its peers' partials are done (BLK: SB)
+                if (SB || u + ncl >= units) {  // this CTA's reads of its peers' partials are done
                     if constexpr (RLX) cluster_arrive_relaxed();
                     else cluster_arrive();
                 }
@@ -590,11 +511,7 @@ struct V7Kernel {
             }
             __syncthreads();  // down trellis is free
             trace(E7_DN_MMA, u);
-            if constexpr (BLK) {
-                if (it + 1 < ucnt) issue_dn(u + 1);
-            } else {
-                if (u + ncl < units) issue_dn(u + ncl);
-            }
+            if (u + ncl < units) issue_dn(u + ncl);
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
             // x svh, one fp32 y row per entry and intermediate block
@@ -694,27 +611,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false,
-          bool BLK = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool RLX = false, bool PUSH = false, bool XF = false, bool BLK = false>
+          bool SB = false, bool RG = false, bool RLX = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PUSH, XF, BLK>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX>;
     return nullptr;
 }
 
@@ -723,22 +639,19 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, push, xf, blk;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    push   xf     blk
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false, false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false, false, false},
-    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false, false, false},
-    {V7_PUSH_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true,  false, false},
-    {V7_XF_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_BLK_VARIANT,  true,  true,  true,  true,  true,  true,  true,  false, false, false, true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx
+    {V7_VARIANT,      false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -748,7 +661,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.push, b.xf, b.blk>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
@@ -771,12 +684,12 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 }
 
 // The shared-memory layout a launch of `variant` asks for, from its build's flags as the kernel reads
-// them (FIN && !SB: two partial buffers; RCAP: rows per buffer; PUSH: the inbox; BLK: its own
-// reduction buffer). A timing ablation has v7's flags, all false.
+// them (FIN && !SB: two partial buffers; RCAP: rows per buffer). A timing ablation has v7's flags,
+// all false.
 Dyn7 layout_of(int variant, int bits, const Geo& g, int n_experts, int m, int top_k) {
     const Build7* b = build7_of(variant);
     const Build7 f = b ? *b : Build7{};
-    return dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), f.fin && !f.sb, partial_rows(f.rcap, m), f.push, f.blk);
+    return dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), f.fin && !f.sb, partial_rows(f.rcap, m));
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
