@@ -42,18 +42,15 @@ VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).sp
 SHAPES = {"tp8": 256, "tp1": 2048}
 CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
-PRE_VARIANT, PRE_MIN_INTER = 51, 1024  # v2 with inputs rotated once per group: intermediate >= 1024 (lna2_api.h)
 
 
 def serves(variant, hidden, inter, K=None):
     """Whether `variant` takes a layer of this shape (the binding refuses the cluster kernel
-    elsewhere, v51 below an intermediate of 1024, and the timing ablations at anything but K2 MCG)."""
+    elsewhere, and the timing ablations at anything but K2 MCG)."""
     from dsv4serve.lna2.policy import cluster_kernel_takes
 
     if K is not None and K != 2 and variant in ABLATION_VARIANTS:
         return False
-    if variant == PRE_VARIANT:
-        return inter >= PRE_MIN_INTER
     return variant not in CLUSTER_VARIANTS or cluster_kernel_takes(hidden, inter)
 
 
@@ -308,11 +305,10 @@ def cmd_parity(args):
                         if not (ok and rep):
                             res["fail"] += 1
                             log("FAIL", case)
-                    for v in (50, 51):
-                        if v in outs and 4 in outs:
-                            # v50 decodes the same integers, v51 rotates with the same arithmetic: v4's
-                            # bits are expected, but only the tolerance above is the gate
-                            cases[v]["bitwise_vs_v4"] = bool(torch.equal(outs[v], outs[4]))
+                    if 50 in outs and 4 in outs:
+                        # v50 decodes the same integers: v4's bits are expected, but only the
+                        # tolerance above is the gate
+                        cases[50]["bitwise_vs_v4"] = bool(torch.equal(outs[50], outs[4]))
             worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +
@@ -401,24 +397,6 @@ def cmd_smoke(args):
         for variant in [v for v in VARIANTS if v >= 2 and serves(v, H, 256)]:
             ext.lna2_moe_decode(x, out, *P, ids, w, 2, L_SWIGLU, scratch, 256, 1, variant)
     ext.lna2_set_tuning(0, 0, -1)
-    # v51 serves intermediates >= 1024 only: its rotation items, their waits and its scratch at the
-    # smallest such layer, one group and two (nine rows of one expert), K2 MCG and K3 MUL1
-    for K, cb in ((2, "mcg"), (3, "mul1")):
-        pre = [v for v in VARIANTS if serves(v, 1024, 1024) and not serves(v, 1024, 256)]
-        if not pre:
-            break
-        layer = random_expert_layer(32, 1024, 1024, K, cb, seed=5, device=dev)
-        P = pointer_tables(expert_tensors(layer), dev)
-        scratch = torch.zeros(ext.lna2_moe_scratch_bytes(1024, 1024), dtype=torch.uint8, device=dev)
-        for m in (1, 9):
-            gen.manual_seed(200 + m)
-            ids = torch.randint(0, 32, (m, TOPK), device=dev, generator=gen).to(torch.int32)
-            ids[:, 0] = 7
-            w = torch.rand((m, TOPK), device=dev, generator=gen)
-            x = torch.randn((m, 1024), device=dev, generator=gen).half()
-            out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
-            for variant in pre:
-                ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 1024, 1 if cb == "mcg" else 2, variant)
     torch.cuda.synchronize()
     log("smoke ok")
 
@@ -1111,7 +1089,7 @@ def summarize_trace(doc):
     """Phase durations of v2 items from a trace (cmd_trace's JSON): medians and maxima in us."""
     out = []
     for run in doc["runs"]:
-        items = {"gu": [], "dn": [], "rot": []}
+        items = {"gu": [], "dn": []}
         plans, exits, gathers = [], [], []
         for evs in run["ctas"]:
             cur = None
@@ -1131,9 +1109,7 @@ def summarize_trace(doc):
                     cur[name] = t
                 elif cur is not None and name == "arrived":
                     cur["arrived"] = t
-                    # gate/up items have ring stages (v51's also wait, "ready", for their group's
-                    # rotation), down items wait without stage0, v51's rotation items do neither
-                    items["gu" if "stage0" in cur else "dn" if "ready" in cur else "rot"].append(cur)
+                    items["dn" if "ready" in cur else "gu"].append(cur)
                     cur = None
 
         def span(lst, a, b):
@@ -1142,11 +1118,9 @@ def summarize_trace(doc):
         def at(v):
             return ns_stats(v, with_min=True)
 
-        gu, dn, rot = items["gu"], items["dn"], items["rot"]
+        gu, dn = items["gu"], items["dn"]
         out.append({"shape": run["shape"], "m": run["m"], "rep": run["rep"], "ctas": len(run["ctas"]),
                     "plan_done": at(plans), "exit": at(exits), "gathers_done": at(gathers),
-                    "rot_items": len(rot), "rot_start_to_arrived": span(rot, "start", "arrived"),
-                    "gu_start_to_ready": span(gu, "start", "ready"),
                     "gu_items": len(gu), "gu_start_to_first_stage": span(gu, "start", "stage0"),
                     "gu_first_stage_to_mma_done": span(gu, "stage0", "mma"),
                     "gu_mma_done_to_arrived": span(gu, "mma", "arrived"),
@@ -1278,7 +1252,6 @@ REFUSALS = [
     ("small-scratch", "scratch one byte short", "scratch must be"),
     ("offset-x", "x as a 2-byte offset view", "16-byte aligned"),
     ("in-place", "out is x", "does not run in place"),
-    ("pre-small-inter", "variant 51 at intermediate 256", "needs intermediate >= 1024"),
 ]
 
 
@@ -1308,7 +1281,7 @@ def cmd_refusal_case(args):
         bad["scratch"] = good["scratch"][:-1]
     if args.case == "bits":
         bad["bits"] = 4
-    bad["variant"] = {"cluster-hidden": 26, "unknown-variant": 5, "pre-small-inter": 51}.get(args.case, 4)
+    bad["variant"] = {"cluster-hidden": 26, "unknown-variant": 5}.get(args.case, 4)
     w = torch.rand((m, TOPK), device=dev)
     out = torch.empty((m, hidden), dtype=torch.float32, device=dev)
     good["out"] = out

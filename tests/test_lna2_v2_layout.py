@@ -244,22 +244,7 @@ def warp_rows(acc):
 # the launch, item by item
 
 
-ROT_BLOCKS = 8  # lna2_v2.cu: 128-blocks of the hidden size per v51 rotation item
-
-
-def rotation_items(H, rows):
-    """v51's run_rot task dealing: for each rotation item of a group, the (proj, row, 128-block) of
-    every task, in the kernel's order (task = warp + WARPS * (ROT_BATCH * round + i))."""
-    nrot = (H // 128 + ROT_BLOCKS - 1) // ROT_BLOCKS
-    items = []
-    for blk in range(nrot):
-        b0 = blk * ROT_BLOCKS
-        nb = min(ROT_BLOCKS, H // 128 - b0)
-        items.append([(task & 1, (task >> 1) % rows, b0 + (task >> 1) // rows) for task in range(2 * rows * nb)])
-    return items
-
-
-def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1, pre=False):
+def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
     K, H, I = layer.K, layer.hidden, layer.inter
     m, top_k = ids.shape
     n_e = layer.gate_trellis.shape[0]
@@ -286,15 +271,6 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1, pre=
 
     for gi, (e, ent0, rws) in enumerate(groups):
         rows = len(rws)
-        if pre:  # v51: the group's rotation items fill its B-fragment rows once, for all k
-            xrot = np.full((2, kt, 32, 2), -1, dtype=np.int64)
-            for tasks in rotation_items(H, rows):
-                for proj_i, j, b in tasks:
-                    proj = ("gate", "up")[proj_i]
-                    v = xh[rws[j], b * 128:b * 128 + 128].astype(np.float64) * suh[proj][e, b * 128:b * 128 + 128]
-                    v = fwht128(v) / np.sqrt(128)
-                    for ln in range(32):
-                        store_frag_pairs(xrot[proj_i, b * 8 + (ln >> 2)], j, ln, v[4 * ln:4 * ln + 4])
         # gate/up items (ib, kc) and their chunks
         for ib in range(n_ib):
             for kc in range(KS):
@@ -316,14 +292,9 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1, pre=
                             proj_i, ksub = wp & 1, wp >> 1
                             kt_ = (kc * R + ch) * KCI + ksub * KW + sub
                             kl = ksub * KW + sub
-                            if pre:  # run_gu_pre: step st = ch * KW + sub reads xrot at kt0 + ch * KCI + sub
-                                st = ch * KW + sub
-                                kt_pre = kc * R * KCI + ksub * KW + (st // KW) * KCI + st % KW
-                                assert kt_pre == kt_
-                                bsrc = lambda ln, pi=proj_i, k_=kt_pre: (int(xrot[pi, k_, ln, 0]), int(xrot[pi, k_, ln, 1]))
-                            else:
-                                bsrc = lambda ln, pi=proj_i, kl=kl: (int(xs[pi, kl, ln, 0]), int(xs[pi, kl, ln, 1]))
-                            mma_row(("gate", "up")[proj_i], e, kt_, ib * 8, bsrc, accs[wp])
+                            mma_row(("gate", "up")[proj_i], e, kt_, ib * 8,
+                                    lambda ln, pi=proj_i, kl=kl: (int(xs[pi, kl, ln, 0]), int(xs[pi, kl, ln, 1])),
+                                    accs[wp])
                 for proj_i in range(2):
                     tot = sum(warp_rows(accs[2 * ks_ + proj_i])[:rows] for ks_ in range(4))
                     part[kc, ent0:ent0 + rows, proj_i, ib * 128:ib * 128 + 128] = tot
@@ -425,27 +396,3 @@ def test_byte_permute_states_match_the_shift_states():
         w0, w1, sh = lane_window(2, lane)
         for wa, wb in rng.integers(0, 2**32, size=(64, 2), dtype=np.uint64).tolist():
             assert states8_prm(wa, wb, sh) == states8(2, wa, wb, sh)
-
-
-@pytest.mark.parametrize("H, I, G, top_k", [(256, 256, 4, 2), (1152, 128, 8, 1)])
-def test_v51_rotated_once_per_group_is_v4_bit_for_bit(H, I, G, top_k):
-    """v51's rotation items (1024-column blocks; 1152 leaves a short last one) write every (proj,
-    row, k) B-fragment word of a group exactly once, and its gate/up items read back, step by step,
-    the words v4 stages per chunk: the model's output is identical to v4's, not just close."""
-    for rows in (1, 3, 8):
-        seen = [t for item in rotation_items(H, rows) for t in item]
-        assert sorted(seen) == sorted({(p, j, b) for p in range(2) for j in range(rows) for b in range(H // 128)})
-    layer = random_expert_layer(10, H, I, 2, "mcg", seed=31)
-    gen = torch.Generator().manual_seed(32)
-    m = 9
-    ids = torch.stack([torch.randperm(10, generator=gen)[:top_k] for _ in range(m)])
-    ids[:, 0] = 3  # nine rows of expert 3: groups of 8 and 1
-    if top_k > 1:
-        ids[ids[:, 1] == 3, 1] = 4
-    w = torch.softmax(torch.randn(m, top_k, generator=gen), -1)
-    x = torch.randn(m, H, generator=gen).half()
-    got4, cfg = model_v2(x, ids, w, layer, "mcg", True, G=G)
-    got51, _ = model_v2(x, ids, w, layer, "mcg", True, G=G, pre=True)
-    assert np.array_equal(got4, got51), cfg
-    ref = moe_reference(x, layer, ids, w).numpy()
-    assert (np.linalg.norm(got51 - ref, axis=1) / np.linalg.norm(ref, axis=1)).max() < 2e-3

@@ -24,9 +24,9 @@ def api_v7_constants() -> dict[str, int]:
 
 
 def api_v2_extras() -> dict[str, int]:
-    """lna2_api.h's V2_*_VARIANT constants (v2-family builds past 0..6) and V2_PRE_MIN_INTER."""
+    """lna2_api.h's V2_*_VARIANT constants (v2-family builds past 0..6)."""
     api = (KERNELS / "lna2_api.h").read_text()
-    return {name: int(val) for name, val in re.findall(r"\b(V2_\w+_VARIANT|V2_PRE_MIN_INTER)\s*=\s*(\d+)", api)}
+    return {name: int(val) for name, val in re.findall(r"\b(V2_\w+_VARIANT)\s*=\s*(\d+)", api)}
 
 
 def api_cluster_variants() -> tuple[set[int], set[int]]:
@@ -52,11 +52,11 @@ def listed(message_start: str, text: str) -> set[int]:
 def test_binding_messages_name_the_api_set():
     cluster, ablations = api_cluster_variants()
     extras = api_v2_extras()
-    v2_more = {extras["V2_PRM_VARIANT"], extras["V2_PRE_VARIANT"]}
+    v2_more = set(extras.values())
     api = (KERNELS / "lna2_api.h").read_text()
     known_fn = api[api.index("inline bool variant_known"):]
     known_fn = known_fn[:known_fn.index("}")]
-    assert "V2_PRM_VARIANT" in known_fn and "V2_PRE_VARIANT" in known_fn
+    assert all(name in known_fn for name in extras)
     binding = (KERNELS / "bindings.cpp").read_text()
     # "variants 7, 9, ... and 31 (the cluster kernel) need ...": the non-ablation cluster builds
     assert listed('"variants ', binding) == cluster - ablations
@@ -74,9 +74,6 @@ def test_device_script_and_policy_use_the_api_set():
     dev = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dev)
     assert dev.CLUSTER_VARIANTS == cluster
-    extras = api_v2_extras()
-    assert (dev.PRE_VARIANT, dev.PRE_MIN_INTER) == (extras["V2_PRE_VARIANT"], extras["V2_PRE_MIN_INTER"])
-    assert dev.serves(dev.PRE_VARIANT, 4096, 2048) and not dev.serves(dev.PRE_VARIANT, 4096, 256)
     assert {policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2, policy.ONE_ROW_VARIANT, policy.TWO_ROW_VARIANT} <= cluster
     assert policy.SEAT_VARIANT not in cluster
     # every variant the device script runs by default is one the binding knows

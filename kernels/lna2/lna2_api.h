@@ -81,21 +81,11 @@ struct LayoutV2 {
     size_t ready;      // int32 [MAX_PAIRS]: activation blocks ready per group
     size_t ack;        // int32 [MAX_PAIRS]: down items that have seen their group ready
     size_t done;       // int32 [MAX_CB]: down items arrived per output block
-    size_t rrdy;       // int32 [MAX_PAIRS]: v51's rotation items done per group
-    size_t rack;       // int32 [MAX_PAIRS]: v51's gate/up items that have seen their group rotated
     size_t part;       // fp32 [V2_PART_CAP][2][I]: gate/up partial sums
     size_t act;        // u32 [MAX_PAIRS][I/16][32][2]: down input of each group, in MMA B-fragment order
     size_t y;          // fp32 [V2_DOWN_SPLITS][MAX_PAIRS][H]: down output per k-split and entry
-    size_t xrot;       // u32 [MAX_PAIRS][2][H/16][32][2]: v51's rotated gate/up inputs per group, in B-fragment
-                       // order; only where v51 serves (intermediate >= V2_PRE_MIN_INTER), empty elsewhere
     size_t total;
 };
-
-// v51 rotates each group's gate/up inputs once instead of once per 128-block of the intermediate;
-// it pays where there are many blocks (TP1's 16), and its scratch (32 x hidden bytes per group) is
-// only laid out there, so the seat's TP8 scratch does not grow for it.
-constexpr int V2_PRE_MIN_INTER = 1024;
-inline __host__ __device__ bool v2_pre_supports(int inter) { return inter >= V2_PRE_MIN_INTER; }
 
 inline __host__ __device__ LayoutV2 make_layout_v2(int hidden, int inter) {
     LayoutV2 L{};
@@ -105,19 +95,15 @@ inline __host__ __device__ LayoutV2 make_layout_v2(int hidden, int inter) {
     L.ready = off;  off += size_t(MAX_PAIRS) * sizeof(int);
     L.ack = off;    off += size_t(MAX_PAIRS) * sizeof(int);
     L.done = off;   off += size_t(MAX_CB) * sizeof(int);
-    L.rrdy = off;   off += size_t(MAX_PAIRS) * sizeof(int);
-    L.rack = off;   off += size_t(MAX_PAIRS) * sizeof(int);
     off = CTRL_BYTES;
     L.part = off;   off = align_up(off + size_t(V2_PART_CAP) * 2 * inter * sizeof(float), 256);
     L.act = off;    off = align_up(off + size_t(MAX_PAIRS) * inter * 16, 256);
     L.y = off;      off = align_up(off + size_t(V2_DOWN_SPLITS) * MAX_PAIRS * hidden * sizeof(float), 256);
-    L.xrot = off;
-    if (v2_pre_supports(inter)) off = align_up(off + size_t(MAX_PAIRS) * 32 * hidden, 256);
     L.total = off;
     return L;
 }
 
-static_assert((64 + MAX_PAIRS * MAX_IB + 4 * MAX_PAIRS + MAX_CB) * sizeof(int) <= CTRL_BYTES,
+static_assert((64 + MAX_PAIRS * MAX_IB + 2 * MAX_PAIRS + MAX_CB) * sizeof(int) <= CTRL_BYTES,
               "control words must fit the shared control region");
 
 // Bytes a scratch needs to serve every variant at this geometry.
@@ -180,14 +166,13 @@ inline bool is_cluster_variant(int v) {
            v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT ||
            (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
-// Variants 50 and 51 are v4 (the ticket-scheduled v2 kernel at 2 CTAs per SM) with v20's
-// byte-permute state extraction at K2 (at K3 v50 is v4's kernel); 51 also rotates each group's
-// gate/up inputs once, in rotation items ticketed ahead of the gate/up items, where v4 rotates them
-// in every item for every chunk (at TP1, 16 times over). Both aim at TP1 (kernels/lna2/NOTES.md).
-constexpr int V2_PRM_VARIANT = 50, V2_PRE_VARIANT = 51;
+// Variant 50 is v4 (the ticket-scheduled v2 kernel at 2 CTAs per SM) with v20's byte-permute state
+// extraction at K2 (at K3 it is v4's kernel), aimed at TP1 (kernels/lna2/NOTES.md). (51, session
+// 22's v50 with each group's gate/up inputs rotated once by rotation items ticketed first, was
+// measured and retired: NOTES.md, "The variants".)
+constexpr int V2_PRM_VARIANT = 50;
 inline bool variant_known(int v) {
-    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_PRE_VARIANT || is_cluster_variant(v) ||
-           is_ablation(v);
+    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || is_cluster_variant(v) || is_ablation(v);
 }
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).

@@ -72,11 +72,7 @@ __host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
 // ------------------------------------------------------------------------------------------------
 // work items
 
-enum Kind : int { IT_NONE = 0, IT_GU = 1, IT_DN = 2, IT_ZERO = 3, IT_ROT = 4 };
-
-// v51: 128-blocks of the hidden size one rotation item rotates (for every row of its group and both
-// projections): 16 x rows Hadamards, dealt to the 8 warps, whose loads go out ROT_BATCH at a time.
-constexpr int ROT_BLOCKS = 8, ROT_BATCH = 4;
+enum Kind : int { IT_NONE = 0, IT_GU = 1, IT_DN = 2, IT_ZERO = 3 };
 
 struct Cfg {
     int N1, N2, N;          // gate/up items, down items, all items
@@ -84,7 +80,6 @@ struct Cfg {
     int n_ib, n_cb;         // 128-blocks of I and H
     int KSd, KWd;           // down: k-splits, k-tiles per warp per item
     int DB, WB, wbs;        // down: 128-column output blocks per item (1 or 2), warps per block, log2(WB)
-    int N0, nrot;           // v51: rotation items (ahead of the gate/up items), per group
 };
 
 struct Item {
@@ -93,7 +88,7 @@ struct Item {
     const char* src;               // this warp's first trellis row (set by V2Kernel::locate)
 };
 
-template <bool PRE, class Pl>
+template <class Pl>
 __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s) {
     Item it{IT_NONE, 0, 0, 0, 0, 0};  // a down item's blk is its block pair when c.DB == 2
     if (t >= c.N) return it;
@@ -101,16 +96,6 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
         it.kind = IT_ZERO;
         it.blk = t;
         return it;
-    }
-    if constexpr (PRE) {  // (group, 1024-column block of the hidden size), first of all
-        if (t < c.N0) {
-            it.kind = IT_ROT;
-            it.g = t / c.nrot;
-            it.blk = t - it.g * c.nrot;
-            it.u = s.ubase[s.gexp[it.g]];
-            return it;
-        }
-        t -= c.N0;
     }
     if (t < c.N1) {  // (group, ib, kc), kc fastest: the k-splits of one block run side by side
         const int per_g = c.n_ib * c.KS;
@@ -181,11 +166,8 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
     EV_READY = 7, EV_GATHERED = 8, EV_EXIT = 9, EV_NEXT = 10
 };
 
-// PRM: K2's byte-permute state extraction (states8<2, true>). PRE: each group's gate/up inputs are
-// rotated once, by rotation items ahead of the gate/up items, into scratch (L.xrot) in B-fragment
-// order; a gate/up item waits for its group's and then reads its B fragments from there, with no
-// chunk staging, rotation or CTA barrier inside its k-loop. Its k-tiles and sums keep v4's order.
-template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool PRE = false>
+// PRM: K2's byte-permute state extraction (states8<2, true>).
+template <int K, int CB, bool DUP, int ABL, bool PRM = false>
 struct V2Kernel {
     static constexpr int TILE = 32 * K;   // bytes per tile
     static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
@@ -270,14 +252,14 @@ struct V2Kernel {
     // The next ticket's number is in s.q (published for this item): learn it.
     __device__ void learn_next() {
         const int tk = atomicAdd(&s.q, 0);
-        nxt = item_of<PRE>(tk, c, ng, s);
+        nxt = item_of(tk, c, ng, s);
         locate(nxt);
         nxt_known = true;
         trace(EV_NEXT, tk);
         if (nxt.kind == IT_NONE) {
             done_claiming = true;
             if (threadIdx.x == 0) ret_old = atomicAdd(reinterpret_cast<int*>(a.scratch + L.ticket) + 1, 1);
-        } else if (!PRE && nxt.kind == IT_GU && regs_free && !raw_ready) {
+        } else if (nxt.kind == IT_GU && regs_free && !raw_ready) {
             load_raw(nxt, 0);
             raw_ready = true;
         }
@@ -400,101 +382,6 @@ struct V2Kernel {
                                 b);
                 mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
             }
-        }
-        trace(EV_MMA, ticket);
-        epilogue_gu(it, acc, ticket);
-    }
-
-    // ---- PRE: the rotated gate/up inputs of one group, in scratch
-    __device__ uint32_t* xrot(int g) const {
-        return reinterpret_cast<uint32_t*>(a.scratch + L.xrot) + size_t(g) * 2 * (a.hidden / 16) * 64;
-    }
-
-    // Rotation item (group, 1024-column block): x * suh, 128-point Hadamard, into the group's
-    // B-fragment rows for both projections -- what v4's rotate() makes per chunk, made once. Then
-    // count it in the group's word; the group's gate/up items wait for all c.nrot of them.
-    __device__ void run_rot(const Item& it, int ticket) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int rows = s.gnr[it.g];
-        const int b0 = it.blk * ROT_BLOCKS, nb = min(ROT_BLOCKS, a.hidden / 128 - b0);
-        const int tasks = 2 * rows * nb;
-        uint32_t* xr = xrot(it.g);
-        for (int t0 = warp; t0 < tasks; t0 += WARPS * ROT_BATCH) {
-            float v[ROT_BATCH][4], sc[ROT_BATCH][4];
-#pragma unroll
-            for (int i = 0; i < ROT_BATCH; i++) {  // every load of the batch in flight at once
-                const int task = t0 + i * WARPS;
-                if (task < tasks) {
-                    const int proj = task & 1, rest = task >> 1;
-                    const int j = rest % rows, k = (b0 + rest / rows) * 128 + 4 * lane;
-                    load4_x(a.x, a.x_dtype, size_t(s.grows[it.g][j]) * a.hidden + k, v[i]);
-                    load4_half(reinterpret_cast<const __half*>(P(it.g, proj ? 4 : 1)) + k, sc[i]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < ROT_BATCH; i++) {
-                const int task = t0 + i * WARPS;
-                if (task < tasks) {
-                    const int proj = task & 1, rest = task >> 1;
-                    const int j = rest % rows, b = b0 + rest / rows;
-#pragma unroll
-                    for (int e = 0; e < 4; e++) v[i][e] *= sc[i][e];
-                    fwht128(v[i], lane);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) v[i][e] *= RSQRT128;
-                    store_frag_pairs(xr + (proj * (a.hidden / 16) + b * 8 + (lane >> 2)) * 64, j, lane, v[i]);
-                }
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(reinterpret_cast<int*>(a.scratch + L.rrdy) + it.g, 1);
-        }
-        trace(EV_ARRIVED, ticket);
-    }
-
-    // PRE's gate/up item: v4's k-tiles in v4's order, with B fragments read from the group's
-    // rotated rows (two steps ahead, as run_dn reads the activation) instead of staged per chunk.
-    __device__ void run_gu_pre(const Item& it, int ticket) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int proj = warp & 1, ksub = warp >> 1;
-        const int kw = 1 << c.kws, nst = c.R << c.kws;
-        int w0i, w1i, sh;
-        lane_window<K>(lane, w0i, w1i, sh);
-        float acc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        __syncwarp();
-        issue_due();  // the trellis streams while the group's rotation is awaited
-        if (threadIdx.x == 0) {
-            int* rdy = reinterpret_cast<int*>(a.scratch + L.rrdy) + it.g;
-            for (unsigned spin = 0; ld_acquire(rdy) < c.nrot; spin++) {
-                if (spin > SPIN_LIMIT) __trap();
-                __nanosleep(32);
-            }
-            int* ack = reinterpret_cast<int*>(a.scratch + L.rack) + it.g;
-            if (atomicAdd(ack, 1) == c.n_ib * c.KS - 1) {  // the group's last gate/up item: words back to zero
-                *rdy = 0;
-                *ack = 0;
-            }
-        }
-        __syncthreads();
-        trace(EV_READY, ticket);
-        // step st: chunk st >> kws, k-tile ksub * kw + (st & (kw - 1)) of it (run_gu's order)
-        const uint32_t* xr = xrot(it.g) + size_t(proj) * (a.hidden / 16) * 64 + lane * 2;
-        const int kt0 = it.kc * c.R * c.KCI + ksub * kw;
-        const auto frag = [&](int st) { return ldcg2(xr + size_t(kt0 + (st >> c.kws) * c.KCI + (st & (kw - 1))) * 64); };
-        uint2 bq0 = frag(0), bq1 = make_uint2(0u, 0u);
-        if (nst > 1) bq1 = frag(1);
-        for (int st = 0; st < nst; st++) {
-            const uint32_t* row = step();
-            if (st == 0) trace(EV_STAGE0, ticket);
-            uint32_t b[4];
-            b_frag<CB, DUP>(bq0, b);
-            bq0 = bq1;
-            if (st + 2 < nst) bq1 = frag(st + 2);
-            mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
         }
         trace(EV_MMA, ticket);
         epilogue_gu(it, acc, ticket);
@@ -725,20 +612,13 @@ struct V2Kernel {
                 c.N = c.N1;
             }
         }
-        if constexpr (PRE) {
-            if (ng) {
-                c.nrot = (a.hidden / 128 + ROT_BLOCKS - 1) / ROT_BLOCKS;
-                c.N0 = ng * c.nrot;
-                c.N += c.N0;
-            }
-        }
         if (t == 0) {
             s.q = first;
             s.qseq = -1;
         }
         __syncthreads();
         int cur_ticket = s.q;
-        cur = item_of<PRE>(cur_ticket, c, ng, s);
+        cur = item_of(cur_ticket, c, ng, s);
         locate(cur);
         trace(EV_PLAN, cur_ticket);
         nxt = Item{IT_NONE, 0, 0, 0, 0, 0};
@@ -760,17 +640,9 @@ struct V2Kernel {
         }
         while (cur.kind != IT_NONE) {
             trace(EV_ITEM, cur_ticket);
-            if (cur.kind == IT_GU) {
-                if constexpr (PRE) run_gu_pre(cur, cur_ticket);
-                else run_gu(cur, cur_ticket);
-            } else if (cur.kind == IT_DN) {
-                run_dn(cur, cur_ticket);
-            } else if constexpr (PRE) {
-                if (cur.kind == IT_ROT) run_rot(cur, cur_ticket);
-                else gather_cols(a, reinterpret_cast<const float*>(a.scratch + L.y), s, cur.blk);
-            } else {
-                gather_cols(a, reinterpret_cast<const float*>(a.scratch + L.y), s, cur.blk);
-            }
+            if (cur.kind == IT_GU) run_gu(cur, cur_ticket);
+            else if (cur.kind == IT_DN) run_dn(cur, cur_ticket);
+            else gather_cols(a, reinterpret_cast<const float*>(a.scratch + L.y), s, cur.blk);
             // every warp learns the successor (those that did not on the way, e.g. an item with no
             // stages, learn it here), then s.q may be reused for the next claim
             __syncthreads();
@@ -800,11 +672,11 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool PRE = false>
+template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP, ABL, PRM, PRE> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL, PRM> k(a, s, dyn);
     k.run();
 }
 
@@ -814,7 +686,7 @@ using KernelFn = void (*)(Args);
 // kernel compiled for 2 CTAs per SM
 KernelFn pick_v2(int bits, int codebook, int variant) {
     constexpr int M3 = V2_MIN_BLOCKS, M2 = V4_MIN_BLOCKS;
-    if (is_ablation(variant)) {  // timing ablations of variant 4, K2 MCG only (50 and 51 are not)
+    if (is_ablation(variant)) {  // timing ablations of variant 4, K2 MCG only (50 is not)
         if (bits != 2 || codebook != CB_MCG) return nullptr;
         switch (variant - ABLATION_VARIANT_BASE) {
             case 0: return moe_decode_v2<2, CB_MCG, true, M2, ABL_NO_DECODE>;
@@ -824,16 +696,8 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
             default: return nullptr;
         }
     }
-    if (variant == V2_PRM_VARIANT || variant == V2_PRE_VARIANT) {  // v4's builds with PRM (K2) and PRE (v51)
-        const bool pre = variant == V2_PRE_VARIANT;
-        if (codebook == CB_MCG && bits == 2)
-            return pre ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<2, CB_MCG, true, M2, 0, true>;
-        if (codebook == CB_MCG)
-            return pre ? moe_decode_v2<3, CB_MCG, true, M2, 0, false, true> : moe_decode_v2<3, CB_MCG, true, M2>;
-        if (codebook == CB_MUL1 && pre)  // v4 runs v3's build for MUL1; so does v51, with PRE
-            return bits == 2 ? moe_decode_v2<2, CB_MUL1, false, M3, 0, false, true>
-                             : moe_decode_v2<3, CB_MUL1, false, M3, 0, false, true>;
-    }
+    if (variant == V2_PRM_VARIANT && codebook == CB_MCG)  // v4's MCG builds, with PRM at K2 (MUL1: v4's, below)
+        return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
         // 6: v3 (one MMA per tile, the format's fp16 lo + hi) at v4's register budget
