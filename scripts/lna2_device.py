@@ -1231,13 +1231,33 @@ def cmd_merge(args):
                      "lna2_wholeop_us": round(r145.get("lna2_wholeop_cold_us", float("nan")), 2),
                      "exl3_moe_wholeop_us": round(r145.get("inc_wholeop_cold_us", float("nan")), 2),
                      "exl3_moe_165_wholeop_us": round(r165["inc_wholeop_cold_us"], 2) if r165 else None})
+    filled = []
+    if args.fill_from:
+        # Only a point whose policy variant this run did not time, and only if the earlier run timed
+        # that same variant there: the row keeps its own run's incumbents, so its ratio is one
+        # process's comparison, and it says where it comes from.
+        old = json.loads(Path(args.fill_from).read_text())
+        have = {(r["shape"], r["K"], r["m"]) for r in rows}
+        for r in old["rows"]:
+            key = (r["shape"], r["K"], r["m"])
+            if key in have or key not in by["145"]:
+                continue
+            if r["lna2_variant"] != f"v{variant_for(r['m'], by['145'][key]['I'], r['K'])}":
+                continue
+            rows.append({**r, "source": f"{Path(args.fill_from).name} (commit {old['commit']}): "
+                                        f"{r['lna2_variant']} was not timed in this run"})
+            filled.append(key)
+        order = {k: i for i, k in enumerate(by["145"])}
+        rows.sort(key=lambda r: order[(r["shape"], r["K"], r["m"])])
     commit = args.commit or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                            capture_output=True, text=True).stdout.strip()
     b145 = runs["145"]
     doc = {"device": b145["device"], "commit": commit, "date": args.date or _dt.date.today().isoformat(),
            "read_bw_gbs": round(b145["read_bw_gbs"], 1), "lna2_build": b145.get("lna2_build"),
            "exl3_moe_165_source": "same-process bench (lna2_device.py bench --incumbent 165)" if "165" in runs
-           else None, "method": b145.get("method"), "rows": rows}
+           else None, "method": b145.get("method"),
+           "filled_from": {"file": Path(args.fill_from).name, "points": [list(k) for k in filled]} if filled else None,
+           "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     log(f"wrote {args.out}: {len(rows)} rows")
@@ -1365,6 +1385,8 @@ def main():
     mg.add_argument("--out", required=True)
     mg.add_argument("--commit")
     mg.add_argument("--date")
+    mg.add_argument("--fill-from", help="an earlier results file: a grid point this run lacks (its policy variant "
+                                        "was not timed) is copied from there, marked with its source")
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
      "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "ablate": cmd_ablate, "trace": cmd_trace,
