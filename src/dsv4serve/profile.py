@@ -25,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from dsv4serve.demo_model import MAX_SEED
 from dsv4serve.errors import ProfileError
 from dsv4serve.resources import configs_dir
+from dsv4serve.state import SEAT_NAME as _SEAT_NAME  # the state dir's own rule: a seat name is one path component
 
 # Strict: YAML `true` must not become 1 (a port, a TP size); a number is written as a number.
 Int = Annotated[int, Strict()]
@@ -34,7 +35,6 @@ Float = Annotated[float, Strict()]  # strict floats still take ints (30 for 30.0
 
 # The name is the seat's directory under $DSV4SERVE_HOME/seats and its lock: one plain path
 # component, so `../x` or `a/b` can never write outside it.
-_SEAT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # What a shell (and `docker run -e`) accepts as a variable name.
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

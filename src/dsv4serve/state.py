@@ -78,13 +78,14 @@ class SeatState(BaseModel):
         return list(self.gates.get("forbidden", []))
 
 
-# A profile's name rule (profile._SEAT_NAME): one plain path component, so a name given on the
-# command line (`down -p ../x`, `-p /etc/passwd`) can never reach outside the state dir.
+# A seat's name (profiles are held to it too): one plain path component, never "." or ".." (the
+# first character is a letter or digit), so a name given on the command line (`down -p ../x`,
+# `-p /etc/passwd`) can never reach outside the state dir.
 SEAT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 def seat_dir(seat: str) -> Path:
-    if not SEAT_NAME.fullmatch(seat) or seat in (".", ".."):
+    if not SEAT_NAME.fullmatch(seat):
         raise BadInput(f"'{seat}' is not a seat name (letters, digits, '.', '_' and '-', as a profile's name)",
                        hint="name a seat as `dsv4serve status` lists it, or a profile file that loads")
     return home.seats_dir() / seat
