@@ -287,7 +287,7 @@ class Profile(_Strict):
                 # 1.10 reads as 1.1 and 1e3 as 1000.0: the text the user wrote is gone
                 raise ValueError(f"env.{k}: {val!r} is a YAML number; quote the value as it should reach the "
                                  "process, e.g. \"1.10\"")
-            out[k] = str(val) if isinstance(val, (int, float)) else val
+            out[k] = str(val) if isinstance(val, int) else val  # floats were refused above
         return out
 
     @model_validator(mode="after")
