@@ -202,11 +202,15 @@ def run(*args: str):
     return CliRunner().invoke(app, ["bench", *args])
 
 
-def one_line_error(res) -> str:
+def one_line_error(res, json_out: bool = False) -> str:
     err = res.stderr.strip()
     assert "\n" not in err, err
     assert err.startswith("error: ")
-    assert res.stdout == ""
+    if json_out:  # --json: the same refusal as one JSON document on stdout, nothing else there
+        doc = json.loads(res.stdout)["error"]
+        assert doc["exit_code"] == res.exit_code and doc["message"] in err
+    else:
+        assert res.stdout == ""
     return err
 
 
@@ -279,7 +283,7 @@ def test_stream_errors_are_surfaced(fake, mode, words):
     fake.chat = mode
     res = run("--base-url", fake.url, "--streams", "2", "--suite", "en", "--runs", "1", "--no-warmup", "--json")
     assert res.exit_code == 1
-    err = one_line_error(res)
+    err = one_line_error(res, json_out=True)
     assert words in err and "en × 2 stream(s), run 1" in err and "stream 1/2" in err
 
 
@@ -420,7 +424,7 @@ def test_endpoint_down_is_one_line_exit_1(closed_port, sub):
 def test_bad_base_url_is_one_line_exit_2(sub, url, words):
     res = run(*sub, "--base-url", url, "--json")
     assert res.exit_code == 2, res.output
-    err = one_line_error(res)
+    err = one_line_error(res, json_out=True)
     assert f"--base-url '{url}'" in err and words in err and "e.g. --base-url http://" in err
 
 
@@ -477,7 +481,7 @@ def test_needle_malformed_tokenize_is_one_line_exit_1(fake, reply, missing):
     fake.tokenize_reply = reply
     res = run("needle", "--base-url", fake.url, "--tokens", "900", "--json")
     assert res.exit_code == 1, res.output
-    err = one_line_error(res)
+    err = one_line_error(res, json_out=True)
     assert f"POST {fake.url}/tokenize answered" in err and missing in err
     assert fake.chat_bodies == []
 
@@ -487,7 +491,7 @@ def test_ppl_malformed_tokenize_is_one_line_exit_1(fake, reply):
     fake.tokenize_reply = reply
     res = run("ppl", "--base-url", fake.url, "--ctx", "32", "--json")
     assert res.exit_code == 1, res.output
-    err = one_line_error(res)
+    err = one_line_error(res, json_out=True)
     assert f"POST {fake.url}/tokenize answered without a 'tokens' list" in err
     assert fake.completion_bodies == []
 

@@ -284,3 +284,37 @@ def test_an_interrupted_demo_build_does_not_lock_its_directory(home, tmp_path):
     (hf / "config.json").write_text('{"real": true}')
     r = run("demo-model", "--out", str(hf), "--force", env={"DSV4SERVE_HOME": str(home)})
     assert r.returncode == 2 and (hf / "config.json").read_text() == '{"real": true}'
+
+
+@pytest.mark.parametrize("argv, kind, needle", [
+    (["up", "--profile", "8x16gb-380k", "--set", "vllm.max_num_seqs=eight", "--dry-run", "--no-validate", "--json"],
+     "ProfileError", "vllm.max_num_seqs"),
+    (["profiles", "show", "/nonexistent/seat.yaml", "--json"], "ProfileError", "does not exist"),
+    (["status", "--json", "--bogus"], "UsageError", "No such option: --bogus"),
+    (["patch", "status", "--root", "/nonexistent/site", "--json"], None, "/nonexistent/site"),
+])
+def test_json_callers_get_the_error_as_one_json_document(home, argv, kind, needle):
+    """A machine that asked for --json reads the refusal from stdout as JSON (type, message, hint,
+    exit code); a person still gets the one line on stderr, and the exit code is the same."""
+    r = run(*argv, env={"DSV4SERVE_HOME": str(home)})
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = json.loads(r.stdout)["error"]
+    assert err["exit_code"] == 2 and needle in err["message"] + (err["hint"] or ""), err
+    if kind:
+        assert err["type"] == kind
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and err["message"] in lines[0], r.stderr
+
+
+def test_live_up_json_reports_its_error_as_one_more_event_line(home):
+    """`up --json` (not a dry run) streams event lines, so its refusal is an event line too."""
+    r = run("up", "--profile", "/nonexistent/seat.yaml", "--json", env={"DSV4SERVE_HOME": str(home)})
+    assert r.returncode == 2
+    events = [json.loads(ln) for ln in r.stdout.splitlines() if ln.strip()]
+    assert events[-1]["event"] == "error" and events[-1]["type"] == "ProfileError"
+    assert "does not exist" in events[-1]["message"] and events[-1]["exit_code"] == 2
+
+
+def test_without_json_errors_leave_stdout_empty(home):
+    r = run("profiles", "show", "/nonexistent/seat.yaml", env={"DSV4SERVE_HOME": str(home)})
+    assert r.returncode == 2 and r.stdout == "" and "does not exist" in r.stderr

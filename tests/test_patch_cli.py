@@ -130,7 +130,11 @@ def test_bad_input_exits_2_with_one_line(synthetic: Path, args: tuple[str, ...],
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
-    assert r.stdout == ""  # errors go to stderr, --json or not: the CLI has no JSON error document
+    if "--json" in args:  # a machine gets the same refusal as one JSON document on stdout
+        err = json.loads(r.stdout)["error"]
+        assert err["exit_code"] == 2 and needle in err["message"] and err["message"] in lines[0]
+    else:
+        assert r.stdout == ""
 
 
 def test_status_on_the_test_venv_prints_the_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

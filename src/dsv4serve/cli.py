@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
-from dsv4serve.cli_common import console, emit_json, err_console, handled
+from dsv4serve.cli_common import console, emit_json, err_console, error_doc, handled
 
 app = typer.Typer(
     name="dsv4serve",
@@ -48,7 +49,7 @@ def profiles_list(json_out: bool = typer.Option(False, "--json", help="machine-r
 
     from dsv4serve.profile import load_profile, shipped_profiles
 
-    with handled():
+    with handled(json_out):
         rows = []
         for name, path in shipped_profiles().items():
             p = load_profile(name)
@@ -79,7 +80,7 @@ def profiles_show(name: str = typer.Argument(..., help="profile name or YAML pat
 
     from dsv4serve.profile import load_profile
 
-    with handled():
+    with handled(json_out):
         p = load_profile(name, overrides)
         data = p.model_dump(mode="json")
         if json_out:
@@ -105,7 +106,8 @@ def up(profile: str = ProfileOpt,
     """Bring a seat up and return once it is provably ready (markers on every rank, a real completion)."""
     from dsv4serve import seat
 
-    with handled():
+    # live `up --json` streams event lines, so its error is one more line; a dry run is one document
+    with handled(json_out and dry_run, event_lines=json_out and not dry_run):
         p = seat.load(profile, overrides)
         if dry_run:
             plan = seat.dry_run(p, validate=validate)
@@ -127,7 +129,7 @@ def down(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="wh
     """Stop a seat: the whole process group, its leftovers, and proof nothing is left."""
     from dsv4serve import seat
 
-    with handled():
+    with handled(json_out):
         report = seat.down(profile, grace=grace)
         if json_out:
             emit_json(report)
@@ -142,7 +144,7 @@ def status(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="
     """Phase, uptime, processes, endpoint and per-rank proof of every known seat."""
     from dsv4serve import seat
 
-    with handled():
+    with handled(json_out):
         rows = seat.status(profile)
         if json_out:
             emit_json(rows)
@@ -186,7 +188,7 @@ def check_seat(profile: str = typer.Option("cpu-demo", "--profile", "-p", help="
     """Will this seat come up, and is the running seat really what it claims?"""
     from dsv4serve import checks, seat
 
-    with handled():
+    with handled(json_out):
         p = seat.load(profile, overrides)
         report = checks.run_all(p)
         if json_out:
@@ -213,7 +215,7 @@ def kernel_info(json_out: bool = typer.Option(False, "--json", help="machine-rea
     """Report the lna2 extension: where it is, what it was built for, its limits."""
     from dsv4serve.lna2 import loader
 
-    with handled():
+    with handled(json_out):
         info = loader.describe()
         if json_out:
             emit_json(info)
@@ -246,6 +248,8 @@ def main() -> None:
         cmd = e.ctx.command_path if e.ctx else "dsv4serve"
         err_console.print(f"error: {e.format_message()} (see `{cmd} --help`)", highlight=False, markup=False,
                           soft_wrap=True)
+        if "--json" in sys.argv[1:]:  # the parse failed, so the flag's own value is not known: its presence is
+            emit_json(error_doc("UsageError", e.format_message(), f"see `{cmd} --help`", e.exit_code))
         raise SystemExit(e.exit_code) from None
     except cx.ClickException as e:
         err_console.print(f"error: {e.format_message()}", highlight=False, markup=False, soft_wrap=True)

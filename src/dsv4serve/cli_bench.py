@@ -164,13 +164,13 @@ def bench(ctx: typer.Context,
     sh = Shared(base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
     ctx.obj = sh
     if ctx.invoked_subcommand is not None:
-        with handled():
+        with handled(json_out):
             _refuse_table_options(ctx, ctx.invoked_subcommand)
         return
     from dsv4serve.bench import BenchSettings, parse_streams, parse_suites, run_bench
     from dsv4serve.bench_report import bench_tables
 
-    with handled():
+    with handled(sh.json_out):
         settings = BenchSettings(streams=parse_streams(streams), suites=parse_suites(suite), max_tokens=max_tokens,
                                  runs=runs, thinking=thinking, read_timeout_s=timeout, warmup=warmup)
         _check_inputs(sh, settings)
@@ -204,7 +204,7 @@ def needle(ctx: typer.Context,
     from dsv4serve.bench_report import needle_table
 
     sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
-    with handled():
+    with handled(sh.json_out):
         settings = NeedleSettings(tokens=tokens, depth=depth, max_tokens=max_tokens, thinking=thinking,
                                   read_timeout_s=timeout, haystack=haystack, seed=seed)
         _check_inputs(sh, settings)
@@ -232,7 +232,7 @@ def ppl(ctx: typer.Context,
     from dsv4serve.bench_report import ppl_table
 
     sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
-    with handled():
+    with handled(sh.json_out):
         settings = PplSettings(ctx=ctx_len, chunks=chunks, text=text, read_timeout_s=timeout)
         _check_inputs(sh, settings)
         with _session(sh) as (client, target):

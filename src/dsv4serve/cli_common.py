@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -16,16 +17,34 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def error_doc(kind: str, message: str, hint: str | None, exit_code: int) -> dict[str, Any]:
+    """What a `--json` caller gets on stdout when a command refuses or fails."""
+    return {"error": {"type": kind, "message": message, "hint": hint, "exit_code": exit_code}}
+
+
+def report_error(kind: str, message: str, hint: str | None, exit_code: int, *, json_out: bool = False,
+                 event_lines: bool = False) -> None:
+    """The one-line error on stderr, always (a person may be watching); with --json also on stdout, as
+    one JSON document, or as one more event line where the command streams events (`up`), so a
+    machine reading stdout never has to parse the human line."""
+    line = f"{message}; {hint}" if hint else message
+    err_console.print(f"[bold red]error:[/] {line}", markup=True, highlight=False, soft_wrap=True)
+    if event_lines:
+        emit_json_line({"t": round(time.time(), 3), "event": "error", **error_doc(kind, message, hint, exit_code)["error"]})
+    elif json_out:
+        emit_json(error_doc(kind, message, hint, exit_code))
+
+
 @contextmanager
-def handled() -> Iterator[None]:
-    """Turn a DsvError into its one-line message on stderr and its exit code."""
+def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[None]:
+    """Turn a DsvError into its one-line message and its exit code (see report_error for --json)."""
     try:
         yield
     except DsvError as e:
-        err_console.print(f"[bold red]error:[/] {e.line()}", markup=True, highlight=False, soft_wrap=True)
+        report_error(type(e).__name__, e.message, e.hint, e.exit_code, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(e.exit_code) from None
     except FileNotFoundError as e:
-        err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+        report_error("FileNotFoundError", str(e), None, EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
 

@@ -145,7 +145,7 @@ def status(profile: Optional[str] = ProfileOpt, set_name: Optional[List[str]] = 
     """
     from dsv4serve import patches
 
-    with handled():
+    with handled(json_out):
         t = _targets(profile, set_name, root, "status")
         rows = [row for s in t.sets for row in patches.set_status(s, t.root, profile=t.profile)]
         ok = all(row.state in patches.OK_PATCHED for row in rows)
@@ -164,7 +164,7 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
     from dsv4serve import patches
 
     results: list[Any] = []
-    with handled():
+    with handled(json_out):
         t = _targets(profile, set_name, root, action)
         if action == "apply":  # all sets or none: a later set's failure undoes the earlier ones
             results = patches.apply_sets(t.sets, t.root, profile=t.profile)
