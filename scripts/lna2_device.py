@@ -367,6 +367,7 @@ def cmd_smoke(args):
 
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
+    launches: dict[int, int] = {}  # per variant: the log says what a sanitizer run actually covered
     for K, cb in ((2, "mcg"), (3, "mul1")):
         layer = random_expert_layer(32, 1024, 256, K, cb, seed=3, device=dev)
         P = pointer_tables(expert_tensors(layer), dev)
@@ -380,6 +381,7 @@ def cmd_smoke(args):
             out = torch.empty((m, 1024), dtype=torch.float32, device=dev)
             for variant in [v for v in VARIANTS if serves(v, 1024, 256)]:
                 ext.lna2_moe_decode(x, out, *P, ids, w, K, L_SWIGLU, scratch, 256, 1 if cb == "mcg" else 2, variant)
+                launches[variant] = launches.get(variant, 0) + 1
         torch.cuda.synchronize()
     # Paired down items (lna2_v2.cu make_cfg, c.DB = 2) need >= 4 down items per CTA: a 4096-wide
     # layer (32 output blocks) at one CTA per SM gets there from ~17 groups.
@@ -396,9 +398,10 @@ def cmd_smoke(args):
         out = torch.empty((m, H), dtype=torch.float32, device=dev)
         for variant in [v for v in VARIANTS if v >= 2 and serves(v, H, 256)]:
             ext.lna2_moe_decode(x, out, *P, ids, w, 2, L_SWIGLU, scratch, 256, 1, variant)
+            launches[variant] = launches.get(variant, 0) + 1
     ext.lna2_set_tuning(0, 0, -1)
     torch.cuda.synchronize()
-    log("smoke ok")
+    log("smoke ok: launches per variant " + ", ".join(f"v{v} x{n}" for v, n in sorted(launches.items())))
 
 
 def cmd_dispatch(args):

@@ -32,3 +32,62 @@ def test_v2_trace_summary_tells_gate_up_items_from_down_items():
     row = dev.summarize_trace(doc)[0]
     assert (row["gu_items"], row["dn_items"]) == (2, 1)
     assert row["gu_start_to_first_stage"]["median_us"] == 1.0 and row["dn_start_to_ready"]["median_us"] == 1.0
+
+
+def _load_device_script():
+    spec = importlib.util.spec_from_file_location("lna2_device", ROOT / "scripts" / "lna2_device.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    return dev
+
+
+def _bench_row(shape, K, m, inc, variants):
+    return {"shape": shape, "K": K, "m": m, "I": 256 if shape == "tp8" else 2048, "U": 6 * m, "codebook": "mcg",
+            "floor_us": 1.0 * m, "inc_cold_us": inc, "inc_wholeop_cold_us": inc + 5.0, "inc_path": "coop",
+            **{f"lna2_v{v}_cold_us": t for v, t in variants.items()}}
+
+
+def _bench(rows):
+    return {"device": "synthetic", "read_bw_gbs": 4321.0, "rows": rows, "method": {}}
+
+
+def test_merge_takes_the_policy_variant_the_slower_process_and_fills_only_what_matches(tmp_path):
+    """`merge` (CPU-side, run at home on the device's bench files): lna2_us is the policy's variant
+    at the point, the slower of its two same-process medians; ratio is the best incumbent over it;
+    --fill-from copies an earlier row only where this run did not time the policy's variant and the
+    earlier row is of that same variant, and says so on the row and at the top."""
+    import json
+    from argparse import Namespace
+
+    from dsv4serve.lna2.policy import variant_for
+
+    dev = _load_device_script()
+    one, four, eight = variant_for(1, 256, 2), variant_for(4, 256, 2), variant_for(8, 256, 2)
+    b145 = _bench([_bench_row("tp8", 2, 1, 90.0, {one: 20.0, 4: 30.0}),
+                   _bench_row("tp8", 2, 4, 150.0, {4: 50.0}),  # the policy's variant was not timed here
+                   _bench_row("tp8", 2, 8, 200.0, {4: 70.0})])  # nor here
+    b165 = _bench([_bench_row("tp8", 2, 1, 35.0, {one: 21.0, 4: 31.0}),
+                   _bench_row("tp8", 2, 4, 78.0, {4: 49.0}),
+                   _bench_row("tp8", 2, 8, 130.0, {4: 71.0})])
+    old = {"commit": "abc1234", "rows": [
+        {"shape": "tp8", "K": 2, "m": 4, "lna2_variant": f"v{four}", "lna2_us": 40.0, "ratio": 1.95},
+        {"shape": "tp8", "K": 2, "m": 8, "lna2_variant": "v999", "lna2_us": 60.0, "ratio": 2.0}]}
+    paths = {}
+    for name, doc in (("b145", b145), ("b165", b165), ("old", old)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(doc))
+    out = tmp_path / "merged.json"
+    dev.cmd_merge(Namespace(bench145=str(paths["b145"]), bench165=str(paths["b165"]), out=str(out), commit="deadbee",
+                            date="2026-12-05", fill_from=str(paths["old"])))
+    d = json.loads(out.read_text())
+    assert d["commit"] == "deadbee" and d["read_bw_gbs"] == 4321.0
+    rows = {(r["shape"], r["K"], r["m"]): r for r in d["rows"]}
+    r1 = rows[("tp8", 2, 1)]
+    assert r1["lna2_variant"] == f"v{one}" and r1["lna2_us"] == 21.0  # the slower process
+    assert r1["exl3_moe_us"] == 90.0 and r1["exl3_moe_165_us"] == 35.0
+    assert r1["ratio"] == round(35.0 / 21.0, 3) and "source" not in r1
+    r4 = rows[("tp8", 2, 4)]  # filled: same variant as the policy's
+    assert r4["lna2_us"] == 40.0 and "abc1234" in r4["source"]
+    assert ("tp8", 2, 8) not in rows or eight == 999  # the earlier row is another variant: not copied
+    assert d["filled_from"] == {"file": "old.json", "points": [["tp8", 2, 4]]}
+    assert [(r["shape"], r["K"], r["m"]) for r in d["rows"]] == [("tp8", 2, 1), ("tp8", 2, 4)]  # the run's order
