@@ -309,6 +309,9 @@ def cmd_parity(args):
                         # v50 decodes the same integers: v4's bits are expected, but only the
                         # tolerance above is the gate
                         cases[50]["bitwise_vs_v4"] = bool(torch.equal(outs[50], outs[4]))
+                    if 52 in outs and 50 in outs:
+                        # v52 is v50's arithmetic in v50's order with fewer barriers: the same bits
+                        cases[52]["bitwise_vs_v50"] = bool(torch.equal(outs[52], outs[50]))
             worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +

@@ -396,3 +396,88 @@ def test_byte_permute_states_match_the_shift_states():
         w0, w1, sh = lane_window(2, lane)
         for wa, wb in rng.integers(0, 2**32, size=(64, 2), dtype=np.uint64).tolist():
             assert states8_prm(wa, wb, sh) == states8(2, wa, wb, sh)
+
+
+# ---------------------------------------------------------------------------------------------
+# v52's one-barrier chunk pipeline (run_gu_ob): a model of its statements, interval by interval
+
+
+def ob_intervals(R):
+    """run_gu_ob's statements as (interval, op, chunk, buffer) in program order; an interval ends at
+    each __syncthreads. ops: load (registers), store (registers -> raw), rotate (raw -> xs), mma
+    (reads xs), free (registers released: the next item's chunk 0 may be loaded)."""
+    ops, iv = [], 0
+
+    def advance(n):
+        ops.append((iv, "load", n, None) if n < R else (iv, "free", None, None))
+
+    ops.append((iv, "load", 0, None))       # load_raw(it, 0) (or prefetched by the previous item)
+    ops.append((iv, "hold0", 0, None))      # x0/s0 = rx/rs
+    advance(1)
+    iv += 1                                 # __syncthreads
+    ops.append((iv, "store", 0, 0))         # store_raw_vals(it, 0, x0, s0)
+    iv += 1
+    ops.append((iv, "rotate", 0, 0))
+    if R > 1:
+        ops.append((iv, "store", 1, 1))
+        advance(2)
+    iv += 1
+    for ch in range(R):
+        ops.append((iv, "mma", ch, ch & 1))
+        if ch + 1 < R:
+            ops.append((iv, "rotate", ch + 1, (ch + 1) & 1))
+        if ch + 2 < R:
+            ops.append((iv, "store", ch + 2, ch & 1))
+            advance(ch + 3)
+        iv += 1
+    return ops
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 8, 16])
+def test_ob_pipeline_reads_each_chunk_once_from_buffers_no_one_else_touches(R):
+    """Every chunk is loaded, staged in raw[n & 1], rotated into xs[n & 1] and multiplied from there,
+    each step in a later barrier interval than the one before; within an interval no buffer is both
+    written and read by different steps (warps run an interval's steps in any order); a buffer holds
+    the chunk its reader expects (not overwritten since); the registers hold one chunk at a time
+    and are released once, after the last chunk is staged. Barriers: R + 3 (run_gu: 3 R)."""
+    ops = ob_intervals(R)
+    assert ops[-1][0] + 1 == R + 3  # the last interval ends at the (R + 3)-th barrier
+    raw, xs = [None, None], [None, None]
+    regs = None
+    when = {}
+    by_iv = {}
+    for iv, op, n, b in ops:
+        by_iv.setdefault(iv, []).append((op, n, b))
+    for iv in sorted(by_iv):
+        steps = by_iv[iv]
+        writes = {("raw", b) for op, n, b in steps if op == "store"} | {("xs", b) for op, n, b in steps if op == "rotate"}
+        reads = {("raw", b) for op, n, b in steps if op == "rotate"} | {("xs", b) for op, n, b in steps if op == "mma"}
+        assert not writes & reads, (iv, steps)
+        # reads see what the buffers held when the interval began; writes land at its barrier
+        for op, n, b in steps:
+            if op == "rotate":
+                assert raw[b] == n and when[("store", n)] < iv, (iv, op, n)
+            if op == "mma":
+                assert xs[b] == n and when[("rotate", n)] < iv, (iv, op, n)
+        for op, n, b in steps:  # program order within a thread: registers
+            if op == "load":
+                assert regs is None, (iv, "registers overwritten before they were staged")
+                regs = n
+            elif op == "hold0":
+                regs = None  # chunk 0 moved to x0/s0
+            elif op == "store":
+                assert n == 0 or regs == n, (iv, op, n, regs)
+                if n != 0:
+                    regs = None
+            elif op == "free":
+                assert regs is None
+            when[(op, n)] = iv
+        for op, n, b in steps:
+            if op == "store":
+                raw[b] = n
+            if op == "rotate":
+                xs[b] = n
+    assert sorted(n for _, op, n, _ in ops if op == "mma") == list(range(R))
+    assert sum(op == "free" for _, op, _, _ in ops) == 1
+    free_at = next(i for i, o in enumerate(ops) if o[1] == "free")
+    assert all(o[1] != "store" or o[2] == 0 or i < free_at for i, o in enumerate(ops))  # released after the last staging

@@ -171,8 +171,13 @@ inline bool is_cluster_variant(int v) {
 // 22's v50 with each group's gate/up inputs rotated once by rotation items ticketed first, was
 // measured and retired: NOTES.md, "The variants".)
 constexpr int V2_PRM_VARIANT = 50;
+// Variant 52 is v50 with one CTA barrier per gate/up chunk instead of three (B fragments and staged
+// inputs double-buffered, each chunk's rotation in the previous chunk's barrier interval), aimed
+// at TP1, where every gate/up item runs 16 chunks (kernels/lna2/NOTES.md, session 24).
+constexpr int V2_OB_VARIANT = 52;
 inline bool variant_known(int v) {
-    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || is_cluster_variant(v) || is_ablation(v);
+    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_OB_VARIANT || is_cluster_variant(v) ||
+           is_ablation(v);
 }
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).

@@ -37,7 +37,10 @@ constexpr int KCI_MAX = 16;        // k-tiles per chunk (one rotation of the inp
 constexpr int RED_FLOATS = 4096;   // reduction buffer; aliases the B-fragment buffer
 constexpr int RAW_STRIDE = KCI_MAX * 16 + 8;  // halves per staged raw input row
 constexpr int XS_BYTES = RED_FLOATS * 4;      // >= 2 proj x KCI_MAX k-tiles x 32 lanes x 8 B
+constexpr int XS_BUF_WORDS = 2 * KCI_MAX * 32 * 2;  // one chunk's B fragments (OB keeps two in xs)
 static_assert(2 * KCI_MAX * 32 * 8 <= XS_BYTES, "B fragments fit the buffer");
+static_assert(2 * XS_BUF_WORDS * 4 <= XS_BYTES, "OB: two chunks' B fragments fit the buffer");
+constexpr int RAW_BYTES = GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;  // one chunk's staged x rows and suh
 static_assert(THREADS == 256 && WARPS == 8, "the item shapes assume 8 warps");
 
 struct Plan : RoutePlan<GR> {
@@ -54,12 +57,13 @@ struct Dyn {
 
 __host__ __device__ inline int ring_row_bytes(int bits) { return 256 * bits; }  // 8 tiles of one k-tile row
 
-__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
+// ob: two raw buffers (the OB builds stage chunk ch+2 while chunk ch+1 is rotated)
+__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap, bool ob = false) {
     Dyn d{};
     int off = 0;
     d.ring = off; off += stages * WARPS * ring_row_bytes(bits);
     d.xs = off;   off += XS_BYTES;
-    d.raw = off;  off += GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;
+    d.raw = off;  off += ob ? 2 * RAW_BYTES : RAW_BYTES;
     off = (off + 15) & ~15;
     d.ptr = off;  off += ucap * 9 * 8;
     off = (off + 15) & ~15;
@@ -167,7 +171,8 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
 };
 
 // PRM: K2's byte-permute state extraction (states8<2, true>).
-template <int K, int CB, bool DUP, int ABL, bool PRM = false>
+// OB: one CTA barrier per gate/up chunk instead of three (run_gu_ob; variant 52).
+template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool OB = false>
 struct V2Kernel {
     static constexpr int TILE = 32 * K;   // bytes per tile
     static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
@@ -308,26 +313,31 @@ struct V2Kernel {
                        idx);
     }
 
-    __device__ void store_raw(const Item& it) {
+    __device__ void store_raw(const Item& it, int buf = 0) { store_raw_vals(it, buf, rx, rs); }
+
+    __device__ void store_raw_vals(const Item& it, int buf, const uint4& vx, uint32_t vs) {
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
-        __half* rawx = reinterpret_cast<__half*>(dyn + D.raw);
+        __half* rawx = reinterpret_cast<__half*>(dyn + D.raw + buf * RAW_BYTES);
         __half* raws = rawx + GR * RAW_STRIDE;
         const int j = t >> 5, piece = t & 31;
-        if (j < s.gnr[it.g] && piece * 8 < cols) *reinterpret_cast<uint4*>(rawx + j * RAW_STRIDE + piece * 8) = rx;
+        if (j < s.gnr[it.g] && piece * 8 < cols) *reinterpret_cast<uint4*>(rawx + j * RAW_STRIDE + piece * 8) = vx;
         const int proj = t >> 7, idx = t & 127;
-        if (idx * 2 < cols) *reinterpret_cast<uint32_t*>(raws + proj * KCI_MAX * 16 + idx * 2) = rs;
+        if (idx * 2 < cols) *reinterpret_cast<uint32_t*>(raws + proj * KCI_MAX * 16 + idx * 2) = vs;
     }
 
-    // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words.
-    __device__ void rotate(const Item& it) {
+    // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words. `first`
+    // spreads the tasks over the warps (OB: a chunk's rotation shares its barrier interval with
+    // the MMAs, so it should not always land on the same warps).
+    __device__ void rotate(const Item& it, int buf = 0, int first = 0) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[it.g];
         const int nblk = c.KCI / 8;
-        const uint8_t* rawx = dyn + D.raw;
+        const uint8_t* rawx = dyn + D.raw + buf * RAW_BYTES;
         const uint8_t* raws = rawx + GR * RAW_STRIDE * 2;
-        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
-        for (int task = warp; task < 2 * rows * nblk; task += WARPS) {
+        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs) + buf * XS_BUF_WORDS;
+        const int task0 = OB ? (warp - first) & (WARPS - 1) : warp;
+        for (int task = task0; task < 2 * rows * nblk; task += WARPS) {
             const int proj = task & 1, rest = task >> 1;
             const int j = rest % rows, blk = rest / rows;
             const int k = blk * 128 + 4 * lane;
@@ -345,6 +355,10 @@ struct V2Kernel {
 
     // ---- gate/up item: partial GEMV over its k-range for both projections, 8 n-tiles each
     __device__ void run_gu(const Item& it, int ticket) {
+        if constexpr (OB) {
+            run_gu_ob(it, ticket);
+            return;
+        }
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int proj = warp & 1, ksub = warp >> 1;
         const int kw = 1 << c.kws;
@@ -382,6 +396,78 @@ struct V2Kernel {
                                 b);
                 mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
             }
+        }
+        trace(EV_MMA, ticket);
+        epilogue_gu(it, acc, ticket);
+    }
+
+    // The raw inputs of chunk n into rx/rs, or, past the item's last chunk, the registers are free
+    // (and take the next item's chunk 0 when it is known to be a gate/up item).
+    __device__ void advance_raw(const Item& it, int n) {
+        if (n < c.R) {
+            load_raw(it, n);
+            return;
+        }
+        regs_free = true;
+        if (nxt_known && nxt.kind == IT_GU && !raw_ready) {
+            load_raw(nxt, 0);
+            raw_ready = true;
+        }
+    }
+
+    // run_gu with xs (B fragments) and raw (staged inputs) double-buffered: in the barrier interval
+    // of chunk ch the warps run ch's MMAs, rotate chunk ch+1 (staged one interval earlier) and stage
+    // chunk ch+2 (loaded into registers one interval earlier), so a chunk costs one CTA barrier
+    // instead of run_gu's three, and the rotation no longer has an interval of its own in which the
+    // warps without a Hadamard task wait. What each interval touches is disjoint: MMAs read
+    // xs[ch & 1], the rotation reads raw[(ch + 1) & 1] and writes xs[(ch + 1) & 1], the staging
+    // writes raw[ch & 1]; each was last used two intervals back. The arithmetic and its order are
+    // run_gu's, so the output is bitwise the same.
+    __device__ void run_gu_ob(const Item& it, int ticket) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int proj = warp & 1, ksub = warp >> 1;
+        const int kw = 1 << c.kws;
+        int w0i, w1i, sh;
+        lane_window<K>(lane, w0i, w1i, sh);
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
+        __syncwarp();
+        issue_due();                      // the trellis is in flight while the raw inputs arrive
+        if (!raw_ready) load_raw(it, 0);  // not prefetched: the next item was learnt too late
+        raw_ready = false;
+        regs_free = false;
+        const uint4 x0 = rx;              // chunk 0 waits in these while chunk 1 is requested
+        const uint32_t s0 = rs;
+        advance_raw(it, 1);
+        __syncthreads();  // the previous item is done with xs (its reduction buffer) and raw
+        store_raw_vals(it, 0, x0, s0);
+        __syncthreads();
+        rotate(it, 0, 0);
+        if (c.R > 1) {
+            store_raw(it, 1);
+            advance_raw(it, 2);
+        }
+        __syncthreads();  // chunk 0's B fragments and chunk 1's raw inputs are every warp's
+        for (int ch = 0; ch < c.R; ch++) {
+            const uint32_t* xb = xs + (ch & 1) * XS_BUF_WORDS;
+            for (int sub = 0; sub < kw; sub++) {
+                const uint32_t* row = step();
+                if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
+                uint32_t b[4];
+                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xb + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
+                                b);
+                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+            }
+            // after the MMAs, so a warp's trellis wait is not behind a Hadamard; the tasks move
+            // by four warps a chunk, so with a single-row group (4 tasks) they alternate halves
+            if (ch + 1 < c.R) rotate(it, (ch + 1) & 1, ((ch + 1) * 4) & (WARPS - 1));
+            if (ch + 2 < c.R) {
+                store_raw(it, ch & 1);
+                advance_raw(it, ch + 3);
+            }
+            __syncthreads();
         }
         trace(EV_MMA, ticket);
         epilogue_gu(it, acc, ticket);
@@ -596,7 +682,7 @@ struct V2Kernel {
         nev = 0;
         ret_old = -1;
         trace(EV_START, -1);
-        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k));
+        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k), OB);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
@@ -672,11 +758,11 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false>
+template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool OB = false>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP, ABL, PRM> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL, PRM, OB> k(a, s, dyn);
     k.run();
 }
 
@@ -698,6 +784,8 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
     }
     if (variant == V2_PRM_VARIANT && codebook == CB_MCG)  // v4's MCG builds, with PRM at K2 (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
+    if (variant == V2_OB_VARIANT && codebook == CB_MCG)  // v50's builds with OB (MUL1: v4's, below)
+        return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true>;
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
         // 6: v3 (one MMA per tile, the format's fp16 lo + hi) at v4's register budget
@@ -727,8 +815,9 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down) {
     if (pair_down >= 0) g_tuning.pair_down = pair_down;
 }
 
-static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
-    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k)).total;
+static int v2_dyn_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k) {
+    const bool ob = variant == V2_OB_VARIANT && codebook == CB_MCG;  // as pick_v2 chooses the OB builds
+    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), ob).total;
 }
 
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
@@ -737,7 +826,7 @@ cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = v2_dyn_bytes(bits, n_experts, m, top_k);
+    const int dyn = v2_dyn_bytes(bits, codebook, variant, n_experts, m, top_k);
     err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
@@ -756,7 +845,7 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
     a.stages = S;
-    const int dyn = v2_dyn_bytes(a.bits, a.n_experts, a.m, a.top_k);
+    const int dyn = v2_dyn_bytes(a.bits, a.codebook, a.variant, a.n_experts, a.m, a.top_k);
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
     fn<<<grid, THREADS, dyn, stream>>>(a);
