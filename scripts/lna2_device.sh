@@ -172,7 +172,7 @@ if has sweep && [ "$(left)" -gt 240 ]; then
   timeout 150 python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} \
     ${SWEEP_CTAS:+--ctas $SWEEP_CTAS} ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} > "$OUT/sweep.log" 2>&1
   echo "exit $?" >> "$OUT/sweep.log"
-  grep -E "^tp|exit|Error" "$OUT/sweep.log" | tee -a "$LOG"
+  grep -E "^tp|exit|Error|FAIL" "$OUT/sweep.log" | tee -a "$LOG"
 fi
 
 if has ablate && [ "$(left)" -gt 120 ]; then

@@ -265,6 +265,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("hidden") = kDefaultHidden,
           py::arg("intermediate") = kDefaultInter);
     m.def("lna2_build_id", &lna2_build_id);
-    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep; for v7 0 = auto, 1 = one CTA per SM, 2 = as many as fit), item target x8 (0 = keep), paired down items (-1 = keep)",
+    m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep; for v7 0 = auto, 1 = one CTA per SM, 2 = as many as fit), item target x8 (0 = keep), paired down items (-1 = keep; 2: at any intermediate, v52 only)",
           py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0, py::arg("pair_down") = -1);
 }

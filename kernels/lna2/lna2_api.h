@@ -125,7 +125,8 @@ struct Args {
                                 // 7, 9, 20, 21: the cluster kernel; 10..13, 17..19: timing ablations (K2 MCG only, below)
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x8;               // v2: aim for at least grid * items_x8 / 8 gate/up items (set by launch())
-    int pair_down;              // v2: allow down items of two output blocks (set by launch())
+    int pair_down;              // v2: allow down items of two output blocks (set by launch(); 2: at any
+                                // intermediate size, v52 only)
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
     unsigned long long* trace;  // v2 family and v7, optional: per-CTA event timeline (TRACE_EVENTS x {ns, (ticket or unit + 1)<<8 | event})
@@ -188,7 +189,7 @@ cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 
 // Process-wide v2 tuning for benchmarks: resident CTAs per SM (0: as many as fit, < 0 keeps the
 // setting), the gate/up item target, grid * items_x8 / 8 (0 keeps it), and whether down items may
-// cover two output blocks (0 / 1, < 0 keeps it).
+// cover two output blocks (0 / 1, 2: also past 4 intermediate blocks in v52's builds, < 0 keeps it).
 void set_tuning(int ctas_per_sm, int items_x8, int pair_down);
 
 // v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2, 3 and 4 to them.

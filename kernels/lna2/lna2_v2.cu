@@ -122,6 +122,9 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
     return it;
 }
 
+// ANY_PAIR (the OB builds): Args::pair_down == 2 pairs down items at any intermediate size, not only
+// up to 4 blocks (a tuning for the sweep at TP1, which the 2026-12-03 pairing sweep could not reach)
+template <bool ANY_PAIR = false>
 __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     Cfg c{};
     c.n_ib = a.inter / 128;
@@ -147,7 +150,11 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     // CTA (the TP8 slice from ~8 rows): half the items, so half the per-item waits, activation
     // loads, reductions and arrivals, which the 2026-12-03 ablations found to be most of the down
     // phase. With fewer items per CTA pairing measured 3-8 % slower (TP8 4 rows).
-    c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb >= 4 * G) ? 2 : 1;
+    if constexpr (ANY_PAIR)
+        c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && (c.n_ib <= 4 || a.pair_down >= 2) &&
+                ng * c.n_cb >= 4 * G) ? 2 : 1;
+    else
+        c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb >= 4 * G) ? 2 : 1;
     c.wbs = c.DB == 2 ? 2 : 3;
     c.WB = 1 << c.wbs;
     c.KWd = c.n_ib * 8 / (c.WB * ksd);  // (I/16)/KSd k-tiles over the block's warps
@@ -691,7 +698,7 @@ struct V2Kernel {
         if (t < WARPS * S) mbar_init(bar + t, 32);  // one per warp and slot, completed by the warp's lanes
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         ng = s.ng;
-        c = make_cfg(a, ng, s.gr, G);
+        c = make_cfg<OB>(a, ng, s.gr, G);
         if constexpr ((ABL & ABL_NO_DOWN) != 0) {
             if (ng) {
                 c.N2 = 0;
