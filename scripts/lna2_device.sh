@@ -23,7 +23,7 @@
 # BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT (TRACE_BITS,
 # TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
-# SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT, PARITY=quick|full, DEADLINE.
+# SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_TIMEOUT, PARITY=quick|full, DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
@@ -169,7 +169,7 @@ BV=${BENCH_VARIANTS:-46,26,36,50,40,31,4,21,20,9,7,1,6,2,3,0}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 if has sweep && [ "$(left)" -gt 240 ]; then
   step "tuning sweep (v2 family)"
-  timeout 150 python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} \
+  timeout ${SWEEP_TIMEOUT:-150} python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} \
     ${SWEEP_CTAS:+--ctas $SWEEP_CTAS} ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} > "$OUT/sweep.log" 2>&1
   echo "exit $?" >> "$OUT/sweep.log"
   grep -E "^tp|exit|Error|FAIL" "$OUT/sweep.log" | tee -a "$LOG"
