@@ -248,7 +248,8 @@ def main() -> None:
         cmd = e.ctx.command_path if e.ctx else "dsv4serve"
         err_console.print(f"error: {e.format_message()} (see `{cmd} --help`)", highlight=False, markup=False,
                           soft_wrap=True)
-        if "--json" in sys.argv[1:]:  # the parse failed, so the flag's own value is not known: its presence is
+        # the parse failed before any json_out was bound: the flag on the command line is all there is
+        if "--json" in sys.argv[1:]:
             emit_json(error_doc("UsageError", e.format_message(), f"see `{cmd} --help`", e.exit_code))
         raise SystemExit(e.exit_code) from None
     except cx.ClickException as e:
