@@ -65,13 +65,15 @@ def test_merge_takes_the_policy_variant_the_slower_process_and_fills_only_what_m
     one, four, eight = variant_for(1, 256, 2), variant_for(4, 256, 2), variant_for(8, 256, 2)
     b145 = _bench([_bench_row("tp8", 2, 1, 90.0, {one: 20.0, 4: 30.0}),
                    _bench_row("tp8", 2, 4, 150.0, {4: 50.0}),  # the policy's variant was not timed here
-                   _bench_row("tp8", 2, 8, 200.0, {4: 70.0})])  # nor here
+                   _bench_row("tp8", 2, 8, 200.0, {eight: 60.0, 4: 70.0}),
+                   _bench_row("tp8", 2, 16, 300.0, {4: 110.0})])  # nor here
     b165 = _bench([_bench_row("tp8", 2, 1, 35.0, {one: 21.0, 4: 31.0}),
                    _bench_row("tp8", 2, 4, 78.0, {4: 49.0}),
-                   _bench_row("tp8", 2, 8, 130.0, {4: 71.0})])
+                   _bench_row("tp8", 2, 8, 130.0, {eight: 59.0, 4: 71.0}),
+                   _bench_row("tp8", 2, 16, 320.0, {4: 111.0})])
     old = {"commit": "abc1234", "rows": [
         {"shape": "tp8", "K": 2, "m": 4, "lna2_variant": f"v{four}", "lna2_us": 40.0, "ratio": 1.95},
-        {"shape": "tp8", "K": 2, "m": 8, "lna2_variant": "v999", "lna2_us": 60.0, "ratio": 2.0}]}
+        {"shape": "tp8", "K": 2, "m": 16, "lna2_variant": "v999", "lna2_us": 100.0, "ratio": 3.0}]}
     paths = {}
     for name, doc in (("b145", b145), ("b165", b165), ("old", old)):
         paths[name] = tmp_path / f"{name}.json"
@@ -86,8 +88,10 @@ def test_merge_takes_the_policy_variant_the_slower_process_and_fills_only_what_m
     assert r1["lna2_variant"] == f"v{one}" and r1["lna2_us"] == 21.0  # the slower process
     assert r1["exl3_moe_us"] == 90.0 and r1["exl3_moe_165_us"] == 35.0
     assert r1["ratio"] == round(35.0 / 21.0, 3) and "source" not in r1
+    assert rows[("tp8", 2, 8)]["lna2_us"] == 60.0  # the slower process again, the other one this time
     r4 = rows[("tp8", 2, 4)]  # filled: same variant as the policy's
     assert r4["lna2_us"] == 40.0 and "abc1234" in r4["source"]
-    assert ("tp8", 2, 8) not in rows or eight == 999  # the earlier row is another variant: not copied
+    assert ("tp8", 2, 16) not in rows  # the earlier row is another variant: not copied
     assert d["filled_from"] == {"file": "old.json", "points": [["tp8", 2, 4]]}
-    assert [(r["shape"], r["K"], r["m"]) for r in d["rows"]] == [("tp8", 2, 1), ("tp8", 2, 4)]  # the run's order
+    # the run's order, the filled point in its place
+    assert [(r["shape"], r["K"], r["m"]) for r in d["rows"]] == [("tp8", 2, 1), ("tp8", 2, 4), ("tp8", 2, 8)]
