@@ -360,15 +360,30 @@ struct V2Kernel {
         }
     }
 
+    // One chunk of a gate/up item for this warp: its projection's share of the chunk's k-tiles, one
+    // ring step each, B fragments from xb (the chunk's rotated inputs).
+    __device__ __forceinline__ void gu_chunk(const uint32_t* xb, int ch, int ticket, int w0i, int w1i, int sh,
+                                             float (&acc)[8][4]) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int proj = warp & 1, ksub = warp >> 1;
+        const int kw = 1 << c.kws;
+        for (int sub = 0; sub < kw; sub++) {
+            const uint32_t* row = step();
+            if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
+            uint32_t b[4];
+            b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xb + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
+                            b);
+            mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+        }
+    }
+
     // ---- gate/up item: partial GEMV over its k-range for both projections, 8 n-tiles each
     __device__ void run_gu(const Item& it, int ticket) {
         if constexpr (OB) {
             run_gu_ob(it, ticket);
             return;
         }
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int proj = warp & 1, ksub = warp >> 1;
-        const int kw = 1 << c.kws;
+        const int lane = threadIdx.x & 31;
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float acc[8][4];
@@ -395,14 +410,7 @@ struct V2Kernel {
             }
             rotate(it);
             __syncthreads();  // the rotated inputs are every warp's B fragments
-            for (int sub = 0; sub < kw; sub++) {
-                const uint32_t* row = step();
-                if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
-                uint32_t b[4];
-                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xs + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
-                                b);
-                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
-            }
+            gu_chunk(xs, ch, ticket, w0i, w1i, sh, acc);
         }
         trace(EV_MMA, ticket);
         epilogue_gu(it, acc, ticket);
@@ -431,9 +439,7 @@ struct V2Kernel {
     // writes raw[ch & 1]; each was last used two intervals back. The arithmetic and its order are
     // run_gu's, so the output is bitwise the same.
     __device__ void run_gu_ob(const Item& it, int ticket) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int proj = warp & 1, ksub = warp >> 1;
-        const int kw = 1 << c.kws;
+        const int lane = threadIdx.x & 31;
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
         float acc[8][4];
@@ -458,15 +464,7 @@ struct V2Kernel {
         }
         __syncthreads();  // chunk 0's B fragments and chunk 1's raw inputs are every warp's
         for (int ch = 0; ch < c.R; ch++) {
-            const uint32_t* xb = xs + (ch & 1) * XS_BUF_WORDS;
-            for (int sub = 0; sub < kw; sub++) {
-                const uint32_t* row = step();
-                if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
-                uint32_t b[4];
-                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xb + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
-                                b);
-                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
-            }
+            gu_chunk(xs + (ch & 1) * XS_BUF_WORDS, ch, ticket, w0i, w1i, sh, acc);
             // after the MMAs, so a warp's trellis wait is not behind a Hadamard; the tasks move
             // by four warps a chunk, so with a single-row group (4 tasks) they alternate halves
             if (ch + 1 < c.R) rotate(it, (ch + 1) & 1, ((ch + 1) * 4) & (WARPS - 1));
