@@ -198,6 +198,11 @@ def row_rel(got, ref):
     return rel
 
 
+def tensor_rel(got, ref):
+    """Relative L2 error of a whole output against its fp64 reference (one figure per config)."""
+    return float(((got.double() - ref).norm() / ref.norm()).item())
+
+
 def routes(profile, m, gen, dev, top_k=TOPK):
     """Route profiles of the parity grid: ids [m, top_k] int64 on dev."""
     import torch
@@ -875,7 +880,7 @@ def cmd_bench(args):
                         fn()
                         torch.cuda.synchronize()
                         got = out_l if k_.startswith("lna2") else (out_i if inc_name == "145" else inc_out())
-                        row[f"{k_}_rel_err"] = float(((got.double() - ref).norm() / ref.norm()).item())
+                        row[f"{k_}_rel_err"] = tensor_rel(got, ref)
                     if m == 1:  # launch + route plan + zero output + retire: nothing routed anywhere
                         ids_none = torch.full_like(ids32, -1)
                         for v in [v for v in variants if serves(v, H, I, K) and v not in ABLATION_VARIANTS]:
@@ -972,7 +977,7 @@ def cmd_sweep(args):
         for cfg in configs:
             run_with(cfg)()
             torch.cuda.synchronize()
-            row["c%d_i%d_p%d_rel_err" % cfg] = float(((c.out.double() - ref).norm() / ref.norm()).item())
+            row["c%d_i%d_p%d_rel_err" % cfg] = tensor_rel(c.out, ref)
         res["rows"].append(row)
         worst = max(v for k, v in row.items() if k.endswith("_rel_err"))
         log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()), f"| worst err {worst:.1e}")
@@ -1010,7 +1015,7 @@ def cmd_ablate(args):
         row = {"shape": c.shape, "m": c.m, "U": int(torch.unique(c.sel).numel()), "cold_us": cold, "p10_p90": p}
         if c.m == 1:
             ref = DenseCache(as_layer(c.W, 2, "mcg", c.I)).moe(x, c.sel, c.rw.float())
-            row["v4_rel_err_after"] = float(((out.double() - ref).norm() / ref.norm()).item())
+            row["v4_rel_err_after"] = tensor_rel(out, ref)
         res["rows"].append(row)
         log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
         dump("ablate.json", res)

@@ -11,12 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_v2_trace_summary_tells_gate_up_items_from_down_items():
-    """The device script's v2 trace summary sorts items by their events: gate/up items have ring
-    stages, down items wait ('ready') for their group's activation."""
+def _load_device_script():
     spec = importlib.util.spec_from_file_location("lna2_device", ROOT / "scripts" / "lna2_device.py")
     dev = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dev)
+    return dev
+
+
+def test_v2_trace_summary_tells_gate_up_items_from_down_items():
+    """The device script's v2 trace summary sorts items by their events: gate/up items have ring
+    stages, down items wait ('ready') for their group's activation."""
+    dev = _load_device_script()
     ev = {name: i for i, name in enumerate(dev.EVENTS)}
     us = 1000  # trace times are ns
 
@@ -34,11 +39,18 @@ def test_v2_trace_summary_tells_gate_up_items_from_down_items():
     assert row["gu_start_to_first_stage"]["median_us"] == 1.0 and row["dn_start_to_ready"]["median_us"] == 1.0
 
 
-def _load_device_script():
-    spec = importlib.util.spec_from_file_location("lna2_device", ROOT / "scripts" / "lna2_device.py")
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
-    return dev
+def test_error_figures_are_relative_l2_and_a_zero_reference_row_must_be_zero():
+    """The parity gates read these: per-row relative L2 (a row whose reference is ~0, an unrouted
+    row, passes only if the output is ~0 too) and one whole-output figure per tuning config."""
+    import torch
+
+    dev = _load_device_script()
+    ref = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    got = torch.tensor([[3.0, 4.5], [0.0, 0.0], [1.0, 0.0]], dtype=torch.float32)
+    rel = dev.row_rel(got, ref)
+    assert rel[0] == 0.1 and rel[1] == 0.0 and rel[2] == float("inf")
+    assert abs(dev.tensor_rel(got[:1], ref[:1]) - 0.1) < 1e-12
+    assert abs(dev.tensor_rel(got, ref) - (0.25 + 1.0) ** 0.5 / 5.0) < 1e-12
 
 
 def _bench_row(shape, K, m, inc, variants):
