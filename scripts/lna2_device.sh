@@ -100,16 +100,20 @@ echo "exit $?" >> "$OUT/lna2_build.log"
 grep -E "registers|spill|error|built|exit" "$OUT/lna2_build.log" | tail -30 | tee -a "$LOG"
 
 if has checkseat; then
-  step "dsv4serve check-seat on this GPU (one-GPU H200 profile over a synthetic pack, and the canon profile)"
+  step "dsv4serve check-seat on this GPU (a one-GPU profile of the card found, over a synthetic pack, and the canon profile)"
   PYTHONPATH=/tmp/site timeout 120 python3 - > "$OUT/checkseat.log" 2>&1 <<'PY'
 import json, os, subprocess, sys
+import torch
 from dsv4serve.testing.synthpack import write_pack
 sp = write_pack("/tmp/pack")
 out = os.environ["OUT"]
-h200 = ["--set", "runtime.kind=native", "--set", "gpus.ids=[0]", "--set", "gpus.model=H200", "--set",
-        "gpus.memory_gib=140", "--set", 'gpus.compute_capability="9.0"', "--set", "vllm.tensor_parallel_size=1",
-        "--set", "model.path=/tmp/pack", "--set", f"model.expect_shards={sp.expect_shards}"]
-for tag, extra in (("h200", h200), ("canon", [])):
+# the card this call landed on (the lender gives H200s or H100s), so the machine rows should pass
+props = torch.cuda.get_device_properties(0)
+local = ["--set", "runtime.kind=native", "--set", "gpus.ids=[0]", "--set", f"gpus.model={props.name}", "--set",
+         f"gpus.memory_gib={props.total_memory // 2**30}", "--set",
+         f'gpus.compute_capability="{props.major}.{props.minor}"', "--set", "vllm.tensor_parallel_size=1",
+         "--set", "model.path=/tmp/pack", "--set", f"model.expect_shards={sp.expect_shards}"]
+for tag, extra in (("local", local), ("canon", [])):
     r = subprocess.run([sys.executable, "-m", "dsv4serve", "check-seat", "--profile", "8x16gb-380k", "--json", *extra],
                        capture_output=True, text=True, timeout=100)
     open(f"{out}/check-seat-{tag}.json", "w").write(r.stdout)
@@ -123,7 +127,7 @@ for tag, extra in (("h200", h200), ("canon", [])):
         print("unparsable:", e, r.stdout[-400:], r.stderr[-800:])
 PY
   echo "exit $?" >> "$OUT/checkseat.log"
-  PYTHONPATH=/tmp/site timeout 60 python3 scripts/nvml_probe.py --out "$OUT/nvml-h200.json" >> "$OUT/checkseat.log" 2>&1
+  PYTHONPATH=/tmp/site timeout 60 python3 scripts/nvml_probe.py --out "$OUT/nvml-local.json" >> "$OUT/checkseat.log" 2>&1
   echo "nvml_probe exit $?" >> "$OUT/checkseat.log"
   cat "$OUT/checkseat.log" | tee -a "$LOG"
 fi
