@@ -190,12 +190,10 @@ class DenseCache:
 
 
 def row_rel(got, ref):
-    num = (got.double() - ref).norm(dim=1)
-    den = ref.norm(dim=1)
-    rel = []
-    for n_, d_ in zip(num.tolist(), den.tolist()):
-        rel.append(n_ / d_ if d_ > 1e-3 else (n_ if n_ <= 1e-4 else float("inf")))
-    return rel
+    """Per-row relative L2: `dsv4serve kernel check`'s own measure, so the two gates cannot drift."""
+    from dsv4serve.lna2.selfcheck import row_errors
+
+    return row_errors(got, ref)
 
 
 def tensor_rel(got, ref):

@@ -3,8 +3,8 @@
 # Usage on the device machine, from the repo root:
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
-#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu
-#                 (default all)
+#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu,
+#                 kcheck (`dsv4serve kernel check --bench`) (default all)
 # Wheels come from .whl145/ or .whl165/ (carried; every checkout starts without them). To fill them,
 # and .whl/ with what dsv4serve needs there, from the repo root on the dev machine:
 #   printf '/.whl145/\n/.whl165/\n/.dev/\n' >> .git/info/exclude
@@ -27,7 +27,7 @@
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
-STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu}
+STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu,kcheck}
 DEADLINE=${DEADLINE:-540}
 T0=$(date +%s)
 FINAL=${OUT:-$PWD/.device-out}
@@ -223,6 +223,16 @@ if has dispatch; then
   PYTHONPATH=/tmp/site$DI:$PYTHONPATH timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch.log" 2>&1
   echo "exit $?" >> "$OUT/dispatch.log"
   grep -E "prepared|calls, worst|graph:|timing|dispatch:|FAIL|FAULT|Error|exit|ACTIVE" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
+fi
+
+if has kcheck && [ "$(left)" -gt 60 ]; then
+  # the product's own command, as a seat operator runs it (the repo's src/, the extension built above)
+  step "dsv4serve kernel check --bench (the policy's picks against the fp64 reference, then timed)"
+  PYTHONPATH=$PWD/src:$PYTHONPATH timeout 240 python3 -m dsv4serve kernel check --bench --json \
+    > "$OUT/kernel-check.json" 2> "$OUT/kernel-check.log"
+  echo "exit $?" >> "$OUT/kernel-check.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('kernel check ok', d.get('ok'), d.get('device')); [print(' K%(K)s %(rows)2s rows v%(variant)s err %(worst_rel).1e ok %(ok)s fastest v%(fastest)s' % c, c.get('timings_us')) for c in d.get('cases', [])]" "$OUT/kernel-check.json" 2>&1 | tee -a "$LOG"
+  tail -3 "$OUT/kernel-check.log" | tee -a "$LOG"
 fi
 
 step "done"

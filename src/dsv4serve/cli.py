@@ -225,6 +225,45 @@ def kernel_info(json_out: bool = typer.Option(False, "--json", help="machine-rea
         raise typer.Exit(0 if info.get("loadable") else 1)
 
 
+@kernel_app.command("check")
+def kernel_check(
+    rows: str = typer.Option("1,2,4,8,16,24", "--rows", help="decode rows per call to check, e.g. 1,4,16"),
+    bits: str = typer.Option("2,3", "--bits", help="EXL3 bits per weight (K) to check"),
+    codebook: str = typer.Option("mcg", "--codebook", help="codebooks to check: mcg, mul1"),
+    hidden: int = typer.Option(4096, "--hidden", help="hidden size"),
+    inter: int = typer.Option(256, "--inter", help="this rank's intermediate slice (2048 / TP: 256 at TP 8)"),
+    experts: int = typer.Option(256, "--experts", help="routed experts in the layer"),
+    top_k: int = typer.Option(6, "--top-k", help="experts per row"),
+    gpu: int = typer.Option(0, "--gpu", help="local GPU to run on (torch's index)"),
+    bench: bool = typer.Option(False, "--bench", help="also check and time every build the policy serves "
+                                                      "somewhere, and say which is fastest on this card"),
+    reps: int = typer.Option(30, "--reps", help="timed launches per build and case (median)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the random layer and inputs"),
+    json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Run lna2 on a local GPU against the fp64 reference (and, with --bench, time its builds)."""
+    from rich.table import Table
+
+    from dsv4serve.lna2 import selfcheck
+
+    with handled(json_out):
+        spec = selfcheck.parse_spec(hidden, inter, experts, top_k, bits, codebook, rows, seed, bench, reps)
+        with err_console.status("lna2 kernel check") as st:
+            report = selfcheck.run(spec, gpu, progress=lambda s: st.update(f"lna2 kernel check: {s}"))
+        if json_out:
+            emit_json({"ok": report.ok, **report.model_dump(mode="json")})
+        else:
+            t = Table(title=f"lna2 on {report.device}: against the fp64 reference"
+                            + (", cold medians" if spec.bench else ""))
+            for h in selfcheck.headers(spec.bench):
+                t.add_column(h)
+            for r in selfcheck.table_rows(report):
+                t.add_row(*r)
+            console.print(t)
+            console.print("all cases pass" if report.ok else "FAILED: see the rows above", highlight=False)
+        raise typer.Exit(0 if report.ok else 1)
+
+
 def _usage_exceptions() -> Any:
     """The exception classes of the click that typer runs on (recent typer vendors its own)."""
     try:

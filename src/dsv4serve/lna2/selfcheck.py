@@ -1,0 +1,347 @@
+"""`dsv4serve kernel check`: is lna2 right on this machine's GPU, and is the policy's pick the
+fastest build here?
+
+Every variant lna2 serves was parity-checked and timed on the project's H200 (kernels/lna2/NOTES.md);
+the seat's cards are sm_120, where nothing has been timed and where a kernel that builds can still be
+wrong (an arch-specific spill, a shared-memory limit, a different SM count under the cluster
+kernel's grid). This runs what the dispatch would run -- `policy.variant_for` at the seat's
+per-rank shape -- on one local GPU, on a random-but-valid layer (`reference.random_expert_layer`),
+against the fp64 reference on the same layer: every row within the parity tolerance, finite, and the
+same bits on a second run into a NaN-filled output. With `bench`, every build that takes the shape is
+checked the same way and then timed (launches alternated, cold L2, median), and the report says
+which is fastest on this card and by how much the policy's pick trails it.
+
+The runner and the timer are parameters so that the checking and the verdicts are tested on a
+machine with no GPU; `run` supplies the real ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable, Optional, Sequence
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.lna2 import policy
+
+CODEBOOKS = {"mcg": 1, "mul1": 2}  # lna2's numbering
+FP32_TOL = 2e-3  # per-row relative L2 of an fp32 output against the fp64 reference (issue 8's gate)
+
+Runner = Callable[[Any, Any, Any, Any, int], Any]  # (x, ids32, w32, out, variant) -> out
+Timer = Callable[[dict[int, Callable[[], None]]], dict[int, float]]  # variant -> launch -> median us
+
+
+class CheckSpec(BaseModel):
+    """What to check. The defaults are the seat's per-rank slice: DeepSeek-V4-Flash at TP 8."""
+
+    hidden: int = 4096
+    inter: int = Field(256, description="this rank's intermediate slice (moe_intermediate_size / TP)")
+    experts: int = 256
+    top_k: int = 6
+    bits: list[int] = [2, 3]
+    codebooks: list[str] = ["mcg"]
+    rows: list[int] = [1, 2, 4, 8, 16, 24]
+    swiglu_limit: float = 10.0
+    seed: int = 0
+    bench: bool = False
+    reps: int = 30
+
+    @field_validator("hidden", "inter")
+    @classmethod
+    def _blocks(cls, v: int) -> int:
+        if v < 128 or v % 128:
+            raise ValueError("must be a positive multiple of 128 (the Hadamard block)")
+        return v
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, v: list[int]) -> list[int]:
+        if not v or any(b not in (2, 3) for b in v):
+            raise ValueError("lna2 decodes K 2 and 3")
+        return v
+
+    @field_validator("codebooks")
+    @classmethod
+    def _codebooks(cls, v: list[str]) -> list[str]:
+        if not v or any(c not in CODEBOOKS for c in v):
+            raise ValueError(f"lna2 takes {', '.join(CODEBOOKS)}")
+        return v
+
+    @field_validator("rows")
+    @classmethod
+    def _rows(cls, v: list[int]) -> list[int]:
+        if not v or any(r < 1 for r in v):
+            raise ValueError("each must be >= 1")
+        return v
+
+    @field_validator("reps")
+    @classmethod
+    def _reps(cls, v: int) -> int:
+        if v < 3:
+            raise ValueError("a median needs at least 3 launches")
+        return v
+
+    @model_validator(mode="after")
+    def _routing(self) -> "CheckSpec":
+        if not 1 <= self.top_k <= 8:
+            raise ValueError(f"--top-k {self.top_k}: lna2 takes 1 to 8")
+        if self.experts < self.top_k:
+            raise ValueError(f"--experts {self.experts} is below --top-k {self.top_k}: a row needs top_k distinct experts")
+        if not (self.swiglu_limit > 0 and self.swiglu_limit != float("inf")):
+            raise ValueError(f"swiglu_limit {self.swiglu_limit} must be finite and > 0")
+        return self
+
+
+class CaseResult(BaseModel):
+    K: int
+    codebook: str
+    rows: int
+    x_dtype: str
+    variant: int  # the policy's pick
+    worst_rel: float  # of the pick
+    tol: float
+    finite: bool
+    repeat: bool
+    ok: bool
+    error: Optional[str] = None  # the pick raised (a refusal, a CUDA error): its first line
+    failed_variants: list[int] = []  # builds the bench checked that are off the reference
+    timings_us: Optional[dict[int, float]] = None  # variant -> median us (bench)
+    fastest: Optional[int] = None
+
+
+class CheckReport(BaseModel):
+    device: str
+    spec: CheckSpec
+    cases: list[CaseResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok and not c.failed_variants for c in self.cases)
+
+
+def parse_spec(hidden: int, inter: int, experts: int, top_k: int, bits: str, codebooks: str, rows: str,
+               seed: int, bench: bool, reps: int) -> CheckSpec:
+    """The CLI's flags as a CheckSpec, or BadInput naming the flag."""
+    def ints(flag: str, text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise BadInput(f"--{flag} {text!r} is not a comma-separated list of integers",
+                           hint=f"e.g. --{flag} {'2,3' if flag == 'bits' else '1,4,16'}") from None
+
+    given = {"hidden": ("--hidden", hidden), "inter": ("--inter", inter), "bits": ("--bits", bits),
+             "codebooks": ("--codebook", codebooks), "rows": ("--rows", rows), "reps": ("--reps", reps)}
+    try:
+        return CheckSpec(hidden=hidden, inter=inter, experts=experts, top_k=top_k, bits=ints("bits", bits),
+                         codebooks=[c.strip() for c in codebooks.split(",") if c.strip()],
+                         rows=ints("rows", rows), seed=seed, bench=bench, reps=reps)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        first = e.errors()[0] if hasattr(e, "errors") else {"msg": str(e), "loc": ()}
+        loc = first.get("loc") or ("",)
+        msg = str(first.get("msg", e)).removeprefix("Value error, ")
+        flag = given.get(str(loc[0]))
+        raise BadInput(f"{flag[0]} {flag[1]}: {msg}" if flag else msg,
+                       hint="see `dsv4serve kernel check --help`") from None
+
+
+def candidates(rows: int, spec: CheckSpec, K: int) -> list[int]:
+    """The policy's pick first, then every other build the policy serves somewhere that takes this
+    shape: what a different choice on this card could be."""
+    pick = policy.variant_for(rows, spec.inter, K, spec.hidden)
+    pool = [policy.SEAT_VARIANT]
+    if spec.inter <= policy.CLUSTER_MAX_INTER and policy.cluster_kernel_takes(spec.hidden, spec.inter):
+        pool += [policy.ONE_ROW_VARIANT, policy.CLUSTER_VARIANT_K2, policy.CLUSTER_VARIANT, policy.TWO_ROW_VARIANT]
+    out = [pick]
+    for v in pool:
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def row_errors(got: Any, ref: Any) -> list[float]:
+    """Per-row relative L2 against the reference; a row whose reference is ~0 passes only at ~0."""
+    num = (got.double() - ref).norm(dim=1).tolist()
+    den = ref.norm(dim=1).tolist()
+    return [n / d if d > 1e-3 else (n if n <= 1e-4 else float("inf")) for n, d in zip(num, den)]
+
+
+def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: int, device: Any,
+               timer: Optional[Timer]) -> CaseResult:
+    import torch
+
+    from dsv4serve.lna2.reference import moe_reference
+
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1000 + rows * 10 + K)
+    xdt = torch.bfloat16 if rows % 2 == 0 else torch.float16  # both input types the kernel takes
+    x = torch.randn((rows, spec.hidden), generator=gen).to(xdt).to(device)
+    ids = torch.rand((rows, spec.experts), generator=gen).topk(spec.top_k, dim=-1).indices
+    w = torch.softmax(torch.randn((rows, spec.top_k), generator=gen), dim=-1)
+    ids32, w32 = ids.to(torch.int32).to(device).contiguous(), w.float().to(device).contiguous()
+    ref = moe_reference(x, layer, ids.to(device), w.to(device), spec.swiglu_limit, torch.float64)
+
+    def verdict(variant: int) -> tuple[float, bool, bool, Optional[str]]:
+        outs = []
+        try:
+            for _ in range(2):
+                out = torch.full((rows, spec.hidden), float("nan"), dtype=torch.float32, device=device)
+                outs.append(run(x, ids32, w32, out, variant))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except RuntimeError as e:  # the binding's refusal, or a CUDA error the launch reported
+            return float("inf"), False, False, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        finite = bool(torch.isfinite(outs[0]).all())
+        worst = max(row_errors(outs[0], ref)) if finite else float("inf")
+        return worst, finite, bool(torch.equal(outs[0], outs[1])), None
+
+    variants = candidates(rows, spec, K) if timer else [policy.variant_for(rows, spec.inter, K, spec.hidden)]
+    pick = variants[0]
+    worst, finite, repeat, error = verdict(pick)
+    ok = error is None and finite and repeat and worst <= FP32_TOL
+    failed: list[int] = []
+    timings = fastest = None
+    if timer:
+        good = [pick] if ok else []
+        for v in variants[1:]:
+            w_, f_, r_, e_ = verdict(v)
+            (good if e_ is None and f_ and r_ and w_ <= FP32_TOL else failed).append(v)
+        if good:
+            out = torch.empty((rows, spec.hidden), dtype=torch.float32, device=device)
+            timings = timer({v: (lambda v=v: run(x, ids32, w32, out, v)) for v in good})
+            fastest = min(timings, key=timings.__getitem__)
+    return CaseResult(K=K, codebook=cb, rows=rows, x_dtype=str(xdt).removeprefix("torch."), variant=pick,
+                      worst_rel=worst, tol=FP32_TOL, finite=finite, repeat=repeat, ok=ok, error=error,
+                      failed_variants=failed, timings_us=timings, fastest=fastest)
+
+
+def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], timer: Optional[Timer] = None,
+          device_name: str = "", progress: Callable[[str], None] = lambda s: None) -> CheckReport:
+    """Every (K, codebook, rows) of the spec on one layer per (K, codebook)."""
+    from dsv4serve.lna2.reference import random_expert_layer
+
+    cases = []
+    for K in spec.bits:
+        for cb in spec.codebooks:
+            layer = random_expert_layer(spec.experts, spec.hidden, spec.inter, K, cb, seed=spec.seed + K,
+                                        device=device)
+            run = make_runner(layer)
+            for rows in spec.rows:
+                progress(f"K{K} {cb} {rows} row{'s' if rows > 1 else ''}")
+                cases.append(check_case(run, layer, spec, K, cb, rows, device, timer if spec.bench else None))
+            del run, layer
+    return CheckReport(device=device_name or str(device), spec=spec, cases=cases)
+
+
+# --- the GPU side -----------------------------------------------------------------------------------
+
+
+class Lna2Runner:
+    """lna2 on one CUDA device for one layer: pointer tables and a zeroed scratch, held as the
+    vLLM dispatch holds them (moe_dispatch)."""
+
+    def __init__(self, ext: Any, layer: Any, device: Any, swiglu_limit: float) -> None:
+        import torch
+
+        names = [f"{p}_{part}" for p in ("gate", "up", "down") for part in ("trellis", "suh", "svh")]
+        self.tables = [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.int64, device=device)
+                       for t in (getattr(layer, n) for n in names)]
+        self.scratch = torch.zeros(int(ext.lna2_moe_scratch_bytes(layer.hidden, layer.inter)), dtype=torch.uint8,
+                                   device=device)
+        self.ext, self.layer, self.limit = ext, layer, swiglu_limit
+        self.cb = CODEBOOKS[layer.codebook]
+
+    def __call__(self, x: Any, ids32: Any, w32: Any, out: Any, variant: int) -> Any:
+        self.ext.lna2_moe_decode(x, out, *self.tables, ids32, w32, self.layer.K, self.limit, self.scratch,
+                                 self.layer.inter, self.cb, variant)
+        return out
+
+
+def cuda_timer(device: Any, reps: int) -> Timer:
+    """Median microseconds per launch, cold: launches alternate between the variants, each after a
+    write of 4x the card's L2 (so weights and code come from memory, as at decode after attention),
+    all enqueued behind a spin so the host's launch cost is not in the events."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 64 * 2**20)
+    flush = torch.empty(max(4 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=device)
+
+    def time_them(fns: dict[int, Callable[[], None]]) -> dict[int, float]:
+        for fn in fns.values():  # first-launch setup (function attributes, module load) off the clock
+            fn()
+        torch.cuda.synchronize(device)
+        events: dict[int, list[tuple[Any, Any]]] = {v: [] for v in fns}
+        torch.cuda._sleep(50_000_000)
+        for rep in range(reps):
+            for v, fn in fns.items():
+                flush.fill_(rep)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                events[v].append((e0, e1))
+        torch.cuda.synchronize(device)
+        return {v: round(statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev), 2) for v, ev in events.items()}
+
+    return time_them
+
+
+def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda s: None) -> CheckReport:
+    """The check on local GPU `gpu`, with the built extension. JobFailed when it cannot run here."""
+    import torch
+
+    from dsv4serve.lna2 import loader
+
+    if not torch.cuda.is_available():
+        raise JobFailed("no CUDA GPU is visible to torch on this machine",
+                        hint="`dsv4serve kernel check` runs lna2 on a local GPU: run it on the seat's machine")
+    if not 0 <= gpu < torch.cuda.device_count():
+        raise BadInput(f"--gpu {gpu}: this machine has GPUs 0..{torch.cuda.device_count() - 1}",
+                       hint="pick one of them (torch's numbering, after CUDA_VISIBLE_DEVICES)")
+    try:
+        ext = loader.load()
+    except RuntimeError as e:
+        raise JobFailed(f"lna2 extension not loadable: {e}", hint="run `dsv4serve kernel build`") from None
+    limit = int(ext.lna2_moe_max_rows())
+    if max(spec.rows) > limit:
+        raise BadInput(f"--rows {max(spec.rows)}: this build takes 1..{limit} rows per call",
+                       hint=f"drop the rows above {limit}")
+    device = torch.device("cuda", gpu)
+    torch.cuda.set_device(device)
+    name = f"cuda:{gpu} {torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
+    try:
+        return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
+                     cuda_timer(device, spec.reps) if spec.bench else None, name, progress)
+    except torch.cuda.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info(device)
+        raise JobFailed(f"GPU {gpu} ran out of memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)",
+                        hint="stop the seat first (`dsv4serve down`) or pick another GPU with --gpu") from None
+
+
+def table_rows(report: CheckReport) -> list[list[str]]:
+    """The human table: one row per case (CLI renders it)."""
+    out = []
+    for c in report.cases:
+        verdict = ("ok" if c.ok else f"error: {c.error}" if c.error else "NaN/Inf" if not c.finite
+                   else "not repeatable" if not c.repeat else "off the reference")
+        row = [f"K{c.K}", c.codebook, str(c.rows), f"v{c.variant}", f"{c.worst_rel:.1e} / {c.tol:.0e}",
+               "yes" if c.repeat else "NO", verdict]
+        if report.spec.bench:
+            t = c.timings_us or {}
+            row.append(f"{t[c.variant]:.1f}" if c.variant in t else "-")
+            if c.fastest is None:
+                row.append("-")
+            elif c.fastest == c.variant:
+                row.append("the pick")
+            else:
+                row.append(f"v{c.fastest} {t[c.fastest]:.1f} ({t[c.variant] / t[c.fastest]:.2f}x)"
+                           if c.variant in t else f"v{c.fastest} {t[c.fastest]:.1f}")
+            if c.failed_variants:
+                row[-1] += "; off: " + ", ".join(f"v{v}" for v in c.failed_variants)
+        out.append(row)
+    return out
+
+
+def headers(bench: bool) -> Sequence[str]:
+    h = ["K", "codebook", "rows", "pick", "worst row err / tol", "repeat", "result"]
+    return h + ["pick µs (cold)", "fastest here"] if bench else h

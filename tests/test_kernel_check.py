@@ -1,0 +1,139 @@
+"""`dsv4serve kernel check` (dsv4serve.lna2.selfcheck): the verdicts on CPU, the refusals for real.
+
+The CUDA kernel cannot run on this machine, so the checking logic runs against stand-in runners
+(each says so) that compute the op with the pure-PyTorch reference, faithfully or with one planted
+fault; the device call runs the real command (lna2_device.sh step `kcheck`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4serve.lna2 import policy, selfcheck
+from dsv4serve.lna2.reference import moe_reference
+
+SMALL = dict(hidden=1024, inter=256, experts=16, top_k=4, codebooks=["mcg"])
+
+
+class ReferenceRunner:
+    """A stand-in for lna2's CUDA kernel (which needs a GPU): the op by the pure-PyTorch reference
+    in fp32, written into `out` like the kernel. `fault(variant, out, calls)` may then spoil it."""
+
+    def __init__(self, layer, fault=None):
+        self.layer, self.fault, self.calls = layer, fault, 0
+
+    def __call__(self, x, ids32, w32, out, variant):
+        self.calls += 1
+        out.copy_(moe_reference(x, self.layer, ids32.long(), w32, 10.0, torch.float32))
+        if self.fault:
+            self.fault(variant, out, self.calls)
+        return out
+
+
+def run_check(rows, bits=(2,), fault=None, timer=None, **kw):
+    spec = selfcheck.CheckSpec(**{**SMALL, **kw}, rows=list(rows), bits=list(bits), bench=timer is not None)
+    return selfcheck.check(spec, torch.device("cpu"), lambda layer: ReferenceRunner(layer, fault), timer)
+
+
+def test_a_faithful_kernel_passes_and_each_case_names_the_policy_pick():
+    rep = run_check([1, 2, 5], bits=(2, 3))
+    assert rep.ok and len(rep.cases) == 6
+    for c in rep.cases:
+        assert c.ok and c.finite and c.repeat and c.error is None and c.worst_rel < 1e-5
+        assert c.variant == policy.variant_for(c.rows, 256, c.K, 1024)
+        assert c.x_dtype == ("bfloat16" if c.rows % 2 == 0 else "float16")
+    assert {(c.K, c.rows): c.variant for c in rep.cases}[(3, 2)] == policy.TWO_ROW_VARIANT
+    doc = json.loads(json.dumps(rep.model_dump(mode="json")))
+    assert doc["cases"][0]["tol"] == selfcheck.FP32_TOL and doc["spec"]["hidden"] == 1024
+
+
+@pytest.mark.parametrize("fault, verdict", [
+    # one row 1 % off the reference in its first column block
+    (lambda v, out, n: out[0, :128].mul_(1.3), "off the reference"),
+    (lambda v, out, n: out[-1].fill_(float("nan")), "NaN/Inf"),
+    # the second run differs in one bit-level place
+    (lambda v, out, n: out[0, 0].add_(1e-6 * (n % 2)), "not repeatable"),
+])
+def test_each_planted_fault_fails_its_case(fault, verdict):
+    rep = run_check([3], fault=fault)
+    (c,) = rep.cases
+    assert not rep.ok and not c.ok
+    assert selfcheck.table_rows(rep)[0][6] == verdict
+
+
+def test_a_kernel_that_raises_is_a_failed_case_with_its_message():
+    def refuse(v, out, n):
+        raise RuntimeError("lna2_moe_decode: something the binding refused\n(traceback follows)")
+
+    (c,) = run_check([1], fault=refuse).cases
+    assert not c.ok and c.error == "lna2_moe_decode: something the binding refused"
+    assert c.worst_rel == float("inf")
+
+
+def test_bench_times_only_correct_builds_and_names_the_fastest():
+    """The timer is a stand-in too (no GPU clock here): it returns set medians per variant, so what is
+    tested is which builds get timed and what the report concludes."""
+    set_us = {26: 20.0, 50: 25.0, 46: 18.0, 36: 30.0}
+    timed: list[set[int]] = []
+
+    def timer(fns):
+        timed.append(set(fns))
+        for fn in fns.values():  # the launches the real timer makes
+            fn()
+        return {v: set_us[v] for v in fns}
+
+    def wrong_36(v, out, n):
+        if v == policy.TWO_ROW_VARIANT:
+            out.mul_(1.1)
+
+    rep = run_check([1], fault=wrong_36, timer=timer)
+    (c,) = rep.cases
+    assert c.variant == policy.ONE_ROW_VARIANT and c.ok
+    assert c.failed_variants == [policy.TWO_ROW_VARIANT] and not rep.ok  # a served build is wrong here
+    assert timed == [{26, 50, 46}] and c.timings_us == {26: 20.0, 50: 25.0, 46: 18.0}
+    assert c.fastest == 46
+    assert selfcheck.table_rows(rep)[0][-2:] == ["20.0", "v46 18.0 (1.11x); off: v36"]
+
+
+def test_when_the_pick_is_fastest_the_report_says_so():
+    rep = run_check([1], timer=lambda fns: {v: (10.0 if v == policy.ONE_ROW_VARIANT else 50.0) for v in fns})
+    assert rep.ok and rep.cases[0].fastest == policy.ONE_ROW_VARIANT
+    assert selfcheck.table_rows(rep)[0][-1] == "the pick"
+
+
+def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shape():
+    spec = selfcheck.CheckSpec()
+    assert selfcheck.candidates(1, spec, 2) == [26, 50, 46, 36]
+    assert selfcheck.candidates(24, spec, 3) == [50, 26, 46, 36]  # K3 past 16 rows: the fallback serves
+    tp1 = selfcheck.CheckSpec(inter=2048)
+    assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dsv4serve", "kernel", "check", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cli_without_a_gpu_says_so_and_fails():
+    r = _cli("--json")
+    assert r.returncode == 1
+    assert "no CUDA GPU" in r.stderr and "seat's machine" in r.stderr
+    assert json.loads(r.stdout)["error"]["exit_code"] == 1
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--bits", "4"], "--bits 4: lna2 decodes K 2 and 3"),
+    (["--rows", "0,1"], "--rows 0,1: each must be >= 1"),
+    (["--rows", "x"], "--rows 'x' is not a comma-separated list of integers"),
+    (["--inter", "100"], "--inter 100: must be a positive multiple of 128"),
+    (["--codebook", "foo"], "--codebook foo: lna2 takes mcg, mul1"),
+    (["--top-k", "6", "--experts", "4"], "--experts 4 is below --top-k 6"),
+])
+def test_cli_refuses_bad_flags_before_touching_a_gpu(args, phrase):
+    r = _cli(*args)
+    assert r.returncode == 2 and phrase in r.stderr and r.stderr.count("\n") == 1
