@@ -28,7 +28,7 @@ class ReferenceRunner:
 
     def __call__(self, x, ids32, w32, out, variant):
         self.calls += 1
-        out.copy_(moe_reference(x, self.layer, ids32.long(), w32, 10.0, torch.float32))
+        out.copy_(moe_reference(x, self.layer, ids32.long(), w32, 10.0, torch.float32).to(out.dtype))
         if self.fault:
             self.fault(variant, out, self.calls)
         return out
@@ -43,12 +43,15 @@ def test_a_faithful_kernel_passes_and_each_case_names_the_policy_pick():
     rep = run_check([1, 2, 5], bits=(2, 3))
     assert rep.ok and len(rep.cases) == 6
     for c in rep.cases:
-        assert c.ok and c.finite and c.repeat and c.error is None and c.worst_rel < 1e-5
+        p = c.pick
+        assert c.ok and p.finite and p.repeat and p.error is None and not p.fault and p.worst_rel < 1e-5
+        # the output of x's own type (the dispatch's) is checked too, at its rounding
+        assert 1e-5 < p.worst_rel_x < selfcheck.HALF_TOL
         assert c.variant == policy.variant_for(c.rows, 256, c.K, 1024)
         assert c.x_dtype == ("bfloat16" if c.rows % 2 == 0 else "float16")
     assert {(c.K, c.rows): c.variant for c in rep.cases}[(3, 2)] == policy.TWO_ROW_VARIANT
-    doc = json.loads(json.dumps(rep.model_dump(mode="json")))
-    assert doc["cases"][0]["tol"] == selfcheck.FP32_TOL and doc["spec"]["hidden"] == 1024
+    doc = json.loads(rep.model_dump_json())
+    assert doc["cases"][0]["pick"]["worst_rel"] < 1e-5 and doc["spec"]["hidden"] == 1024 and doc["aborted"] is None
 
 
 @pytest.mark.parametrize("fault, verdict", [
@@ -62,16 +65,42 @@ def test_each_planted_fault_fails_its_case(fault, verdict):
     rep = run_check([3], fault=fault)
     (c,) = rep.cases
     assert not rep.ok and not c.ok
-    assert selfcheck.table_rows(rep)[0][6] == verdict
+    assert selfcheck.table_rows(rep)[0][7] == verdict
 
 
-def test_a_kernel_that_raises_is_a_failed_case_with_its_message():
-    def refuse(v, out, n):
-        raise RuntimeError("lna2_moe_decode: something the binding refused\n(traceback follows)")
+def test_only_the_half_precision_output_off_fails_the_case():
+    """An fp32 store that is right and a 16-bit store that is not (the dispatch's output type)."""
+    def bad_half(v, out, n):
+        if out.dtype != torch.float32:
+            out[0].mul_(1.05)
 
-    (c,) = run_check([1], fault=refuse).cases
-    assert not c.ok and c.error == "lna2_moe_decode: something the binding refused"
-    assert c.worst_rel == float("inf")
+    (c,) = run_check([1], fault=bad_half).cases
+    assert not c.ok and c.pick.worst_rel < 1e-5 and c.pick.worst_rel_x > selfcheck.HALF_TOL
+
+
+def test_a_refusal_is_a_failed_case_with_its_message_and_strict_json():
+    def refuse(v, out, n):  # the binding's argument checks raise ValueError (TORCH_CHECK_VALUE)
+        raise ValueError("lna2_moe_decode: something the binding refused\n(traceback follows)")
+
+    rep = run_check([1, 2], fault=refuse)
+    assert [c.pick.error for c in rep.cases] == ["lna2_moe_decode: something the binding refused"] * 2
+    assert not rep.ok and rep.aborted is None and not rep.cases[0].pick.fault
+    # no Infinity/NaN literals: jq and JSON.parse refuse them
+    def no_constants(name):
+        raise AssertionError(f"{name} in the JSON")
+
+    doc = json.loads(rep.model_dump_json(), parse_constant=no_constants)
+    assert doc["cases"][0]["pick"]["worst_rel"] is None
+
+
+def test_a_device_fault_stops_the_check_where_it_happened():
+    """After a CUDA error the context is unusable: the report names the case and runs no more."""
+    def fault(v, out, n):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rep = run_check([1, 2, 4], fault=fault)
+    assert len(rep.cases) == 1 and rep.cases[0].pick.fault and not rep.ok
+    assert rep.aborted.startswith("a device fault at K2 mcg 1 row;")
 
 
 def test_bench_times_only_correct_builds_and_names_the_fastest():

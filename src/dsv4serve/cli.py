@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, List, Optional
@@ -251,7 +252,8 @@ def kernel_check(
         with err_console.status("lna2 kernel check") as st:
             report = selfcheck.run(spec, gpu, progress=lambda s: st.update(f"lna2 kernel check: {s}"))
         if json_out:
-            emit_json({"ok": report.ok, **report.model_dump(mode="json")})
+            # through pydantic's JSON: a missing figure is null, never a bare Infinity strict parsers refuse
+            emit_json({"ok": report.ok, **json.loads(report.model_dump_json())})
         else:
             t = Table(title=f"lna2 on {report.device}: against the fp64 reference"
                             + (", cold medians" if spec.bench else ""))
@@ -260,6 +262,8 @@ def kernel_check(
             for r in selfcheck.table_rows(report):
                 t.add_row(*r)
             console.print(t)
+            if report.aborted:
+                console.print(f"ABORTED: {report.aborted}", highlight=False)
             console.print("all cases pass" if report.ok else "FAILED: see the rows above", highlight=False)
         raise typer.Exit(0 if report.ok else 1)
 

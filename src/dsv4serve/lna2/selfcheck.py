@@ -27,6 +27,7 @@ from dsv4serve.lna2 import policy
 
 CODEBOOKS = {"mcg": 1, "mul1": 2}  # lna2's numbering
 FP32_TOL = 2e-3  # per-row relative L2 of an fp32 output against the fp64 reference (issue 8's gate)
+HALF_TOL = 6e-3  # the same for an fp16 / bf16 output, the dispatch's (out = empty_like(x))
 
 Runner = Callable[[Any, Any, Any, Any, int], Any]  # (x, ids32, w32, out, variant) -> out
 Timer = Callable[[dict[int, Callable[[], None]]], dict[int, float]]  # variant -> launch -> median us
@@ -93,20 +94,33 @@ class CheckSpec(BaseModel):
         return self
 
 
+class Verdict(BaseModel):
+    """One build at one case: two runs into NaN-filled fp32 outputs and two into outputs of x's
+    type (what the dispatch allocates), each against the fp64 reference."""
+
+    worst_rel: Optional[float] = None  # fp32 output; None when there is no finite figure
+    worst_rel_x: Optional[float] = None  # output of x's dtype
+    finite: bool = False
+    repeat: bool = False
+    error: Optional[str] = None  # it raised (a refusal, a CUDA error): the first line
+    fault: bool = False  # the error was the device's (the CUDA context is unusable after it)
+
+    @property
+    def ok(self) -> bool:
+        return (self.error is None and self.finite and self.repeat and self.worst_rel is not None
+                and self.worst_rel <= FP32_TOL and self.worst_rel_x is not None and self.worst_rel_x <= HALF_TOL)
+
+
 class CaseResult(BaseModel):
     K: int
     codebook: str
     rows: int
     x_dtype: str
     variant: int  # the policy's pick
-    worst_rel: float  # of the pick
-    tol: float
-    finite: bool
-    repeat: bool
+    pick: Verdict
     ok: bool
-    error: Optional[str] = None  # the pick raised (a refusal, a CUDA error): its first line
-    failed_variants: list[int] = []  # builds the bench checked that are off the reference
-    timings_us: Optional[dict[int, float]] = None  # variant -> median us (bench)
+    failed_variants: list[int] = []  # other builds the bench checked that failed here
+    timings_us: Optional[dict[int, float]] = None  # variant -> median us, output of x's dtype (bench)
     fastest: Optional[int] = None
 
 
@@ -114,10 +128,11 @@ class CheckReport(BaseModel):
     device: str
     spec: CheckSpec
     cases: list[CaseResult]
+    aborted: Optional[str] = None  # a device fault stopped the check: where, and that later cases did not run
 
     @property
     def ok(self) -> bool:
-        return all(c.ok and not c.failed_variants for c in self.cases)
+        return self.aborted is None and all(c.ok and not c.failed_variants for c in self.cases)
 
 
 def parse_spec(hidden: int, inter: int, experts: int, top_k: int, bits: str, codebooks: str, rows: str,
@@ -166,6 +181,15 @@ def row_errors(got: Any, ref: Any) -> list[float]:
     return [n / d if d > 1e-3 else (n if n <= 1e-4 else float("inf")) for n, d in zip(num, den)]
 
 
+def _device_fault(e: BaseException) -> bool:
+    """A CUDA error (illegal address, a trap from a bounded spin, ...) rather than the binding's
+    refusal (ValueError) or a bad argument: after one the context is unusable."""
+    import torch
+
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e) or "cudaError" in str(e)
+
+
 def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: int, device: Any,
                timer: Optional[Timer]) -> CaseResult:
     import torch
@@ -180,38 +204,44 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
     ids32, w32 = ids.to(torch.int32).to(device).contiguous(), w.float().to(device).contiguous()
     ref = moe_reference(x, layer, ids.to(device), w.to(device), spec.swiglu_limit, torch.float64)
 
-    def verdict(variant: int) -> tuple[float, bool, bool, Optional[str]]:
-        outs = []
+    def verdict(variant: int) -> Verdict:
+        outs: dict[Any, list[Any]] = {torch.float32: [], xdt: []}
         try:
-            for _ in range(2):
-                out = torch.full((rows, spec.hidden), float("nan"), dtype=torch.float32, device=device)
-                outs.append(run(x, ids32, w32, out, variant))
+            for dt, runs in outs.items():
+                for _ in range(2):
+                    out = torch.full((rows, spec.hidden), float("nan"), dtype=dt, device=device)
+                    runs.append(run(x, ids32, w32, out, variant))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        except RuntimeError as e:  # the binding's refusal, or a CUDA error the launch reported
-            return float("inf"), False, False, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        finite = bool(torch.isfinite(outs[0]).all())
-        worst = max(row_errors(outs[0], ref)) if finite else float("inf")
-        return worst, finite, bool(torch.equal(outs[0], outs[1])), None
+        except torch.cuda.OutOfMemoryError:
+            raise  # run() says how to free the GPU
+        except (RuntimeError, ValueError) as e:  # the binding refuses with ValueError; CUDA errors
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            return Verdict(error=line, fault=_device_fault(e))
+        finite = all(bool(torch.isfinite(o).all()) for runs in outs.values() for o in runs)
+        worst = {dt: max(row_errors(runs[0], ref)) if finite else None for dt, runs in outs.items()}
+        return Verdict(worst_rel=worst[torch.float32], worst_rel_x=worst[xdt], finite=finite,
+                       repeat=all(bool(torch.equal(runs[0], runs[1])) for runs in outs.values()))
 
     variants = candidates(rows, spec, K) if timer else [policy.variant_for(rows, spec.inter, K, spec.hidden)]
     pick = variants[0]
-    worst, finite, repeat, error = verdict(pick)
-    ok = error is None and finite and repeat and worst <= FP32_TOL
+    first = verdict(pick)
     failed: list[int] = []
     timings = fastest = None
-    if timer:
-        good = [pick] if ok else []
+    if timer and not first.fault:
+        good = [pick] if first.ok else []
         for v in variants[1:]:
-            w_, f_, r_, e_ = verdict(v)
-            (good if e_ is None and f_ and r_ and w_ <= FP32_TOL else failed).append(v)
-        if good:
-            out = torch.empty((rows, spec.hidden), dtype=torch.float32, device=device)
+            other = verdict(v)
+            (good if other.ok else failed).append(v)
+            if other.fault:
+                first = first.model_copy(update={"fault": True})  # the context is gone: stop here
+                break
+        if good and not first.fault:
+            out = torch.empty((rows, spec.hidden), dtype=xdt, device=device)
             timings = timer({v: (lambda v=v: run(x, ids32, w32, out, v)) for v in good})
             fastest = min(timings, key=timings.__getitem__)
     return CaseResult(K=K, codebook=cb, rows=rows, x_dtype=str(xdt).removeprefix("torch."), variant=pick,
-                      worst_rel=worst, tol=FP32_TOL, finite=finite, repeat=repeat, ok=ok, error=error,
-                      failed_variants=failed, timings_us=timings, fastest=fastest)
+                      pick=first, ok=first.ok, failed_variants=failed, timings_us=timings, fastest=fastest)
 
 
 def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], timer: Optional[Timer] = None,
@@ -219,15 +249,20 @@ def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], ti
     """Every (K, codebook, rows) of the spec on one layer per (K, codebook)."""
     from dsv4serve.lna2.reference import random_expert_layer
 
-    cases = []
+    cases: list[CaseResult] = []
     for K in spec.bits:
         for cb in spec.codebooks:
             layer = random_expert_layer(spec.experts, spec.hidden, spec.inter, K, cb, seed=spec.seed + K,
                                         device=device)
             run = make_runner(layer)
             for rows in spec.rows:
-                progress(f"K{K} {cb} {rows} row{'s' if rows > 1 else ''}")
+                where = f"K{K} {cb} {rows} row{'s' if rows > 1 else ''}"
+                progress(where)
                 cases.append(check_case(run, layer, spec, K, cb, rows, device, timer if spec.bench else None))
+                if cases[-1].pick.fault:
+                    return CheckReport(device=device_name or str(device), spec=spec, cases=cases,
+                                       aborted=f"a device fault at {where}; the CUDA context is unusable after "
+                                               "one, so the later cases did not run")
             del run, layer
     return CheckReport(device=device_name or str(device), spec=spec, cases=cases)
 
@@ -302,12 +337,21 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
         ext = loader.load()
     except RuntimeError as e:
         raise JobFailed(f"lna2 extension not loadable: {e}", hint="run `dsv4serve kernel build`") from None
-    limit = int(ext.lna2_moe_max_rows())
-    if max(spec.rows) > limit:
-        raise BadInput(f"--rows {max(spec.rows)}: this build takes 1..{limit} rows per call",
-                       hint=f"drop the rows above {limit}")
     device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
+    try:  # the build's own limits, and whether it takes this layer at all
+        info = dict(ext.lna2_moe_info(spec.bits[0], CODEBOOKS[spec.codebooks[0]], spec.hidden, spec.inter))
+    except (RuntimeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise BadInput(f"lna2 does not take a {spec.hidden} x {spec.inter} layer: {first}",
+                       hint="check --hidden and --inter (this rank's slice)") from None
+    if max(spec.rows) > info["max_rows"]:
+        raise BadInput(f"--rows {max(spec.rows)}: this build takes 1..{info['max_rows']} rows per call",
+                       hint=f"drop the rows above {info['max_rows']}")
+    if spec.experts > info["max_experts"] or spec.top_k > info["max_top_k"]:
+        raise BadInput(f"--experts {spec.experts} / --top-k {spec.top_k}: this build takes up to "
+                       f"{info['max_experts']} experts and top-k {info['max_top_k']}",
+                       hint="use the layer's per-rank expert count")
     name = f"cuda:{gpu} {torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
     try:
         return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
@@ -321,11 +365,15 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
 def table_rows(report: CheckReport) -> list[list[str]]:
     """The human table: one row per case (CLI renders it)."""
     out = []
+    def err(v: Optional[float]) -> str:
+        return "-" if v is None else f"{v:.1e}"
+
     for c in report.cases:
-        verdict = ("ok" if c.ok else f"error: {c.error}" if c.error else "NaN/Inf" if not c.finite
-                   else "not repeatable" if not c.repeat else "off the reference")
-        row = [f"K{c.K}", c.codebook, str(c.rows), f"v{c.variant}", f"{c.worst_rel:.1e} / {c.tol:.0e}",
-               "yes" if c.repeat else "NO", verdict]
+        p = c.pick
+        verdict = ("ok" if c.ok else f"error: {p.error}" if p.error else "NaN/Inf" if not p.finite
+                   else "not repeatable" if not p.repeat else "off the reference")
+        row = [f"K{c.K}", c.codebook, str(c.rows), c.x_dtype, f"v{c.variant}",
+               f"{err(p.worst_rel)} · {err(p.worst_rel_x)}", "yes" if p.repeat else "NO", verdict]
         if report.spec.bench:
             t = c.timings_us or {}
             row.append(f"{t[c.variant]:.1f}" if c.variant in t else "-")
@@ -343,5 +391,6 @@ def table_rows(report: CheckReport) -> list[list[str]]:
 
 
 def headers(bench: bool) -> Sequence[str]:
-    h = ["K", "codebook", "rows", "pick", "worst row err / tol", "repeat", "result"]
+    h = ["K", "codebook", "rows", "x", "pick", f"worst row err: fp32 · x-type out (tol {FP32_TOL:.0e} · {HALF_TOL:.0e})",
+         "repeat", "result"]
     return h + ["pick µs (cold)", "fastest here"] if bench else h
