@@ -231,7 +231,15 @@ if has kcheck && [ "$(left)" -gt 60 ]; then
   PYTHONPATH=$PWD/src:$PYTHONPATH timeout 240 python3 -m dsv4serve kernel check --bench --json \
     > "$OUT/kernel-check.json" 2> "$OUT/kernel-check.log"
   echo "exit $?" >> "$OUT/kernel-check.log"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('kernel check ok', d.get('ok'), d.get('device')); [print(' K%(K)s %(rows)2s rows v%(variant)s err %(worst_rel).1e ok %(ok)s fastest v%(fastest)s' % c, c.get('timings_us')) for c in d.get('cases', [])]" "$OUT/kernel-check.json" 2>&1 | tee -a "$LOG"
+  python3 - "$OUT/kernel-check.json" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("kernel check ok", d.get("ok"), d.get("device"), "aborted:", d.get("aborted"))
+for c in d.get("cases", []):
+    p = c["pick"]
+    print(f" K{c['K']} {c['rows']:2} rows v{c['variant']} err {p['worst_rel']} / {p['worst_rel_x']} ok {c['ok']}"
+          f" {p['error'] or ''} fastest {c['fastest']} {c['timings_us']} off {c['failed_variants']}")
+PY
   tail -3 "$OUT/kernel-check.log" | tee -a "$LOG"
 fi
 
