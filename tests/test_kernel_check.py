@@ -166,3 +166,38 @@ def test_cli_without_a_gpu_says_so_and_fails():
 def test_cli_refuses_bad_flags_before_touching_a_gpu(args, phrase):
     r = _cli(*args)
     assert r.returncode == 2 and phrase in r.stderr and r.stderr.count("\n") == 1
+
+
+class RecordingExt:
+    """A stand-in for the built extension (needs CUDA): records what lna2_moe_decode is handed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def lna2_moe_scratch_bytes(self, hidden, inter):
+        return 4096
+
+    def lna2_moe_decode(self, *args):
+        self.calls.append(args)
+
+
+def test_the_gpu_runner_hands_the_binding_what_the_dispatch_does():
+    """Lna2Runner's call, argument by argument: the order moe_dispatch.Runtime._launch uses (which
+    the device's dispatch step runs against the real binding), tables per expert in TABLES order."""
+    from dsv4serve.lna2.reference import random_expert_layer
+    from dsv4serve.moe_dispatch import TABLES
+
+    layer = random_expert_layer(4, 1024, 256, 3, "mul1", seed=1)
+    ext = RecordingExt()
+    runner = selfcheck.Lna2Runner(ext, layer, torch.device("cpu"), 10.0)
+    x, out = torch.zeros(2, 1024, dtype=torch.bfloat16), torch.zeros(2, 1024, dtype=torch.bfloat16)
+    ids, w = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4)
+    assert runner(x, ids, w, out, 46) is out
+    (args,) = ext.calls
+    assert args[0] is x and args[1] is out and len(args) == 2 + 9 + 8
+    for table, name in zip(args[2:11], TABLES):
+        t = getattr(layer, name)
+        assert table.dtype == torch.int64 and table.tolist() == [t[e].data_ptr() for e in range(4)]
+    assert args[11] is ids and args[12] is w
+    assert args[13] == 3 and args[14] == 10.0 and args[15].numel() == 4096 and not args[15].any()
+    assert args[16:] == (256, selfcheck.CODEBOOKS["mul1"], 46)

@@ -277,9 +277,10 @@ class Lna2Runner:
     def __init__(self, ext: Any, layer: Any, device: Any, swiglu_limit: float) -> None:
         import torch
 
-        names = [f"{p}_{part}" for p in ("gate", "up", "down") for part in ("trellis", "suh", "svh")]
+        from dsv4serve.moe_dispatch import TABLES  # the binding's table order, one copy
+
         self.tables = [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.int64, device=device)
-                       for t in (getattr(layer, n) for n in names)]
+                       for t in (getattr(layer, n) for n in TABLES)]
         self.scratch = torch.zeros(int(ext.lna2_moe_scratch_bytes(layer.hidden, layer.inter)), dtype=torch.uint8,
                                    device=device)
         self.ext, self.layer, self.limit = ext, layer, swiglu_limit
