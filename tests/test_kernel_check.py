@@ -201,3 +201,31 @@ def test_the_gpu_runner_hands_the_binding_what_the_dispatch_does():
     assert args[11] is ids and args[12] is w
     assert args[13] == 3 and args[14] == 10.0 and args[15].numel() == 4096 and not args[15].any()
     assert args[16:] == (256, selfcheck.CODEBOOKS["mul1"], 46)
+
+
+def test_a_live_seat_on_the_gpu_is_found_by_uuid_in_either_spelling(tmp_path, monkeypatch):
+    """`kernel check` refuses a GPU a running seat holds: torch spells the UUID bare, NVML (what
+    `up` records) with a GPU- prefix."""
+    import os
+    import time
+
+    import psutil
+
+    from dsv4serve import state
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path))
+    me = psutil.Process()
+    uuid = "8c6f1a2b-3c4d-5e6f-7a8b-9c0d1e2f3a4b"
+
+    def seat(name, **kw):
+        state.save(state.SeatState(seat=name, run_id=f"{name}-{os.getpid()}-{time.time_ns()}", profile=name,
+                                   profile_digest="x", runtime="native", argv=["python"], env={}, host="127.0.0.1",
+                                   port=1, served_name="m", tp=1, run_dir="/nonexistent", log_path="/nonexistent/l",
+                                   phase="ready", **kw))
+
+    assert selfcheck.seat_using(uuid) is None
+    seat("other", pid=me.pid, start_time=me.create_time(), gpu_uuids=["GPU-00000000-0000-0000-0000-000000000000"])
+    seat("gone", pid=None, gpu_uuids=[f"GPU-{uuid}"])  # no live process: not a holder
+    assert selfcheck.seat_using(uuid) is None
+    seat("s8", pid=me.pid, start_time=me.create_time(), gpu_uuids=[f"GPU-{uuid.upper()}"])
+    assert selfcheck.seat_using(uuid) == f"s8 (pid {me.pid})"

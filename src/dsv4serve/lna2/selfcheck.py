@@ -322,6 +322,28 @@ def cuda_timer(device: Any, reps: int) -> Timer:
     return time_them
 
 
+def _uuid_key(u: str) -> str:
+    """NVML writes "GPU-8c6f...", torch a bare UUID: compare the hex digits."""
+    return u.lower().removeprefix("gpu-").replace("-", "")
+
+
+def seat_using(gpu_uuid: str) -> Optional[str]:
+    """A live seat whose recorded GPUs include this one ("name (pid N)"), or None. A seat's memory
+    would leave the check too little, and its traffic would skew the timings."""
+    from dsv4serve import state
+    from dsv4serve.errors import DsvError
+
+    want = _uuid_key(gpu_uuid)
+    for name in state.all_seats():
+        try:
+            st = state.load(name)
+        except DsvError:  # unreadable: `status` / `down` deal with it, it proves nothing about this GPU
+            continue
+        if st is not None and state.liveness(st) == "alive" and want in {_uuid_key(u) for u in st.gpu_uuids}:
+            return f"{st.seat} (pid {st.pid})"
+    return None
+
+
 def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda s: None) -> CheckReport:
     """The check on local GPU `gpu`, with the built extension. JobFailed when it cannot run here."""
     import torch
@@ -339,6 +361,11 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
     except RuntimeError as e:
         raise JobFailed(f"lna2 extension not loadable: {e}", hint="run `dsv4serve kernel build`") from None
     device = torch.device("cuda", gpu)
+    busy = seat_using(str(getattr(torch.cuda.get_device_properties(device), "uuid", "")))
+    if busy:
+        raise BadInput(f"GPU {gpu} belongs to the running seat {busy}: the check needs its memory, and "
+                       "timings beside a serving seat mean nothing",
+                       hint="stop the seat first (`dsv4serve down`), or pick a GPU it does not use with --gpu")
     torch.cuda.set_device(device)
     try:  # the build's own limits, and whether it takes this layer at all
         info = dict(ext.lna2_moe_info(spec.bits[0], CODEBOOKS[spec.codebooks[0]], spec.hidden, spec.inter))
