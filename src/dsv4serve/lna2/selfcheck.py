@@ -6,10 +6,12 @@ the seat's cards are sm_120, where nothing has been timed and where a kernel tha
 wrong (an arch-specific spill, a shared-memory limit, a different SM count under the cluster
 kernel's grid). This runs what the dispatch would run -- `policy.variant_for` at the seat's
 per-rank shape -- on one local GPU, on a random-but-valid layer (`reference.random_expert_layer`),
-against the fp64 reference on the same layer: every row within the parity tolerance, finite, and the
-same bits on a second run into a NaN-filled output. With `bench`, every build that takes the shape is
+against the fp64 reference on the same layer, into NaN-filled fp32 outputs (the parity gate, 2e-3
+a row) and outputs of x's own type (what the dispatch allocates, 6e-3): every row within tolerance,
+finite, and the same bits on a second run. With `bench`, every build that takes the shape is
 checked the same way and then timed (launches alternated, cold L2, median), and the report says
-which is fastest on this card and by how much the policy's pick trails it.
+which is fastest on this card and by how much the policy's pick trails it. A running seat's GPU is
+refused, and a device fault stops the check at the case that caused it.
 
 The runner and the timer are parameters so that the checking and the verdicts are tested on a
 machine with no GPU; `run` supplies the real ones.
