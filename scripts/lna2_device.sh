@@ -237,8 +237,9 @@ d = json.load(open(sys.argv[1]))
 print("kernel check ok", d.get("ok"), d.get("device"), "aborted:", d.get("aborted"))
 for c in d.get("cases", []):
     p = c["pick"]
-    print(f" K{c['K']} {c['rows']:2} rows v{c['variant']} err {p['worst_rel']} / {p['worst_rel_x']} ok {c['ok']}"
-          f" {p['error'] or ''} fastest {c['fastest']} {c['timings_us']} off {c['failed_variants']}")
+    print(f" K{c['K']} {c['rows']:2} rows v{c['variant']} err {p['worst_rel']} / {p['worst_rel_x']}"
+          f" graph {p['graph_worst_rel']} {p['graph_error'] or ''} ok {c['ok']} {p['error'] or ''}"
+          f" fastest {c['fastest']} {c['timings_us']} off {c['failed_variants']}")
 PY
   tail -3 "$OUT/kernel-check.log" | tee -a "$LOG"
 fi

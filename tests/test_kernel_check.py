@@ -34,9 +34,24 @@ class ReferenceRunner:
         return out
 
 
-def run_check(rows, bits=(2,), fault=None, timer=None, **kw):
+def run_check(rows, bits=(2,), fault=None, timer=None, grapher=None, **kw):
     spec = selfcheck.CheckSpec(**{**SMALL, **kw}, rows=list(rows), bits=list(bits), bench=timer is not None)
-    return selfcheck.check(spec, torch.device("cpu"), lambda layer: ReferenceRunner(layer, fault), timer)
+    return selfcheck.check(spec, torch.device("cpu"), lambda layer: ReferenceRunner(layer, fault), timer,
+                           grapher=grapher)
+
+
+def direct(launch):
+    """A stand-in for CUDA graph capture (no GPU here): a replay is the launch itself, reading
+    whatever the static buffers hold, which is what a correct capture does."""
+    return launch
+
+
+def stale(launch):
+    """A stand-in for a capture gone wrong: a replay rewrites the output of the capture-time inputs,
+    as a kernel that baked its inputs into the graph would."""
+    out = launch()
+    snap = out.clone()
+    return lambda: out.copy_(snap)
 
 
 def test_a_faithful_kernel_passes_and_each_case_names_the_policy_pick():
@@ -229,3 +244,22 @@ def test_a_live_seat_on_the_gpu_is_found_by_uuid_in_either_spelling(tmp_path, mo
     assert selfcheck.seat_using(uuid) is None
     seat("s8", pid=me.pid, start_time=me.create_time(), gpu_uuids=[f"GPU-{uuid.upper()}"])
     assert selfcheck.seat_using(uuid) == f"s8 (pid {me.pid})"
+
+
+def test_the_pick_is_captured_and_replayed_with_fresh_inputs():
+    rep = run_check([1, 2], grapher=direct)
+    assert rep.ok
+    for c in rep.cases:
+        assert c.pick.graph_checked and c.pick.graph_error is None and c.pick.graph_worst_rel < selfcheck.HALF_TOL
+
+
+def test_a_replay_that_ignores_fresh_inputs_fails_and_a_capture_fault_stops_the_check():
+    (c,) = run_check([3], grapher=stale).cases
+    assert not c.ok and c.pick.graph_worst_rel > selfcheck.HALF_TOL
+    assert selfcheck.table_rows(run_check([3], grapher=stale))[0][7] == "graph replay off"
+
+    def refuse_capture(launch):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    rep = run_check([1, 2], grapher=refuse_capture)
+    assert len(rep.cases) == 1 and rep.cases[0].pick.graph_error.startswith("CUDA error") and rep.aborted

@@ -8,13 +8,14 @@ kernel's grid). This runs what the dispatch would run -- `policy.variant_for` at
 per-rank shape -- on one local GPU, on a random-but-valid layer (`reference.random_expert_layer`),
 against the fp64 reference on the same layer, into NaN-filled fp32 outputs (the parity gate, 2e-3
 a row) and outputs of x's own type (what the dispatch allocates, 6e-3): every row within tolerance,
-finite, and the same bits on a second run. With `bench`, every build that takes the shape is
+finite, and the same bits on a second run; the pick is also captured into a CUDA graph and replayed
+with fresh inputs, as vLLM runs it at decode. With `bench`, every build that takes the shape is
 checked the same way and then timed (launches alternated, cold L2, median), and the report says
 which is fastest on this card and by how much the policy's pick trails it. A running seat's GPU is
 refused, and a device fault stops the check at the case that caused it.
 
-The runner and the timer are parameters so that the checking and the verdicts are tested on a
-machine with no GPU; `run` supplies the real ones.
+The runner, the timer and the graph capture are parameters so that the checking and the verdicts
+are tested on a machine with no GPU; `run` supplies the real ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ HALF_TOL = 6e-3  # the same for an fp16 / bf16 output, the dispatch's (out = emp
 
 Runner = Callable[[Any, Any, Any, Any, int], Any]  # (x, ids32, w32, out, variant) -> out
 Timer = Callable[[dict[int, Callable[[], None]]], dict[int, float]]  # variant -> launch -> median us
+Grapher = Callable[[Callable[[], None]], Callable[[], None]]  # a launch -> its captured replay
+GRAPH_REPLAYS = 2  # fresh inputs per captured pick (vLLM replays its decode graphs with new ones)
 
 
 class CheckSpec(BaseModel):
@@ -106,11 +109,17 @@ class Verdict(BaseModel):
     repeat: bool = False
     error: Optional[str] = None  # it raised (a refusal, a CUDA error): the first line
     fault: bool = False  # the error was the device's (the CUDA context is unusable after it)
+    graph_worst_rel: Optional[float] = None  # captured once, replayed with fresh inputs (x-type out)
+    graph_error: Optional[str] = None
+    graph_checked: bool = False
 
     @property
     def ok(self) -> bool:
-        return (self.error is None and self.finite and self.repeat and self.worst_rel is not None
-                and self.worst_rel <= FP32_TOL and self.worst_rel_x is not None and self.worst_rel_x <= HALF_TOL)
+        plain = (self.error is None and self.finite and self.repeat and self.worst_rel is not None
+                 and self.worst_rel <= FP32_TOL and self.worst_rel_x is not None and self.worst_rel_x <= HALF_TOL)
+        graph = not self.graph_checked or (self.graph_error is None and self.graph_worst_rel is not None
+                                           and self.graph_worst_rel <= HALF_TOL)
+        return plain and graph
 
 
 class CaseResult(BaseModel):
@@ -192,19 +201,31 @@ def _device_fault(e: BaseException) -> bool:
     return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e) or "cudaError" in str(e)
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
 def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: int, device: Any,
-               timer: Optional[Timer]) -> CaseResult:
+               timer: Optional[Timer], grapher: Optional[Grapher] = None) -> CaseResult:
     import torch
 
     from dsv4serve.lna2.reference import moe_reference
 
-    gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1000 + rows * 10 + K)
     xdt = torch.bfloat16 if rows % 2 == 0 else torch.float16  # both input types the kernel takes
-    x = torch.randn((rows, spec.hidden), generator=gen).to(xdt).to(device)
-    ids = torch.rand((rows, spec.experts), generator=gen).topk(spec.top_k, dim=-1).indices
-    w = torch.softmax(torch.randn((rows, spec.top_k), generator=gen), dim=-1)
-    ids32, w32 = ids.to(torch.int32).to(device).contiguous(), w.float().to(device).contiguous()
-    ref = moe_reference(x, layer, ids.to(device), w.to(device), spec.swiglu_limit, torch.float64)
+
+    def inputs(draw: int) -> tuple[Any, Any, Any]:
+        """x, ids (int32) and weights (fp32) on the device; draw 0 is the case's, later ones fresh."""
+        gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1000 + rows * 10 + K + 7919 * draw)
+        x_ = torch.randn((rows, spec.hidden), generator=gen).to(xdt).to(device)
+        ids_ = torch.rand((rows, spec.experts), generator=gen).topk(spec.top_k, dim=-1).indices
+        w_ = torch.softmax(torch.randn((rows, spec.top_k), generator=gen), dim=-1)
+        return x_, ids_.to(torch.int32).to(device).contiguous(), w_.float().to(device).contiguous()
+
+    def reference(x_: Any, ids_: Any, w_: Any) -> Any:
+        return moe_reference(x_, layer, ids_.long(), w_, spec.swiglu_limit, torch.float64)
+
+    x, ids32, w32 = inputs(0)
+    ref = reference(x, ids32, w32)
 
     def verdict(variant: int) -> Verdict:
         outs: dict[Any, list[Any]] = {torch.float32: [], xdt: []}
@@ -218,16 +239,42 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
         except torch.cuda.OutOfMemoryError:
             raise  # run() says how to free the GPU
         except (RuntimeError, ValueError) as e:  # the binding refuses with ValueError; CUDA errors
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            return Verdict(error=line, fault=_device_fault(e))
+            return Verdict(error=_first_line(e), fault=_device_fault(e))
         finite = all(bool(torch.isfinite(o).all()) for runs in outs.values() for o in runs)
         worst = {dt: max(row_errors(runs[0], ref)) if finite else None for dt, runs in outs.items()}
         return Verdict(worst_rel=worst[torch.float32], worst_rel_x=worst[xdt], finite=finite,
                        repeat=all(bool(torch.equal(runs[0], runs[1])) for runs in outs.values()))
 
+    def graph_verdict(variant: int, v: Verdict) -> Verdict:
+        """Captured once on static buffers, replayed with fresh inputs copied in, as vLLM's decode
+        graphs are: each replay against its own reference."""
+        sx, sids, sw = x.clone(), ids32.clone(), w32.clone()
+        sout = torch.empty((rows, spec.hidden), dtype=xdt, device=device)
+        worst: Optional[float] = 0.0  # None once a replay leaves a NaN/Inf
+        try:
+            replay = grapher(lambda: run(sx, sids, sw, sout, variant))  # type: ignore[misc]
+            for draw in range(1, GRAPH_REPLAYS + 1):
+                for static, fresh in zip((sx, sids, sw), inputs(draw)):
+                    static.copy_(fresh)
+                sout.fill_(float("nan"))
+                replay()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if worst is not None:
+                    finite = bool(torch.isfinite(sout).all())
+                    worst = max(worst, max(row_errors(sout, reference(sx, sids, sw)))) if finite else None
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError) as e:
+            return v.model_copy(update={"graph_checked": True, "graph_error": _first_line(e),
+                                        "fault": _device_fault(e)})
+        return v.model_copy(update={"graph_checked": True, "graph_worst_rel": worst})
+
     variants = candidates(rows, spec, K) if timer else [policy.variant_for(rows, spec.inter, K, spec.hidden)]
     pick = variants[0]
     first = verdict(pick)
+    if grapher and first.error is None:
+        first = graph_verdict(pick, first)
     failed: list[int] = []
     timings = fastest = None
     if timer and not first.fault:
@@ -247,7 +294,8 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
 
 
 def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], timer: Optional[Timer] = None,
-          device_name: str = "", progress: Callable[[str], None] = lambda s: None) -> CheckReport:
+          device_name: str = "", progress: Callable[[str], None] = lambda s: None,
+          grapher: Optional[Grapher] = None) -> CheckReport:
     """Every (K, codebook, rows) of the spec on one layer per (K, codebook)."""
     from dsv4serve.lna2.reference import random_expert_layer
 
@@ -260,7 +308,8 @@ def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], ti
             for rows in spec.rows:
                 where = f"K{K} {cb} {rows} row{'s' if rows > 1 else ''}"
                 progress(where)
-                cases.append(check_case(run, layer, spec, K, cb, rows, device, timer if spec.bench else None))
+                cases.append(check_case(run, layer, spec, K, cb, rows, device, timer if spec.bench else None,
+                                        grapher))
                 if cases[-1].pick.fault:
                     return CheckReport(device=device_name or str(device), spec=spec, cases=cases,
                                        aborted=f"a device fault at {where}; the CUDA context is unusable after "
@@ -324,6 +373,21 @@ def cuda_timer(device: Any, reps: int) -> Timer:
     return time_them
 
 
+def cuda_grapher(device: Any) -> Grapher:
+    """Capture one launch into a CUDA graph (after a warm launch outside it, as vLLM does)."""
+    import torch
+
+    def capture(launch: Callable[[], None]) -> Callable[[], None]:
+        launch()
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch()
+        return g.replay
+
+    return capture
+
+
 def _uuid_key(u: str) -> str:
     """NVML writes "GPU-8c6f...", torch a bare UUID: compare the hex digits."""
     return u.lower().removeprefix("gpu-").replace("-", "")
@@ -385,7 +449,7 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
     name = f"cuda:{gpu} {torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
     try:
         return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
-                     cuda_timer(device, spec.reps) if spec.bench else None, name, progress)
+                     cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device))
     except torch.cuda.OutOfMemoryError:
         free, total = torch.cuda.mem_get_info(device)
         raise JobFailed(f"GPU {gpu} ran out of memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)",
@@ -401,7 +465,11 @@ def table_rows(report: CheckReport) -> list[list[str]]:
     for c in report.cases:
         p = c.pick
         verdict = ("ok" if c.ok else f"error: {p.error}" if p.error else "NaN/Inf" if not p.finite
-                   else "not repeatable" if not p.repeat else "off the reference")
+                   else "not repeatable" if not p.repeat
+                   else f"graph: {p.graph_error}" if p.graph_error
+                   else "graph replay off" if p.graph_checked and (p.graph_worst_rel is None
+                                                                   or p.graph_worst_rel > HALF_TOL)
+                   else "off the reference")
         row = [f"K{c.K}", c.codebook, str(c.rows), c.x_dtype, f"v{c.variant}",
                f"{err(p.worst_rel)} · {err(p.worst_rel_x)}", "yes" if p.repeat else "NO", verdict]
         if report.spec.bench:
