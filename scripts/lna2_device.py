@@ -90,9 +90,9 @@ def expert_tensors(layer):
 
 def pointer_tables(W, dev):
     """Per stacked tensor, the int64 table of its experts' data pointers (lna2's and exl3_moe's tables)."""
-    import torch
+    from dsv4serve.lna2.selfcheck import pointer_tables as tables
 
-    return [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.long, device=dev) for t in W]
+    return tables(W, dev)
 
 
 class Lna2Layer:

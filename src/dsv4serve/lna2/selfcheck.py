@@ -321,6 +321,14 @@ def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], ti
 # --- the GPU side -----------------------------------------------------------------------------------
 
 
+def pointer_tables(tensors: Sequence[Any], device: Any) -> list[Any]:
+    """Per expert-stacked tensor, the int64 table of its experts' data pointers (lna2's tables)."""
+    import torch
+
+    return [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.int64, device=device)
+            for t in tensors]
+
+
 class Lna2Runner:
     """lna2 on one CUDA device for one layer: pointer tables and a zeroed scratch, held as the
     vLLM dispatch holds them (moe_dispatch)."""
@@ -330,8 +338,7 @@ class Lna2Runner:
 
         from dsv4serve.moe_dispatch import TABLES  # the binding's table order, one copy
 
-        self.tables = [torch.tensor([t[e].data_ptr() for e in range(t.shape[0])], dtype=torch.int64, device=device)
-                       for t in (getattr(layer, n) for n in TABLES)]
+        self.tables = pointer_tables([getattr(layer, n) for n in TABLES], device)
         self.scratch = torch.zeros(int(ext.lna2_moe_scratch_bytes(layer.hidden, layer.inter)), dtype=torch.uint8,
                                    device=device)
         self.ext, self.layer, self.limit = ext, layer, swiglu_limit
@@ -436,7 +443,7 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
     try:  # the build's own limits, and whether it takes this layer at all
         info = dict(ext.lna2_moe_info(spec.bits[0], CODEBOOKS[spec.codebooks[0]], spec.hidden, spec.inter))
     except (RuntimeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = _first_line(e)[:200]
         raise BadInput(f"lna2 does not take a {spec.hidden} x {spec.inter} layer: {first}",
                        hint="check --hidden and --inter (this rank's slice)") from None
     if max(spec.rows) > info["max_rows"]:
