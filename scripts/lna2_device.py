@@ -312,9 +312,9 @@ def cmd_parity(args):
                         # v50 decodes the same integers: v4's bits are expected, but only the
                         # tolerance above is the gate
                         cases[50]["bitwise_vs_v4"] = bool(torch.equal(outs[50], outs[4]))
-                    if 52 in outs and 50 in outs:
-                        # v52 is v50's arithmetic in v50's order with fewer barriers: the same bits
-                        cases[52]["bitwise_vs_v50"] = bool(torch.equal(outs[52], outs[50]))
+                    if 53 in outs and 50 in outs:
+                        # v53 is v50's arithmetic in v50's order with another ring completion: the same bits
+                        cases[53]["bitwise_vs_v50"] = bool(torch.equal(outs[53], outs[50]))
             worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +
@@ -1389,7 +1389,7 @@ def main():
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
-    sw.add_argument("--pair", default="1", help="paired down items: 0, 1, 2 (v52: at any intermediate) or a list")
+    sw.add_argument("--pair", default="1", help="paired down items: 0, 1 or a list")
     sw.add_argument("--ctas", default="0", help="CTAs per SM (set_tuning): 0 = as fit; for v7 0 auto, 1, 2")
     sub.add_parser("ablate")
     tr = sub.add_parser("trace")

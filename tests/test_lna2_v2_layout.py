@@ -399,85 +399,79 @@ def test_byte_permute_states_match_the_shift_states():
 
 
 # ---------------------------------------------------------------------------------------------
-# v52's one-barrier chunk pipeline (run_gu_ob): a model of its statements, interval by interval
+# v53's ring (lna2_v2.cu, GRP): one cp.async commit group per issued row, a steady step that issues
+# one row without issue_due's loop, and cp.async.wait_group counts in place of mbarrier phases
 
 
-def ob_intervals(R):
-    """run_gu_ob's statements as (interval, op, chunk, buffer) in program order; an interval ends at
-    each __syncthreads. ops: load (registers), store (registers -> raw), rotate (raw -> xs), mma
-    (reads xs), free (registers released: the next item's chunk 0 may be loaded)."""
-    ops, iv = [], 0
+def ring_schedule(nsts, learn_after, S=4):
+    """One warp's ring through items of `nsts` stages, in V2Kernel's order: each item starts with
+    issue_due, then runs its steps; the next item is learnt at step `learn_after[i]` of item i (or at
+    its end, where run() learns it). Yields per step (q, rows issued so far in order, the wait's
+    group count, whether the steady branch ran, the rows issue_due would have issued there)."""
+    base_cur, issued, rows = 0, 0, []
+    out = []
+    for i, nst in enumerate(nsts):
+        nxt_nst = nsts[i + 1] if i + 1 < len(nsts) else 0
+        known = False
 
-    def advance(n):
-        ops.append((iv, "load", n, None) if n < R else (iv, "free", None, None))
+        def due(q):
+            base_nxt = base_cur + nst
+            horizon = (base_nxt + nxt_nst if known else base_nxt) - 1
+            return list(range(issued, min(q + S - 1, horizon) + 1))
 
-    ops.append((iv, "load", 0, None))       # load_raw(it, 0) (or prefetched by the previous item)
-    ops.append((iv, "hold0", 0, None))      # x0/s0 = rx/rs
-    advance(1)
-    iv += 1                                 # __syncthreads
-    ops.append((iv, "store", 0, 0))         # store_raw_vals(it, 0, x0, s0)
-    iv += 1
-    ops.append((iv, "rotate", 0, 0))
-    if R > 1:
-        ops.append((iv, "store", 1, 1))
-        advance(2)
-    iv += 1
-    for ch in range(R):
-        ops.append((iv, "mma", ch, ch & 1))
-        if ch + 1 < R:
-            ops.append((iv, "rotate", ch + 1, (ch + 1) & 1))
-        if ch + 2 < R:
-            ops.append((iv, "store", ch + 2, ch & 1))
-            advance(ch + 3)
-        iv += 1
-    return ops
+        q0 = base_cur
+        new = due(q0)                            # run_gu / run_dn: issue_due before the first step
+        rows += new
+        issued += len(new)
+        for j in range(nst):
+            q = base_cur + j
+            if j == learn_after[i]:
+                known = True
+            general = due(q)
+            steady = issued == q + S - 1 and issued < base_cur + nst
+            if steady:
+                rows.append(issued)              # copy_row<KIND>(cur, issued - base_cur, ...)
+                issued += 1
+                newer = S - 1
+            else:
+                rows += general
+                issued += len(general)
+                newer = issued - 1 - q
+            out.append((q, list(rows), newer, steady, general))
+        base_cur += nst
+    return out
 
 
-@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 8, 16])
-def test_ob_pipeline_reads_each_chunk_once_from_buffers_no_one_else_touches(R):
-    """Every chunk is loaded, staged in raw[n & 1], rotated into xs[n & 1] and multiplied from there,
-    each step in a later barrier interval than the one before; within an interval no buffer is both
-    written and read by different steps (warps run an interval's steps in any order); a buffer holds
-    the chunk its reader expects (not overwritten since); the registers hold one chunk at a time
-    and are released once, after the last chunk is staged. Barriers: R + 3 (run_gu: 3 R)."""
-    ops = ob_intervals(R)
-    assert ops[-1][0] + 1 == R + 3  # the last interval ends at the (R + 3)-th barrier
-    raw, xs = [None, None], [None, None]
-    regs = None
-    when = {}
-    by_iv = {}
-    for iv, op, n, b in ops:
-        by_iv.setdefault(iv, []).append((op, n, b))
-    for iv in sorted(by_iv):
-        steps = by_iv[iv]
-        writes = {("raw", b) for op, n, b in steps if op == "store"} | {("xs", b) for op, n, b in steps if op == "rotate"}
-        reads = {("raw", b) for op, n, b in steps if op == "rotate"} | {("xs", b) for op, n, b in steps if op == "mma"}
-        assert not writes & reads, (iv, steps)
-        # reads see what the buffers held when the interval began; writes land at its barrier
-        for op, n, b in steps:
-            if op == "rotate":
-                assert raw[b] == n and when[("store", n)] < iv, (iv, op, n)
-            if op == "mma":
-                assert xs[b] == n and when[("rotate", n)] < iv, (iv, op, n)
-        for op, n, b in steps:  # program order within a thread: registers
-            if op == "load":
-                assert regs is None, (iv, "registers overwritten before they were staged")
-                regs = n
-            elif op == "hold0":
-                regs = None  # chunk 0 moved to x0/s0
-            elif op == "store":
-                assert n == 0 or regs == n, (iv, op, n, regs)
-                if n != 0:
-                    regs = None
-            elif op == "free":
-                assert regs is None
-            when[(op, n)] = iv
-        for op, n, b in steps:
-            if op == "store":
-                raw[b] = n
-            if op == "rotate":
-                xs[b] = n
-    assert sorted(n for _, op, n, _ in ops if op == "mma") == list(range(R))
-    assert sum(op == "free" for _, op, _, _ in ops) == 1
-    free_at = next(i for i, o in enumerate(ops) if o[1] == "free")
-    assert all(o[1] != "store" or o[2] == 0 or i < free_at for i, o in enumerate(ops))  # released after the last staging
+@pytest.mark.parametrize("seed", range(40))
+def test_grp_ring_waits_for_exactly_the_row_it_reads(seed):
+    """With one commit group per row, `cp.async.wait_group n` completes every row but the n newest:
+    the wait a step chooses must cover the row it reads (q) and be a count the 4-slot ring can
+    spell (0..3); rows are issued once each, in order (the groups' order is the rows' order); a row
+    never lands in a slot whose row is still unread; and the steady branch issues exactly the row
+    issue_due would have issued there."""
+    rng = np.random.default_rng(seed)
+    S = 4
+    n_items = int(rng.integers(1, 8))
+    nsts = [int(v) for v in rng.choice([0, 1, 2, 3, 4, 5, 8, 16, 32, 64], size=n_items)]
+    learn_after = [int(rng.integers(0, max(n, 1) + 1)) for n in nsts]  # == n: learnt at the item's end
+    steps = ring_schedule(nsts, learn_after, S)
+    assert [q for q, *_ in steps] == list(range(sum(nsts)))
+    for q, rows, newer, steady, general in steps:
+        assert rows == list(range(len(rows))), "each row issued once, in order"
+        assert 0 <= newer <= S - 1
+        done = rows[: len(rows) - newer]
+        assert q in done, (q, rows, newer)
+        assert max(rows) <= q + S - 1, "a slot is refilled only after its row was read"
+        if steady:
+            assert general == [q + S - 1], (q, general)
+    assert steps == [] or steps[-1][1] == list(range(sum(nsts)))
+
+
+def test_grp_ring_takes_the_steady_branch_inside_long_items():
+    """Inside an item of 64 stages (a TP1 gate/up item) the general loop runs only at the item's
+    first step (its rows were issued ahead) and its last S - 1 (which issue the next item's rows):
+    59 of 64 steps take the steady branch, whenever the next item is learnt."""
+    for learn in ([0, 0], [10, 10], [64, 64]):
+        steps = ring_schedule([64, 64], learn)
+        general = [q for q, _, _, steady, _ in steps if not steady]
+        assert general == [0, 61, 62, 63, 64, 125, 126, 127], (learn, general)

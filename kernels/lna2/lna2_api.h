@@ -125,8 +125,7 @@ struct Args {
                                 // 7, 9, 20, 21: the cluster kernel; 10..13, 17..19: timing ablations (K2 MCG only, below)
     int stages;                 // set by launch(): pipeline depth (v1, v2)
     int items_x8;               // v2: aim for at least grid * items_x8 / 8 gate/up items (set by launch())
-    int pair_down;              // v2: allow down items of two output blocks (set by launch(); 2: at any
-                                // intermediate size, v52 only)
+    int pair_down;              // v2: allow down items of two output blocks (set by launch())
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
     unsigned long long* trace;  // v2 family and v7, optional: per-CTA event timeline (TRACE_EVENTS x {ns, (ticket or unit + 1)<<8 | event})
@@ -172,12 +171,14 @@ inline bool is_cluster_variant(int v) {
 // 22's v50 with each group's gate/up inputs rotated once by rotation items ticketed first, was
 // measured and retired: NOTES.md, "The variants".)
 constexpr int V2_PRM_VARIANT = 50;
-// Variant 52 is v50 with one CTA barrier per gate/up chunk instead of three (B fragments and staged
-// inputs double-buffered, each chunk's rotation in the previous chunk's barrier interval), aimed
-// at TP1, where every gate/up item runs 16 chunks (kernels/lna2/NOTES.md, session 24).
-constexpr int V2_OB_VARIANT = 52;
+// Variant 53 is v50 whose per-warp trellis rings complete on cp.async commit groups instead of
+// mbarriers, with a steady-state step that issues its one due row directly, aimed at TP1, where
+// the ring step's integer work shares the ALU pipe the decode saturates (kernels/lna2/NOTES.md,
+// session 26). (52, session 24's v50 with one CTA barrier per gate/up chunk, tied v50 and was
+// retired: NOTES.md, "The variants".)
+constexpr int V2_GRP_VARIANT = 53;
 inline bool variant_known(int v) {
-    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_OB_VARIANT || is_cluster_variant(v) ||
+    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_GRP_VARIANT || is_cluster_variant(v) ||
            is_ablation(v);
 }
 
@@ -189,7 +190,7 @@ cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 
 // Process-wide v2 tuning for benchmarks: resident CTAs per SM (0: as many as fit, < 0 keeps the
 // setting), the gate/up item target, grid * items_x8 / 8 (0 keeps it), and whether down items may
-// cover two output blocks (0 / 1, 2: also past 4 intermediate blocks in v52's builds, < 0 keeps it).
+// cover two output blocks (0 / 1, < 0 keeps it).
 void set_tuning(int ctas_per_sm, int items_x8, int pair_down);
 
 // v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2, 3 and 4 to them.

@@ -37,10 +37,7 @@ constexpr int KCI_MAX = 16;        // k-tiles per chunk (one rotation of the inp
 constexpr int RED_FLOATS = 4096;   // reduction buffer; aliases the B-fragment buffer
 constexpr int RAW_STRIDE = KCI_MAX * 16 + 8;  // halves per staged raw input row
 constexpr int XS_BYTES = RED_FLOATS * 4;      // >= 2 proj x KCI_MAX k-tiles x 32 lanes x 8 B
-constexpr int XS_BUF_WORDS = 2 * KCI_MAX * 32 * 2;  // one chunk's B fragments (OB keeps two in xs)
 static_assert(2 * KCI_MAX * 32 * 8 <= XS_BYTES, "B fragments fit the buffer");
-static_assert(2 * XS_BUF_WORDS * 4 <= XS_BYTES, "OB: two chunks' B fragments fit the buffer");
-constexpr int RAW_BYTES = GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;  // one chunk's staged x rows and suh
 static_assert(THREADS == 256 && WARPS == 8, "the item shapes assume 8 warps");
 
 struct Plan : RoutePlan<GR> {
@@ -57,13 +54,12 @@ struct Dyn {
 
 __host__ __device__ inline int ring_row_bytes(int bits) { return 256 * bits; }  // 8 tiles of one k-tile row
 
-// ob: two raw buffers (the OB builds stage chunk ch+2 while chunk ch+1 is rotated)
-__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap, bool ob = false) {
+__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
     Dyn d{};
     int off = 0;
     d.ring = off; off += stages * WARPS * ring_row_bytes(bits);
     d.xs = off;   off += XS_BYTES;
-    d.raw = off;  off += ob ? 2 * RAW_BYTES : RAW_BYTES;
+    d.raw = off;  off += GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;
     off = (off + 15) & ~15;
     d.ptr = off;  off += ucap * 9 * 8;
     off = (off + 15) & ~15;
@@ -122,9 +118,6 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
     return it;
 }
 
-// ANY_PAIR (the OB builds): Args::pair_down == 2 pairs down items at any intermediate size, not only
-// up to 4 blocks (a tuning for the sweep at TP1, which the 2026-12-03 pairing sweep could not reach)
-template <bool ANY_PAIR = false>
 __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     Cfg c{};
     c.n_ib = a.inter / 128;
@@ -150,11 +143,7 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     // CTA (the TP8 slice from ~8 rows): half the items, so half the per-item waits, activation
     // loads, reductions and arrivals, which the 2026-12-03 ablations found to be most of the down
     // phase. With fewer items per CTA pairing measured 3-8 % slower (TP8 4 rows).
-    if constexpr (ANY_PAIR)
-        c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && (c.n_ib <= 4 || a.pair_down >= 2) &&
-                ng * c.n_cb >= 4 * G) ? 2 : 1;
-    else
-        c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb >= 4 * G) ? 2 : 1;
+    c.DB = (a.pair_down && ksd == 1 && c.n_cb % 2 == 0 && c.n_ib <= 4 && ng * c.n_cb >= 4 * G) ? 2 : 1;
     c.wbs = c.DB == 2 ? 2 : 3;
     c.WB = 1 << c.wbs;
     c.KWd = c.n_ib * 8 / (c.WB * ksd);  // (I/16)/KSd k-tiles over the block's warps
@@ -178,8 +167,9 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
 };
 
 // PRM: K2's byte-permute state extraction (states8<2, true>).
-// OB: one CTA barrier per gate/up chunk instead of three (run_gu_ob; variant 52).
-template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool OB = false>
+// GRP: each warp's ring completes on cp.async commit groups (one per row) instead of mbarriers, and a
+// step whose only due row is the current item's next issues it without issue_due's loop (variant 53).
+template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false>
 struct V2Kernel {
     static constexpr int TILE = 32 * K;   // bytes per tile
     static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
@@ -236,17 +226,32 @@ struct V2Kernel {
         }
     }
 
+    // KIND: the item's kind when the caller knows it (GRP's steady step), else IT_NONE (look it up).
+    // With a known kind the row's offset is computed in 32 bits (an expert's projection is at most
+    // 12 MiB of trellis at K3 with hidden and intermediate <= 8192 and 4096), without the sign fix
+    // of a signed division.
+    template <int KIND = IT_NONE>
     __device__ void copy_row(const Item& it, int st, int slot) {
         const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const char* src;
-        if (it.kind == IT_GU)  // stage st: chunk st >> kws, k-tile st & (kw - 1) of this warp's share
+        if constexpr (KIND == IT_GU)
+            src = it.src + (unsigned((st >> c.kws) * c.KCI + (st & ((1 << c.kws) - 1))) * (unsigned(a.inter) >> 4) *
+                            unsigned(TILE));
+        else if constexpr (KIND == IT_DN)
+            src = it.src + unsigned(st) * (unsigned(a.hidden) >> 4) * unsigned(TILE);
+        else if (it.kind == IT_GU)  // stage st: chunk st >> kws, k-tile st & (kw - 1) of this warp's share
             src = it.src + size_t((st >> c.kws) * c.KCI + (st & ((1 << c.kws) - 1))) * (a.inter / 16) * TILE;
         else
             src = it.src + size_t(st) * (a.hidden / 16) * TILE;
         uint8_t* dst = slot_row(slot);
         if constexpr ((ABL & ABL_NO_COPY) == 0)
             for (int p = lane; p < PIECES; p += 32) cp16(dst + p * 16, src + p * 16);
-        mbar_arrive_cp(bar + (w * S + slot));
+        if constexpr (GRP) {
+            (void)w;
+            cp_commit();  // one group per row and lane, in issue order: the wait counts rows
+        } else {
+            mbar_arrive_cp(bar + (w * S + slot));
+        }
     }
 
     // Issue this warp's rows up to S-1 stages ahead, within the items it knows. The caller makes
@@ -259,6 +264,16 @@ struct V2Kernel {
             if (issued < base_nxt) copy_row(cur, issued - base_cur, issued & (S - 1));
             else copy_row(nxt, issued - base_nxt, issued & (S - 1));
         }
+    }
+
+    // GRP: wait for this lane's copies of row q; `newer` rows were issued after it (0 .. S - 1), and
+    // each row is one commit group, so at most that many groups may stay in flight.
+    __device__ __forceinline__ static void ring_wait(int newer) {
+        static_assert(S == 4, "ring_wait spells out the group counts of a 4-slot ring");
+        if (newer >= 3) asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+        else if (newer == 2) asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+        else if (newer == 1) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     }
 
     // The next ticket's number is in s.q (published for this item): learn it.
@@ -289,16 +304,35 @@ struct V2Kernel {
     }
 
     // One consumer step of this warp: learn the next item if published, refill, wait for this stage.
+    // KIND: the current item's kind (GRP's steady step uses it to skip the lookup).
+    template <int KIND>
     __device__ const uint32_t* step() {
         if (!nxt_known && atomicAdd(&s.qseq, 0) == item_seq) {
             __threadfence_block();
             learn_next();
         }
         __syncwarp();  // every lane is done with the stage whose slot is refilled now
-        issue_due();
-        publish();
+        if constexpr (GRP) {
+            // In the steady state exactly one row is due, S - 1 ahead of this one, and it is the
+            // current item's: issue it without issue_due's loop (which would issue the same row);
+            // then S - 1 rows are newer than this one.
+            if (issued == q + S - 1 && issued < base_cur + cur.nst) {
+                copy_row<KIND>(cur, issued - base_cur, issued & (S - 1));
+                issued++;
+                publish();
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 1) : "memory");
+            } else {
+                issue_due();
+                publish();
+                ring_wait(issued - 1 - q);
+            }
+            __syncwarp();  // each lane's copies of the row are complete; this shows them to the warp
+        } else {
+            issue_due();
+            publish();
+        }
         const int slot = q & (S - 1);
-        mbar_wait(bar + ((threadIdx.x >> 5) * S + slot), (q / S) & 1);
+        if constexpr (!GRP) mbar_wait(bar + ((threadIdx.x >> 5) * S + slot), (q / S) & 1);
         q++;
         return reinterpret_cast<const uint32_t*>(slot_row(slot));
     }
@@ -320,31 +354,26 @@ struct V2Kernel {
                        idx);
     }
 
-    __device__ void store_raw(const Item& it, int buf = 0) { store_raw_vals(it, buf, rx, rs); }
-
-    __device__ void store_raw_vals(const Item& it, int buf, const uint4& vx, uint32_t vs) {
+    __device__ void store_raw(const Item& it) {
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
-        __half* rawx = reinterpret_cast<__half*>(dyn + D.raw + buf * RAW_BYTES);
+        __half* rawx = reinterpret_cast<__half*>(dyn + D.raw);
         __half* raws = rawx + GR * RAW_STRIDE;
         const int j = t >> 5, piece = t & 31;
-        if (j < s.gnr[it.g] && piece * 8 < cols) *reinterpret_cast<uint4*>(rawx + j * RAW_STRIDE + piece * 8) = vx;
+        if (j < s.gnr[it.g] && piece * 8 < cols) *reinterpret_cast<uint4*>(rawx + j * RAW_STRIDE + piece * 8) = rx;
         const int proj = t >> 7, idx = t & 127;
-        if (idx * 2 < cols) *reinterpret_cast<uint32_t*>(raws + proj * KCI_MAX * 16 + idx * 2) = vs;
+        if (idx * 2 < cols) *reinterpret_cast<uint32_t*>(raws + proj * KCI_MAX * 16 + idx * 2) = rs;
     }
 
-    // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words. `first`
-    // spreads the tasks over the warps (OB: a chunk's rotation shares its barrier interval with
-    // the MMAs, so it should not always land on the same warps).
-    __device__ void rotate(const Item& it, int buf = 0, int first = 0) {
+    // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words.
+    __device__ void rotate(const Item& it) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[it.g];
         const int nblk = c.KCI / 8;
-        const uint8_t* rawx = dyn + D.raw + buf * RAW_BYTES;
+        const uint8_t* rawx = dyn + D.raw;
         const uint8_t* raws = rawx + GR * RAW_STRIDE * 2;
-        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs) + buf * XS_BUF_WORDS;
-        const int task0 = OB ? (warp - first) & (WARPS - 1) : warp;
-        for (int task = task0; task < 2 * rows * nblk; task += WARPS) {
+        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
+        for (int task = warp; task < 2 * rows * nblk; task += WARPS) {
             const int proj = task & 1, rest = task >> 1;
             const int j = rest % rows, blk = rest / rows;
             const int k = blk * 128 + 4 * lane;
@@ -368,7 +397,7 @@ struct V2Kernel {
         const int proj = warp & 1, ksub = warp >> 1;
         const int kw = 1 << c.kws;
         for (int sub = 0; sub < kw; sub++) {
-            const uint32_t* row = step();
+            const uint32_t* row = step<IT_GU>();
             if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
             uint32_t b[4];
             b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xb + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
@@ -379,10 +408,6 @@ struct V2Kernel {
 
     // ---- gate/up item: partial GEMV over its k-range for both projections, 8 n-tiles each
     __device__ void run_gu(const Item& it, int ticket) {
-        if constexpr (OB) {
-            run_gu_ob(it, ticket);
-            return;
-        }
         const int lane = threadIdx.x & 31;
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
@@ -411,68 +436,6 @@ struct V2Kernel {
             rotate(it);
             __syncthreads();  // the rotated inputs are every warp's B fragments
             gu_chunk(xs, ch, ticket, w0i, w1i, sh, acc);
-        }
-        trace(EV_MMA, ticket);
-        epilogue_gu(it, acc, ticket);
-    }
-
-    // The raw inputs of chunk n into rx/rs, or, past the item's last chunk, the registers are free
-    // (and take the next item's chunk 0 when it is known to be a gate/up item).
-    __device__ void advance_raw(const Item& it, int n) {
-        if (n < c.R) {
-            load_raw(it, n);
-            return;
-        }
-        regs_free = true;
-        if (nxt_known && nxt.kind == IT_GU && !raw_ready) {
-            load_raw(nxt, 0);
-            raw_ready = true;
-        }
-    }
-
-    // run_gu with xs (B fragments) and raw (staged inputs) double-buffered: in the barrier interval
-    // of chunk ch the warps run ch's MMAs, rotate chunk ch+1 (staged one interval earlier) and stage
-    // chunk ch+2 (loaded into registers one interval earlier), so a chunk costs one CTA barrier
-    // instead of run_gu's three, and the rotation no longer has an interval of its own in which the
-    // warps without a Hadamard task wait. What each interval touches is disjoint: MMAs read
-    // xs[ch & 1], the rotation reads raw[(ch + 1) & 1] and writes xs[(ch + 1) & 1], the staging
-    // writes raw[ch & 1]; each was last used two intervals back. The arithmetic and its order are
-    // run_gu's, so the output is bitwise the same.
-    __device__ void run_gu_ob(const Item& it, int ticket) {
-        const int lane = threadIdx.x & 31;
-        int w0i, w1i, sh;
-        lane_window<K>(lane, w0i, w1i, sh);
-        float acc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        const uint32_t* xs = reinterpret_cast<const uint32_t*>(dyn + D.xs);
-        __syncwarp();
-        issue_due();                      // the trellis is in flight while the raw inputs arrive
-        if (!raw_ready) load_raw(it, 0);  // not prefetched: the next item was learnt too late
-        raw_ready = false;
-        regs_free = false;
-        const uint4 x0 = rx;              // chunk 0 waits in these while chunk 1 is requested
-        const uint32_t s0 = rs;
-        advance_raw(it, 1);
-        __syncthreads();  // the previous item is done with xs (its reduction buffer) and raw
-        store_raw_vals(it, 0, x0, s0);
-        __syncthreads();
-        rotate(it, 0, 0);
-        if (c.R > 1) {
-            store_raw(it, 1);
-            advance_raw(it, 2);
-        }
-        __syncthreads();  // chunk 0's B fragments and chunk 1's raw inputs are every warp's
-        for (int ch = 0; ch < c.R; ch++) {
-            gu_chunk(xs + (ch & 1) * XS_BUF_WORDS, ch, ticket, w0i, w1i, sh, acc);
-            // after the MMAs, so a warp's trellis wait is not behind a Hadamard; the tasks move
-            // by four warps a chunk, so with a single-row group (4 tasks) they alternate halves
-            if (ch + 1 < c.R) rotate(it, (ch + 1) & 1, ((ch + 1) * 4) & (WARPS - 1));
-            if (ch + 2 < c.R) {
-                store_raw(it, ch & 1);
-                advance_raw(it, ch + 3);
-            }
-            __syncthreads();
         }
         trace(EV_MMA, ticket);
         epilogue_gu(it, acc, ticket);
@@ -618,7 +581,7 @@ struct V2Kernel {
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
         for (int st = 0; st < c.KWd; st++) {
-            const uint32_t* row = step();
+            const uint32_t* row = step<IT_DN>();
             uint32_t b[4];
             b_frag<CB, DUP>(bq0, b);
             bq0 = bq1;
@@ -687,16 +650,16 @@ struct V2Kernel {
         nev = 0;
         ret_old = -1;
         trace(EV_START, -1);
-        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k), OB);
+        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k));
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
         int first = 0;
         if (t == 0) first = atomicAdd(ticket, 1);  // in flight while the plan is built
-        if (t < WARPS * S) mbar_init(bar + t, 32);  // one per warp and slot, completed by the warp's lanes
+        if (!GRP && t < WARPS * S) mbar_init(bar + t, 32);  // one per warp and slot, completed by the warp's lanes
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         ng = s.ng;
-        c = make_cfg<OB>(a, ng, s.gr, G);
+        c = make_cfg(a, ng, s.gr, G);
         if constexpr ((ABL & ABL_NO_DOWN) != 0) {
             if (ng) {
                 c.N2 = 0;
@@ -763,11 +726,11 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool OB = false>
+template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool GRP = false>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP, ABL, PRM, OB> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL, PRM, GRP> k(a, s, dyn);
     k.run();
 }
 
@@ -789,7 +752,7 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
     }
     if (variant == V2_PRM_VARIANT && codebook == CB_MCG)  // v4's MCG builds, with PRM at K2 (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
-    if (variant == V2_OB_VARIANT && codebook == CB_MCG)  // v50's builds with OB (MUL1: v4's, below)
+    if (variant == V2_GRP_VARIANT && codebook == CB_MCG)  // v50's builds with GRP (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true>;
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
@@ -820,9 +783,8 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down) {
     if (pair_down >= 0) g_tuning.pair_down = pair_down;
 }
 
-static int v2_dyn_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k) {
-    const bool ob = variant == V2_OB_VARIANT && codebook == CB_MCG;  // as pick_v2 chooses the OB builds
-    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), ob).total;
+static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
+    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k)).total;
 }
 
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
@@ -831,7 +793,7 @@ cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = v2_dyn_bytes(bits, codebook, variant, n_experts, m, top_k);
+    const int dyn = v2_dyn_bytes(bits, n_experts, m, top_k);
     err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
@@ -850,7 +812,7 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
     a.stages = S;
-    const int dyn = v2_dyn_bytes(a.bits, a.codebook, a.variant, a.n_experts, a.m, a.top_k);
+    const int dyn = v2_dyn_bytes(a.bits, a.n_experts, a.m, a.top_k);
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
     fn<<<grid, THREADS, dyn, stream>>>(a);

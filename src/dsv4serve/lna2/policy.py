@@ -59,9 +59,10 @@ v40's 25.5 / 42.5 / 62.2 / 103.7 / 140.1, K3 41.8 / 68.5 / 129.1 at 4 / 8 / 16 a
 cluster's units in one run) tied at K2 and lost at K3; v51 (TP1's gate/up inputs rotated once per
 group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 
-v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) is built and measured
-(session 25, on an H100: a tie at TP1 K2, 0.5-1 % faster at K3, bitwise v50's outputs) and serves
-nothing: the gain is too small for a policy branch, and v5 (2026-12-03) had tied the same way.
+v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
+an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26. v53 (session 26: v50
+whose per-warp rings complete on cp.async groups, with a one-row steady step, aimed at TP1) serves
+nothing until the device measures it.
 v0-v4, v6, v7, v9, v20, v21, v31 and v40 stay available for the benchmark and the parity grid;
 v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 and 50 run for MUL1 layers.
 
