@@ -3,12 +3,12 @@
 from dsv4serve.lna2.policy import cluster_kernel_takes, variant_for
 
 
-def test_v50_serves_every_shape_the_cluster_kernel_does_not():
+def test_v53_serves_every_shape_the_cluster_kernel_does_not():
     # the TP8 slice: up to 24 rows at K2, up to 16 at K3; TP1's 2048-wide intermediate never
     shapes = [(m, i, k) for m in (1, 2, 4, 7, 8, 9, 16, 17, 24, 25, 32) for i in (256, 2048) for k in (2, 3)]
     cluster = {(m, 256, 2) for m in (1, 2, 4, 7, 8, 9, 16, 17, 24)} | {(m, 256, 3) for m in (1, 2, 4, 7, 8, 9, 16)}
-    assert {variant_for(*s) for s in shapes if s not in cluster} == {50}
-    assert 50 not in {variant_for(*s) for s in cluster}
+    assert {variant_for(*s) for s in shapes if s not in cluster} == {53}
+    assert 53 not in {variant_for(*s) for s in cluster}
 
 
 def test_the_tp8_slice_goes_to_the_cluster_kernel():
@@ -22,13 +22,13 @@ def test_the_tp8_slice_goes_to_the_cluster_kernel():
     assert variant_for(2, 256, 3) == 36  # the per-row arrivals cost 0.4-0.6 us at two K3 rows
     assert {variant_for(m, 256, 3) for m in range(3, 17)} == {46}
     assert variant_for(1) == 26  # the defaults are the seat's shape (K2)
-    assert variant_for(25) == 50
-    assert variant_for(17, 256, 3) == 50
-    assert variant_for(1, 2048, 2) == 50  # TP1's intermediate is past what the cluster kernel takes
+    assert variant_for(25) == 53
+    assert variant_for(17, 256, 3) == 53
+    assert variant_for(1, 2048, 2) == 53  # TP1's intermediate is past what the cluster kernel takes
 
 
 def test_the_cluster_kernel_only_gets_layers_it_takes():
-    assert variant_for(1, 256, 2, hidden=1536) == 50  # not whole 1024-column slices
-    assert variant_for(1, 256, 2, hidden=16384) == 50
+    assert variant_for(1, 256, 2, hidden=1536) == 53  # not whole 1024-column slices
+    assert variant_for(1, 256, 2, hidden=16384) == 53
     assert cluster_kernel_takes(4096, 512) and not cluster_kernel_takes(4096, 640)
     assert not cluster_kernel_takes(512, 256)

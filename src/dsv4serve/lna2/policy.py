@@ -40,9 +40,20 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
+* v53 serves everything else, every TP1 point included (since session 26). It is v50 whose
+  per-warp trellis rings complete on cp.async commit groups instead of mbarriers, with a steady step
+  that issues its one due row directly; the arithmetic is v50's, and its outputs were bitwise v50's
+  in all 136 parity cases. Session 26 (2026-12-05, an H100 80GB HBM3: no H200 came; three processes,
+  the slowest median): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 / 597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 /
+  24 rows against v50's 72.5 / 129.8 / 194.9 / 389.7 / 668.5 / 1001.1, K3 75.8 / 123.4 / 223.9 /
+  368.9 / 698.9 / 985.2 against 85.5 / 143.0 / 264.1 / 423.1 / 807.9 / 1141.3; at TP8 past the cluster
+  range (24 K3 rows) 164.8 against 181.0. compute-sanitizer memcheck and racecheck were clean.
+  At sixteen TP8 K3 rows v53 also beat v46 on that H100 (130.8 / 130.5 against 134.4 / 134.9 in two
+  processes; a tie at eight, v46 ahead at K2): the cluster range stays as measured on the H200 until
+  an H200 times both.
 * v50 -- v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no
-  spills) with v20's byte-permute state extraction at K2; at K3 it is v4's kernel -- serves
-  everything else, every TP1 point included. Session 23 (2026-12-05, one process per incumbent, the
+  spills) with v20's byte-permute state extraction at K2; at K3 it is v4's kernel -- served
+  everything else, every TP1 point included, from session 23 to 25. Session 23 (2026-12-05, one process per incumbent, the
   slower of the two medians): TP1 K2 71.2 / 121.2 / 197.8 / 386.6 / 662.5 / 999.3 us at 1 / 2 / 4 /
   8 / 16 / 24 rows against v4's 78.6 / 134.8 / 216.2 / 423.7 / 712.0 / 1069.6, K3 within 0.6 us of
   v4 everywhere; its outputs were bitwise v4's in all 136 parity cases.
@@ -60,18 +71,16 @@ cluster's units in one run) tied at K2 and lost at K3; v51 (TP1's gate/up inputs
 group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 
 v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
-an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26. v53 (session 26: v50
-whose per-warp rings complete on cp.async groups, with a one-row steady step, aimed at TP1) serves
-nothing until the device measures it.
-v0-v4, v6, v7, v9, v20, v21, v31 and v40 stay available for the benchmark and the parity grid;
-v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4 and 50 run for MUL1 layers.
+an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26.
+v0-v4, v6, v7, v9, v20, v21, v31, v40 and v50 stay available for the benchmark and the parity grid;
+v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50 and 53 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
 the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03)."""
 
 from __future__ import annotations
 
-SEAT_VARIANT = 50  # v4 with K2's byte-permute states (v4's kernel at K3)
+SEAT_VARIANT = 53  # v50 (v4 with K2's byte-permute states) with its rings completed on cp.async groups
 ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
 TWO_ROW_VARIANT = 36  # K3 (and any bits but 2), two rows
