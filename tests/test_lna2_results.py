@@ -61,3 +61,22 @@ def test_notes_table_quotes_the_results_file():
         assert float(cells[i + 3]) == pytest.approx(r["ratio"], abs=0.0051), line
         quoted += 1
     assert quoted == len(rows)
+
+
+MERGED = sorted(p for p in (LNA2 / "results").glob("*.json")
+                if not any(t in p.name for t in ("-raw", "parity", "dispatch", "kernel-check", "experiments", "trace",
+                                                 "ablate", "ncu", "sweep", "refusals")))
+
+
+@pytest.mark.parametrize("path", MERGED, ids=[p.name for p in MERGED])
+def test_every_merged_results_file_recomputes(path):
+    """Not only the targets' file: each merged file (other cards, partial grids such as session 26's
+    TP1-only H100 run) has ratios that follow from its own figures, and no row beats its floor."""
+    d = json.loads(path.read_text())
+    rows = d.get("rows") if isinstance(d, dict) else None
+    assert rows and "ratio" in rows[0], f"{path.name}: a results file without merged rows (name it like the others)"
+    assert d["device"].startswith("NVIDIA ") and d["commit"]
+    for r in rows:
+        incs = [v for v in (r["exl3_moe_us"], r.get("exl3_moe_165_us")) if v is not None]
+        assert r["ratio"] == pytest.approx(min(incs) / r["lna2_us"], abs=6e-4), (path.name, r["shape"], r["K"], r["m"])
+        assert r["floor_us"] < r["lna2_us"]
