@@ -228,8 +228,8 @@ struct V2Kernel {
 
     // KIND: the item's kind when the caller knows it (GRP's steady step), else IT_NONE (look it up).
     // With a known kind the row's offset is computed in 32 bits (an expert's projection is at most
-    // 12 MiB of trellis at K3 with hidden and intermediate <= 8192 and 4096), without the sign fix
-    // of a signed division.
+    // 48 MiB of trellis: K3 at the binding's limits, hidden 16384 and intermediate 8192), without the
+    // sign fix of a signed division.
     template <int KIND = IT_NONE>
     __device__ void copy_row(const Item& it, int st, int slot) {
         const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
