@@ -1,7 +1,7 @@
 """Which lna2 kernel variant serves a call of `rows` decode rows.
 
-All variants compute the same function (parity-checked against the fp64 reference on the H200;
-kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
+All variants compute the same function (parity-checked against the fp64 reference on the H200,
+v53 on an H100; kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
 off the same-process benchmarks of 2026-12-03 (session 15 run 4, kernels/lna2/results/2026-12-03-h200.json)
 and, from two rows, of 2026-12-04 (session 18 runs 1-7); session 19 run 2 re-measured every point
 with this table in force, and its dispatch ran it (2026-12-04-h200.json; session 18 run 7's figures
@@ -43,8 +43,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
 * v53 serves everything else, every TP1 point included (since session 26). It is v50 whose
   per-warp trellis rings complete on cp.async commit groups instead of mbarriers, with a steady step
   that issues its one due row directly; the arithmetic is v50's, and its outputs were bitwise v50's
-  in all 136 parity cases. Session 26 (2026-12-05, an H100 80GB HBM3: no H200 came; three processes,
-  the slowest median): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 / 597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 /
+  in all 136 parity cases. Session 26 (2026-12-05, an H100 80GB HBM3: no H200 came; the slowest
+  median of three processes, two at 1-4 TP1 rows): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 / 597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 /
   24 rows against v50's 72.5 / 129.8 / 194.9 / 389.7 / 668.5 / 1001.1, K3 75.8 / 123.4 / 223.9 /
   368.9 / 698.9 / 985.2 against 85.5 / 143.0 / 264.1 / 423.1 / 807.9 / 1141.3; at TP8 past the cluster
   range (24 K3 rows) 164.8 against 181.0. compute-sanitizer memcheck and racecheck were clean.
