@@ -44,7 +44,7 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   per-warp trellis rings complete on cp.async commit groups instead of mbarriers, with a steady step
   that issues its one due row directly; the arithmetic is v50's, and its outputs were bitwise v50's
   in all 136 parity cases. Session 26 (2026-12-05, an H100 80GB HBM3: no H200 came; the slowest
-  median of three processes, two at 1-4 TP1 rows): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 / 597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 /
+  median of three processes, two at two and four TP1 rows): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 / 597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 /
   24 rows against v50's 72.5 / 129.8 / 194.9 / 389.7 / 668.5 / 1001.1, K3 75.8 / 123.4 / 223.9 /
   368.9 / 698.9 / 985.2 against 85.5 / 143.0 / 264.1 / 423.1 / 807.9 / 1141.3; at TP8 past the cluster
   range (24 K3 rows) 164.8 against 181.0. compute-sanitizer memcheck and racecheck were clean.
