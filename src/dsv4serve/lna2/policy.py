@@ -44,19 +44,20 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   per-warp trellis rings complete on cp.async commit groups instead of mbarriers, with a steady step
   that issues its one due row directly; the arithmetic is v50's, and its outputs were bitwise v50's
   in all 136 parity cases. Session 26 (2026-12-05, an H100 80GB HBM3: no H200 came; the slowest
-  median of three processes, two at two and four TP1 rows): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 / 597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 /
-  24 rows against v50's 72.5 / 129.8 / 194.9 / 389.7 / 668.5 / 1001.1, K3 75.8 / 123.4 / 223.9 /
-  368.9 / 698.9 / 985.2 against 85.5 / 143.0 / 264.1 / 423.1 / 807.9 / 1141.3; at TP8 past the cluster
-  range (24 K3 rows) 164.8 against 181.0. compute-sanitizer memcheck and racecheck were clean.
-  At sixteen TP8 K3 rows v53 also beat v46 on that H100 (130.8 / 130.5 against 134.4 / 134.9 in two
-  processes; a tie at eight, v46 ahead at K2): the cluster range stays as measured on the H200 until
-  an H200 times both.
+  median of three processes, two at two and four TP1 rows): TP1 K2 72.2 / 117.9 / 176.0 / 348.4 /
+  597.1 / 894.4 us at 1 / 2 / 4 / 8 / 16 / 24 rows against v50's 72.5 / 129.8 / 194.9 / 389.7 /
+  668.5 / 1001.1, K3 75.8 / 123.4 / 223.9 / 368.9 / 698.9 / 985.2 against 85.5 / 143.0 / 264.1 /
+  423.1 / 807.9 / 1141.3; at TP8 past the cluster range (24 K3 rows) 164.8 against 181.0.
+  compute-sanitizer memcheck and racecheck were clean. At sixteen TP8 K3 rows v53 also beat v46 on
+  that H100 (130.8 / 130.5 against 134.4 / 134.9 in two processes; a tie at eight, v46 ahead at K2):
+  the cluster range stays as measured on the H200 until an H200 times both.
 * v50 -- v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no
   spills) with v20's byte-permute state extraction at K2; at K3 it is v4's kernel -- served
-  everything else, every TP1 point included, from session 23 to 25. Session 23 (2026-12-05, one process per incumbent, the
-  slower of the two medians): TP1 K2 71.2 / 121.2 / 197.8 / 386.6 / 662.5 / 999.3 us at 1 / 2 / 4 /
-  8 / 16 / 24 rows against v4's 78.6 / 134.8 / 216.2 / 423.7 / 712.0 / 1069.6, K3 within 0.6 us of
-  v4 everywhere; its outputs were bitwise v4's in all 136 parity cases.
+  everything else, every TP1 point included, from session 23 to 25. Session 23 (2026-12-05, one
+  process per incumbent, the slower of the two medians): TP1 K2 71.2 / 121.2 / 197.8 / 386.6 /
+  662.5 / 999.3 us at 1 / 2 / 4 / 8 / 16 / 24 rows against v4's 78.6 / 134.8 / 216.2 / 423.7 /
+  712.0 / 1069.6, K3 within 0.6 us of v4 everywhere; its outputs were bitwise v4's in all 136
+  parity cases.
 
 Session 23 also measured session 21's v46-v49 and session 22's v51. v46 (v40 with the "reads done"
 cluster arrive relaxed) was 0.1-2.1 us faster than v40 at every multi-row TP8 point (as the slower
