@@ -180,7 +180,7 @@ class FakeLna2:
         assert expert_ids.is_contiguous() and 1 <= expert_ids.shape[1] <= 8
         assert routing_weights.dtype == torch.float32 and routing_weights.shape == expert_ids.shape
         assert routing_weights.is_contiguous()
-        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1, 2, 3, 4, 7, 50)
+        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1, 2, 3, 4, 7, 50, 53)
         # every variant reads x and writes out with vector accesses
         assert x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0, "x and out must be 16-byte aligned"
         assert scratch.dtype == torch.uint8 and scratch.numel() >= self.lna2_moe_scratch_bytes(hidden, intermediate)
