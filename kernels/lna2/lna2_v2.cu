@@ -320,7 +320,7 @@ struct V2Kernel {
                 copy_row<KIND>(cur, issued - base_cur, issued & (S - 1));
                 issued++;
                 publish();
-                asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 1) : "memory");
+                ring_wait(S - 1);
             } else {
                 issue_due();
                 publish();
