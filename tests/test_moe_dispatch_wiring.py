@@ -34,9 +34,15 @@ import torch
 
 from dsv4serve import moe_dispatch as md
 from dsv4serve.lna2 import reference as ref
+from dsv4serve.lna2 import policy
 from dsv4serve.lna2.policy import variant_for
 from dsv4serve.plugin_counters import Counters
 from dsv4serve.state import counters_path
+
+# What the stand-in takes: the early builds and every build the policy can serve, read from the
+# policy itself (a hand-written copy of the served set went stale when v53 began serving).
+KNOWN_VARIANTS = {0, 1, 2, 3, 4, 7} | {policy.SEAT_VARIANT, policy.ONE_ROW_VARIANT, policy.TWO_ROW_VARIANT,
+                                       policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2}
 
 H, I, E, TOP_K = 128, 128, 4, 2
 CANON_FORBIDDEN = re.compile(r"LNA2 declined: (?!rows=\d+ above the ceiling)")  # configs/8x16gb-380k.yaml
@@ -180,7 +186,7 @@ class FakeLna2:
         assert expert_ids.is_contiguous() and 1 <= expert_ids.shape[1] <= 8
         assert routing_weights.dtype == torch.float32 and routing_weights.shape == expert_ids.shape
         assert routing_weights.is_contiguous()
-        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in (0, 1, 2, 3, 4, 7, 50, 53)
+        assert bits in (2, 3) and codebook in (1, 2) and 0 < swiglu_limit < float("inf") and variant in KNOWN_VARIANTS
         # every variant reads x and writes out with vector accesses
         assert x.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0, "x and out must be 16-byte aligned"
         assert scratch.dtype == torch.uint8 and scratch.numel() >= self.lna2_moe_scratch_bytes(hidden, intermediate)
