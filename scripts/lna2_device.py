@@ -939,9 +939,9 @@ def mcg_cases(grid, dev, gen, K=2):
 
 
 def cmd_sweep(args):
-    """v2-family tuning grid (CTAs per SM, gate/up item target) at the bench's shapes, K2 MCG, cold
-    medians alternated in one process; the defaults in lna2_v2.cu are read off this table
-    (kernels/lna2/NOTES.md)."""
+    """v2-family tuning grid (CTAs per SM, gate/up item target) at the bench's shapes, MCG (K2 unless
+    --bits 3), cold medians alternated in one process; the defaults in lna2_v2.cu are read off this
+    table (kernels/lna2/NOTES.md)."""
     import torch
 
     dev = torch.device("cuda:0")
@@ -951,13 +951,16 @@ def cmd_sweep(args):
     _, alternate = cold_timers(flush)
     configs = [(int(c_), int(i), int(p)) for c_ in args.ctas.split(",") for i in args.items.split(",")
                for p in args.pair.split(",")]  # (CTAs/SM, items_x8, pair)
-    res = {"variant": args.variant, "lna2_build": lna.lna2_build_id(), "configs": configs,
+    res = {"variant": args.variant, "bits": args.bits, "lna2_build": lna.lna2_build_id(), "configs": configs,
            "config_key": "c<CTAs per SM, 0 = as fit (v7: 0 auto, 1 one per SM, 2 as fit)>_i<items_x8: gate/up item "
                          "target = grid * i / 8>_p<paired down items>",
            "rows": []}
-    grid = [(sh, ms) for sh, ms in (("tp8", (1, 2, 4, 8, 16, 24)), ("tp1", (1, 2, 4, 8, 16))) if serves(args.variant, H, SHAPES[sh])]
+    default_ms = {"tp8": (1, 2, 4, 8, 16, 24), "tp1": (1, 2, 4, 8, 16)}
+    want_ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else None
+    grid = [(sh, want_ms or default_ms[sh]) for sh in args.shapes.split(",")
+            if serves(args.variant, H, SHAPES[sh], args.bits)]
     dense = None
-    for c in mcg_cases(grid, dev, gen):
+    for c in mcg_cases(grid, dev, gen, args.bits):
 
         def run_with(cfg, c=c):
             def fn():
@@ -970,7 +973,7 @@ def cmd_sweep(args):
         # a tuning changes which items exist (paired down items sum a block over 4 warps, not 8), so
         # each config's output is checked against the fp64 reference, as the parity run would
         if dense is None or dense[0] is not c.W:
-            dense = (c.W, DenseCache(as_layer(c.W, 2, "mcg", c.I)))
+            dense = (c.W, DenseCache(as_layer(c.W, args.bits, "mcg", c.I)))
         ref = dense[1].moe(c.x, c.sel, c.rw.float())
         for cfg in configs:
             run_with(cfg)()
@@ -978,10 +981,10 @@ def cmd_sweep(args):
             row["c%d_i%d_p%d_rel_err" % cfg] = tensor_rel(c.out, ref)
         res["rows"].append(row)
         worst = max(v for k, v in row.items() if k.endswith("_rel_err"))
-        log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()), f"| worst err {worst:.1e}")
+        log(c.shape, f"K{args.bits}", "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()), f"| worst err {worst:.1e}")
         if worst > 2e-3:  # the parity gate for fp32 output
             log("FAIL: a tuning's output is off the reference", {k: v for k, v in row.items() if k.endswith("_rel_err")})
-        dump("sweep.json", res)
+        dump(f"sweep-k{args.bits}.json", res)
     lna.lna2_set_tuning(0, 11, 1)
 
 
@@ -1015,7 +1018,7 @@ def cmd_ablate(args):
             ref = DenseCache(as_layer(c.W, 2, "mcg", c.I)).moe(x, c.sel, c.rw.float())
             row["v4_rel_err_after"] = tensor_rel(out, ref)
         res["rows"].append(row)
-        log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
+        log(c.shape, f"K{args.bits}", "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
         dump("ablate.json", res)
 
 
@@ -1391,6 +1394,9 @@ def main():
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
     sw.add_argument("--pair", default="1", help="paired down items: 0, 1 or a list")
     sw.add_argument("--ctas", default="0", help="CTAs per SM (set_tuning): 0 = as fit; for v7 0 auto, 1, 2")
+    sw.add_argument("--bits", type=int, default=2, choices=(2, 3))
+    sw.add_argument("--shapes", default="tp8,tp1")
+    sw.add_argument("--ms", default="", help="row counts, comma list (default: 1-24 at tp8, 1-16 at tp1)")
     sub.add_parser("ablate")
     tr = sub.add_parser("trace")
     tr.add_argument("--variant", type=int, default=4)

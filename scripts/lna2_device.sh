@@ -23,7 +23,8 @@
 # BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT (TRACE_BITS,
 # TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
-# SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_TIMEOUT, PARITY=quick|full, DEADLINE.
+# SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
+# SWEEP_MS / SWEEP_TIMEOUT, PARITY=quick|full, DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
@@ -171,12 +172,16 @@ fi
 
 BV=${BENCH_VARIANTS:-46,26,36,53,50,40,31,4,21,20,9,7,1,6,2,3,0}
 MS=${BENCH_MS:-1,2,4,8,16,24}
+SWEEP_BITS=${SWEEP_BITS:-2}
 if has sweep && [ "$(left)" -gt 240 ]; then
-  step "tuning sweep (v2 family)"
-  timeout ${SWEEP_TIMEOUT:-150} python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} \
-    ${SWEEP_CTAS:+--ctas $SWEEP_CTAS} ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} > "$OUT/sweep.log" 2>&1
-  echo "exit $?" >> "$OUT/sweep.log"
-  grep -E "^tp|exit|Error|FAIL" "$OUT/sweep.log" | tee -a "$LOG"
+  for b in ${SWEEP_BITS//,/ }; do  # one process per K (SWEEP_TIMEOUT each)
+    step "tuning sweep (v2 family), K$b"
+    timeout ${SWEEP_TIMEOUT:-150} python3 scripts/lna2_device.py sweep ${SWEEP_ITEMS:+--items $SWEEP_ITEMS} ${SWEEP_PAIR:+--pair $SWEEP_PAIR} \
+      ${SWEEP_CTAS:+--ctas $SWEEP_CTAS} ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} --bits "$b" \
+      ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_MS:+--ms $SWEEP_MS} > "$OUT/sweep-k$b.log" 2>&1
+    echo "exit $?" >> "$OUT/sweep-k$b.log"
+    grep -E "^tp|exit|Error|FAIL" "$OUT/sweep-k$b.log" | tee -a "$LOG"
+  done
 fi
 
 if has ablate && [ "$(left)" -gt 120 ]; then
