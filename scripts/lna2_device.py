@@ -315,6 +315,9 @@ def cmd_parity(args):
                     if 53 in outs and 50 in outs:
                         # v53 is v50's arithmetic in v50's order with another ring completion: the same bits
                         cases[53]["bitwise_vs_v50"] = bool(torch.equal(outs[53], outs[50]))
+                    if 54 in outs and 53 in outs:
+                        # v54 is v53's arithmetic in v53's order, two k-tiles per ring row: the same bits
+                        cases[54]["bitwise_vs_v53"] = bool(torch.equal(outs[54], outs[53]))
             worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +

@@ -475,3 +475,60 @@ def test_grp_ring_takes_the_steady_branch_inside_long_items():
         steps = ring_schedule([64, 64], learn)
         general = [q for q, _, _, steady, _ in steps if not steady]
         assert general == [0, 61, 62, 63, 64, 125, 126, 127], (learn, general)
+
+
+# ---------------------------------------------------------------------------------------------
+# v54's rows (lna2_v2.cu, KT2): two consecutive k-tiles of a warp's share per ring row
+
+
+def kt1_gate_up_ktiles(R, kws, KCI):
+    """copy_row's gate/up k-tiles (offsets within the warp's share) in stage order, one per stage."""
+    return [(st >> kws) * KCI + (st & ((1 << kws) - 1)) for st in range(R << kws)]
+
+
+def kt2_rows(kind, R, kws, KCI, KWd):
+    """locate's KT2 stage count and copy_row2's k-tiles per row (the second only where it is copied)."""
+    nst = R << (kws - 1) if kind == "gu" else (KWd + 1) >> 1
+    rows = []
+    for st in range(nst):
+        if kind == "gu":
+            ksh = kws - 1
+            kt = (st >> ksh) * KCI + ((st & ((1 << ksh) - 1)) << 1)
+            second = True
+        else:
+            kt = st << 1
+            second = kt + 1 < KWd
+        rows.append([kt, kt + 1] if second else [kt])
+    return rows
+
+
+@pytest.mark.parametrize("KCI, R", [(16, 1), (16, 4), (16, 16), (8, 1), (8, 3), (8, 32)])
+def test_kt2_gate_up_rows_hold_the_one_k_tile_sequence(KCI, R):
+    """A KT2 gate/up row holds the two k-tiles that two of v53's consecutive stages would: the same
+    k-tiles, once each, in the same order (so each warp's MMAs accumulate in v53's order and the
+    outputs are v53's bits), and gu_chunk's B fragments (ksub * kw + sub, + 1) follow the rows."""
+    kws = 2 if KCI == 16 else 1
+    kw = 1 << kws
+    rows = kt2_rows("gu", R, kws, KCI, 0)
+    assert [k for r in rows for k in r] == kt1_gate_up_ktiles(R, kws, KCI)
+    # gu_chunk: chunk ch, sub = 0, 2, ...: row st = ch * kw / 2 + sub / 2 holds sub and sub + 1
+    for ch in range(R):
+        for sub in range(0, kw, 2):
+            st = ch * (kw // 2) + sub // 2
+            assert rows[st] == [ch * KCI + sub, ch * KCI + sub + 1]
+
+
+@pytest.mark.parametrize("KWd", [1, 2, 3, 4, 7, 16, 32])
+def test_kt2_down_rows_and_b_prefetch_follow_the_k_tiles(KWd):
+    """A down share of any length: rows of two k-tiles, the last one half filled when the share is
+    odd (copy_row2 copies no second half past the share, run_dn reads none); run_dn's B fragments
+    (bq0, bq1 for this row, nq0 / nq1 requested for the next) are always the row's k-tiles."""
+    rows = kt2_rows("dn", 0, 1, 16, KWd)
+    assert [k for r in rows for k in r] == list(range(KWd))
+    bq0, bq1 = 0, (1 if KWd > 1 else None)  # run_dn: bq0 = act[kt0], bq1 = act[kt0 + 1] if KWd > 1
+    for i, st in enumerate(range(0, KWd, 2)):
+        nq0 = st + 2 if st + 2 < KWd else None
+        nq1 = st + 3 if st + 3 < KWd else None
+        used = [bq0] + ([bq1] if st + 1 < KWd else [])
+        assert used == rows[i]
+        bq0, bq1 = nq0, nq1

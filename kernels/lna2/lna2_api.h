@@ -177,9 +177,13 @@ constexpr int V2_PRM_VARIANT = 50;
 // session 26). (52, session 24's v50 with one CTA barrier per gate/up chunk, tied v50 and was
 // retired: NOTES.md, "The variants".)
 constexpr int V2_GRP_VARIANT = 53;
+// Variant 54 is v53 whose ring rows hold two k-tiles (16 tiles) instead of one: half the ring steps,
+// row addresses and loop turns per tile at the same decode, aimed at TP1, where those are most of
+// the ~11 instructions a tile outside the decode (kernels/lna2/NOTES.md, session 27).
+constexpr int V2_KT2_VARIANT = 54;
 inline bool variant_known(int v) {
-    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_GRP_VARIANT || is_cluster_variant(v) ||
-           is_ablation(v);
+    return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_GRP_VARIANT || v == V2_KT2_VARIANT ||
+           is_cluster_variant(v) || is_ablation(v);
 }
 
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).

@@ -52,12 +52,13 @@ struct Dyn {
     int ring, xs, raw, ptr, bar, total;
 };
 
-__host__ __device__ inline int ring_row_bytes(int bits) { return 256 * bits; }  // 8 tiles of one k-tile row
+// 8 tiles of one k-tile row, or of kt consecutive k-tiles (v54's rows hold two)
+__host__ __device__ inline int ring_row_bytes(int bits, int kt = 1) { return 256 * bits * kt; }
 
-__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap) {
+__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap, int kt = 1) {
     Dyn d{};
     int off = 0;
-    d.ring = off; off += stages * WARPS * ring_row_bytes(bits);
+    d.ring = off; off += stages * WARPS * ring_row_bytes(bits, kt);
     d.xs = off;   off += XS_BYTES;
     d.raw = off;  off += GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;
     off = (off + 15) & ~15;
@@ -169,11 +170,17 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
 // PRM: K2's byte-permute state extraction (states8<2, true>).
 // GRP: each warp's ring completes on cp.async commit groups (one per row) instead of mbarriers, and a
 // step whose only due row is the current item's next issues it without issue_due's loop (variant 53).
-template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false>
+// KT2 (with GRP): a ring row is two consecutive k-tiles of the warp's share, 16 tiles, so each ring
+// step, row address and loop turn serves twice the tiles (variant 54). The k order of every warp's
+// sums is unchanged, so its outputs are v53's bit for bit.
+template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false, bool KT2 = false>
 struct V2Kernel {
+    static_assert(!KT2 || GRP, "two-k-tile rows are built on v53's commit-group ring");
     static constexpr int TILE = 32 * K;   // bytes per tile
-    static constexpr int ROW = 8 * TILE;  // bytes of a ring row: 8 tiles of one k-tile
-    static constexpr int PIECES = ROW / 16;
+    static constexpr int ROW8 = 8 * TILE;  // bytes of 8 tiles of one k-tile
+    static constexpr int KTR = KT2 ? 2 : 1;  // k-tiles per ring row
+    static constexpr int ROW = KTR * ROW8;   // bytes of a ring row
+    static constexpr int PIECES = ROW8 / 16;
 
     const Args& a;
     const LayoutV2 L;
@@ -224,6 +231,10 @@ struct V2Kernel {
             const int cb = it.blk * c.DB + (w >> c.wbs);
             it.src = reinterpret_cast<const char*>(ptr[it.u * 9 + 6]) + (size_t(kt0) * (a.hidden / 16) + cb * 8) * TILE;
         }
+        if constexpr (KT2) {  // item_of counts one-k-tile steps; a KT2 row takes two (a down share may be odd)
+            if (it.kind == IT_GU) it.nst = c.R << (c.kws - 1);
+            else if (it.kind == IT_DN) it.nst = (c.KWd + 1) >> 1;
+        }
     }
 
     // KIND: the item's kind when the caller knows it (GRP's steady step), else IT_NONE (look it up).
@@ -232,6 +243,10 @@ struct V2Kernel {
     // sign fix of a signed division.
     template <int KIND = IT_NONE>
     __device__ void copy_row(const Item& it, int st, int slot) {
+        if constexpr (KT2) {
+            copy_row2<KIND>(it, st, slot);
+            return;
+        }
         const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const char* src;
         if constexpr (KIND == IT_GU)
@@ -252,6 +267,26 @@ struct V2Kernel {
         } else {
             mbar_arrive_cp(bar + (w * S + slot));
         }
+    }
+
+    // KT2's row st: k-tiles 2st and 2st + 1 of the warp's share (gate/up: of chunk st >> (kws - 1)),
+    // each 8 contiguous tiles in global memory, one after the other in the slot. A down share of odd
+    // length leaves its last row half filled (run_dn does not read that half).
+    template <int KIND = IT_NONE>
+    __device__ void copy_row2(const Item& it, int st, int slot) {
+        const int lane = threadIdx.x & 31;
+        const bool gu = KIND == IT_GU || (KIND == IT_NONE && it.kind == IT_GU);
+        const int ksh = c.kws - 1;
+        const unsigned kt = gu ? unsigned((st >> ksh) * c.KCI + ((st & ((1 << ksh) - 1)) << 1)) : unsigned(st) << 1;
+        const unsigned pitch = (gu ? unsigned(a.inter) >> 4 : unsigned(a.hidden) >> 4) * unsigned(TILE);
+        const char* src = it.src + kt * pitch;  // 32-bit: see copy_row
+        const bool second = gu || int(kt) + 1 < c.KWd;
+        uint8_t* dst = slot_row(slot);
+        for (int p = lane; p < PIECES; p += 32) {
+            cp16(dst + p * 16, src + p * 16);
+            if (second) cp16(dst + ROW8 + p * 16, src + pitch + p * 16);
+        }
+        cp_commit();
     }
 
     // Issue this warp's rows up to S-1 stages ahead, within the items it knows. The caller makes
@@ -396,6 +431,19 @@ struct V2Kernel {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int proj = warp & 1, ksub = warp >> 1;
         const int kw = 1 << c.kws;
+        if constexpr (KT2) {
+            for (int sub = 0; sub < kw; sub += 2) {
+                const uint32_t* row = step<IT_GU>();
+                if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
+                const uint2* xk = reinterpret_cast<const uint2*>(xb) + (proj * KCI_MAX + ksub * kw + sub) * 32 + lane;
+                uint32_t b[4];
+                b_frag<CB, DUP>(xk[0], b);
+                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+                b_frag<CB, DUP>(xk[32], b);
+                mma_row<K, CB, DUP, ABL, PRM>(row + ROW8 / 4, b, w0i, w1i, sh, a, acc);
+            }
+            return;
+        }
         for (int sub = 0; sub < kw; sub++) {
             const uint32_t* row = step<IT_GU>();
             if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
@@ -580,13 +628,32 @@ struct V2Kernel {
         float acc[8][4];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        for (int st = 0; st < c.KWd; st++) {
-            const uint32_t* row = step<IT_DN>();
-            uint32_t b[4];
-            b_frag<CB, DUP>(bq0, b);
-            bq0 = bq1;
-            if (st + 2 < c.KWd) bq1 = ldcg2(act + (kt0 + st + 2) * 64);
-            mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+        if constexpr (KT2) {
+            // bq0 / bq1: this row's two k-tiles; the next row's are requested before its MMAs
+            for (int st = 0; st < c.KWd; st += 2) {
+                const uint32_t* row = step<IT_DN>();
+                uint2 nq0 = make_uint2(0u, 0u), nq1 = make_uint2(0u, 0u);
+                if (st + 2 < c.KWd) nq0 = ldcg2(act + (kt0 + st + 2) * 64);
+                if (st + 3 < c.KWd) nq1 = ldcg2(act + (kt0 + st + 3) * 64);
+                uint32_t b[4];
+                b_frag<CB, DUP>(bq0, b);
+                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+                if (st + 1 < c.KWd) {
+                    b_frag<CB, DUP>(bq1, b);
+                    mma_row<K, CB, DUP, ABL, PRM>(row + ROW8 / 4, b, w0i, w1i, sh, a, acc);
+                }
+                bq0 = nq0;
+                bq1 = nq1;
+            }
+        } else {
+            for (int st = 0; st < c.KWd; st++) {
+                const uint32_t* row = step<IT_DN>();
+                uint32_t b[4];
+                b_frag<CB, DUP>(bq0, b);
+                bq0 = bq1;
+                if (st + 2 < c.KWd) bq1 = ldcg2(act + (kt0 + st + 2) * 64);
+                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+            }
         }
         trace(EV_MMA, ticket);
         epilogue_dn(it, acc, svh_raw, ticket);
@@ -650,7 +717,7 @@ struct V2Kernel {
         nev = 0;
         ret_old = -1;
         trace(EV_START, -1);
-        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k));
+        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k), KTR);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
@@ -726,11 +793,11 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool GRP = false>
+template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool GRP = false, bool KT2 = false>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP, ABL, PRM, GRP> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL, PRM, GRP, KT2> k(a, s, dyn);
     k.run();
 }
 
@@ -754,6 +821,9 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
     if (variant == V2_GRP_VARIANT && codebook == CB_MCG)  // v50's builds with GRP (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true>;
+    if (variant == V2_KT2_VARIANT && codebook == CB_MCG)  // v53's builds with two-k-tile rows (MUL1: v4's, below)
+        return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true, true>
+                         : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true, true>;
     if (codebook == CB_MCG) {
         if (variant == 4) return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2> : moe_decode_v2<3, CB_MCG, true, M2>;
         // 6: v3 (one MMA per tile, the format's fp16 lo + hi) at v4's register budget
@@ -783,8 +853,9 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down) {
     if (pair_down >= 0) g_tuning.pair_down = pair_down;
 }
 
-static int v2_dyn_bytes(int bits, int n_experts, int m, int top_k) {
-    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k)).total;
+static int v2_dyn_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k) {
+    const int kt = variant == V2_KT2_VARIANT && codebook == CB_MCG ? 2 : 1;
+    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), kt).total;
 }
 
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
@@ -793,7 +864,7 @@ cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_
     if (!fn) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
-    const int dyn = v2_dyn_bytes(bits, n_experts, m, top_k);
+    const int dyn = v2_dyn_bytes(bits, codebook, variant, n_experts, m, top_k);
     err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
@@ -812,7 +883,7 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
     a.stages = S;
-    const int dyn = v2_dyn_bytes(a.bits, a.n_experts, a.m, a.top_k);
+    const int dyn = v2_dyn_bytes(a.bits, a.codebook, a.variant, a.n_experts, a.m, a.top_k);
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
     fn<<<grid, THREADS, dyn, stream>>>(a);
