@@ -1,7 +1,7 @@
 """Which lna2 kernel variant serves a call of `rows` decode rows.
 
 All variants compute the same function (parity-checked against the fp64 reference on the H200,
-v53 on an H100; kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
+v53 and v54 on an H100; kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
 off the same-process benchmarks of 2026-12-03 (session 15 run 4, kernels/lna2/results/2026-12-03-h200.json)
 and, from two rows, of 2026-12-04 (session 18 runs 1-7); session 19 run 2 re-measured every point
 with this table in force, and its dispatch ran it (2026-12-04-h200.json; session 18 run 7's figures
@@ -24,7 +24,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   - One row, K2 or K3: v26, where every CTA also finishes the activation itself (no second cluster
     barrier) and every unit's cluster has SMs of its own. Session 19 run 2: 19.3 / 20.6 us at one
     K2 / K3 row against v40's 19.3 / 21.2 (v40's per-row bookkeeping buys nothing at one row).
-  - From two rows, K2 to 24 and K3 from three to sixteen: v46 (since session 24; below), which is
+  - From two rows, K2 to twelve and K3 from three to eight: v46 (since session 24; K2 to 24 and K3 to
+    sixteen until session 27, below), which is
     v40 with its "reads done" cluster arrive relaxed. v40 is v26 with one partial buffer of min(8, m) rows
     whose reuse a split cluster barrier guards (v36: two K3 CTAs per SM to eighteen rows, where
     v26's two 8-row buffers cost K3 its second CTA from two rows), and arrivals counted per (column
@@ -40,7 +41,23 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
-* v53 serves everything else, every TP1 point included (since session 26). It is v50 whose
+* v54 serves everything else, every TP1 point included, and from session 27 also 13-24 K2 and 9-16
+  K3 rows of the TP8 slice. It is v53 with two k-tiles per ring row (16 tiles a ring step): the
+  ring step, row address and loop turn are paid half as often, the arithmetic and its order are
+  v53's, and its outputs were bitwise v53's in all 136 parity cases. Session 27 (2026-12-05, an
+  H100 80GB HBM3 again, the slower of two same-process medians): TP1 K2 69.4 / 111.1 / 173.5 /
+  328.0 / 562.3 / 827.3 us at 1 / 2 / 4 / 8 / 16 / 24 rows against v53's 71.0 / 117.4 / 176.2 /
+  348.5 / 597.1 / 887.3, K3 73.5 / 126.8 / 209.4 / 339.4 / 639.5 / 898.5 against 75.2 / 122.3 /
+  222.3 / 366.5 / 692.4 / 976.3; compute-sanitizer memcheck and racecheck clean. At TP8 it beat
+  v46 at 16 and 24 K2 rows (100.5 / 130.6 against 103.6 / 139.0) and at 8-24 K3 rows (eight 69.7
+  against 72.8, sixteen 122.0 against 134.1); a third process at 8-16 rows: K2 66.5 / 77.1 / 90.1
+  / 94.4 / 100.7 against v46's 63.4 / 80.0 / 87.0 / 99.0 / 104.8 at 8 / 10 / 12 / 14 / 16, K3
+  70.0 / 86.0 / 93.8 / 108.7 / 122.8 against 72.6 / 93.7 / 100.8 / 116.2 / 134.4. So v46 keeps K2
+  to twelve rows (it won at 8 and 12) and K3 to eight, where on the H200 the cluster kernels were
+  relatively faster by ~4 % (v50 against v46 at sixteen K3 rows: +9 % there, +5 % on the H100)
+  and v54's margin at eight K3 rows (3.6 %) is inside that; from ten K3 rows and fourteen K2 rows
+  its margin (3.5-9 %) is not.
+* v53 served everything else, every TP1 point included, in session 26. It is v50 whose
   per-warp trellis rings complete on cp.async commit groups instead of mbarriers, with a steady step
   that issues its one due row directly; the arithmetic is v50's, and its outputs were bitwise v50's
   in all 136 parity cases. Session 26 (2026-12-05, an H100 80GB HBM3: no H200 came; the slowest
@@ -49,8 +66,7 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   668.5 / 1001.1, K3 75.8 / 123.4 / 223.9 / 368.9 / 698.9 / 985.2 against 85.5 / 143.0 / 264.1 /
   423.1 / 807.9 / 1141.3; at TP8 past the cluster range (24 K3 rows) 164.8 against 181.0.
   compute-sanitizer memcheck and racecheck were clean. At sixteen TP8 K3 rows v53 also beat v46 on
-  that H100 (130.8 / 130.5 against 134.4 / 134.9 in two processes; a tie at eight, v46 ahead at K2):
-  the cluster range stays as measured on the H200 until an H200 times both.
+  that H100 (130.8 / 130.5 against 134.4 / 134.9 in two processes; a tie at eight, v46 ahead at K2).
 * v50 -- v4 (v2's ticket-scheduled kernel compiled for 2 CTAs per SM: up to 128 registers, no
   spills) with v20's byte-permute state extraction at K2; at K3 it is v4's kernel -- served
   everything else, every TP1 point included, from session 23 to 25. Session 23 (2026-12-05, one
@@ -74,20 +90,20 @@ group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
 an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26.
 v0-v4, v6, v7, v9, v20, v21, v31, v40 and v50 stay available for the benchmark and the parity grid;
-v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50 and 53 run for MUL1 layers.
+v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53 and 54 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
 the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03)."""
 
 from __future__ import annotations
 
-SEAT_VARIANT = 53  # v50 (v4 with K2's byte-permute states) with its rings completed on cp.async groups
+SEAT_VARIANT = 54  # v53 (v50's rings on cp.async groups) with two k-tiles per ring row
 ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
 TWO_ROW_VARIANT = 36  # K3 (and any bits but 2), two rows
 CLUSTER_VARIANT_K2 = 46  # K2, two to CLUSTER_MAX_ROWS_K2 rows
-CLUSTER_MAX_ROWS = 16
-CLUSTER_MAX_ROWS_K2 = 24
+CLUSTER_MAX_ROWS = 8
+CLUSTER_MAX_ROWS_K2 = 12
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
