@@ -33,8 +33,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
     slice to the last unit: four L2 trips per thread at eight rows). Session 19 run 2 (the slower of
     two same-process medians): K2 25.4 / 42.2 / 62.0 / 103.1 / 139.3 us at 2 / 4 / 8 / 16 / 24 rows
     against v26's 25.0 / 42.8 / 64.7 / 111.6 / 152.4; K3 42.1 / 69.4 / 129.0 at 4 / 8 / 16 against
-    v36's 42.4 / 72.0 / 137.7 and v4's 54.0 / 75.9 / 140.6. Rows 9-15 were not timed; eight and
-    sixteen bracket them.
+    v36's 42.4 / 72.0 / 137.7 and v4's 54.0 / 75.9 / 140.6. Rows 9-15 were not timed then; session 27
+    timed 10, 12 and 14 against v54 (below).
   - K3, two rows: v36 (the same without per-row arrivals): 27.7 us against v40's 28.4 in session 19
     run 2, 27.6-28.0 in all six of session 18's runs, and 27.9 against v46's 28.3 in session 24.
     At 24 K3 rows (one CTA per SM for every cluster build) v4 takes 180 us against v40's 219.
