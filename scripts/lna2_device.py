@@ -264,7 +264,7 @@ def cmd_parity(args):
     combos = [(2, "mcg"), (3, "mcg"), (2, "mul1"), (3, "mul1")]
     out_dtypes = [torch.float32, torch.bfloat16, torch.float16]
     for K, cb in combos:
-        for I in [256, 2048]:
+        for I in [int(v) for v in args.inters.split(",")]:
             from dsv4serve.lna2.reference import random_expert_layer
 
             t0 = time.time()
@@ -1380,6 +1380,8 @@ def main():
     sub.add_parser("build")
     p = sub.add_parser("parity")
     p.add_argument("--quick", action="store_true")
+    # 384: three 128-blocks, so an unpaired down item's k-share per warp is odd (v54's half-filled row)
+    p.add_argument("--inters", default="256,2048", help="intermediate sizes, comma list (multiples of 128)")
     sub.add_parser("smoke")
     sub.add_parser("refusals")
     rc = sub.add_parser("refusal-case")

@@ -24,7 +24,7 @@
 # TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
-# SWEEP_MS / SWEEP_TIMEOUT, PARITY=quick|full, DEADLINE.
+# SWEEP_MS / SWEEP_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
@@ -146,7 +146,8 @@ fi
 if has parity; then
   step "parity"
   Q=--quick; [ "${PARITY:-quick}" = full ] && Q=
-  timeout 260 python3 scripts/lna2_device.py parity $Q > "$OUT/lna2_parity.log" 2>&1; echo "exit $?" >> "$OUT/lna2_parity.log"
+  timeout 260 python3 scripts/lna2_device.py parity $Q ${PARITY_INTERS:+--inters $PARITY_INTERS} > "$OUT/lna2_parity.log" 2>&1
+  echo "exit $?" >> "$OUT/lna2_parity.log"
   grep -E "FAIL|parity:|cases, worst|Error|exit" "$OUT/lna2_parity.log" | tail -24 | tee -a "$LOG"
 fi
 
