@@ -44,7 +44,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
 * v54 serves everything else, every TP1 point included, and from session 27 also 13-24 K2 and 9-16
   K3 rows of the TP8 slice. It is v53 with two k-tiles per ring row (16 tiles a ring step): the
   ring step, row address and loop turn are paid half as often, the arithmetic and its order are
-  v53's, and its outputs were bitwise v53's in all 136 parity cases. Session 27 (2026-12-05, an
+  v53's, and its outputs were bitwise v53's in all 152 parity cases (16 of them at I = 384, where a
+  down share is odd and the last ring row half filled). Session 27 (2026-12-05, an
   H100 80GB HBM3 again, the slower of two same-process medians): TP1 K2 69.4 / 111.1 / 173.5 /
   328.0 / 562.3 / 827.3 us at 1 / 2 / 4 / 8 / 16 / 24 rows against v53's 71.0 / 117.4 / 176.2 /
   348.5 / 597.1 / 887.3, K3 73.5 / 126.8 / 209.4 / 339.4 / 639.5 / 898.5 against 75.2 / 122.3 /
@@ -89,7 +90,7 @@ group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 
 v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
 an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26.
-v0-v4, v6, v7, v9, v20, v21, v31, v40 and v50 stay available for the benchmark and the parity grid;
+v0-v4, v6, v7, v9, v20, v21, v31, v40, v50 and v53 stay available for the benchmark and the parity grid;
 v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53 and 54 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
