@@ -1021,7 +1021,7 @@ def cmd_ablate(args):
             ref = DenseCache(as_layer(c.W, 2, "mcg", c.I)).moe(x, c.sel, c.rw.float())
             row["v4_rel_err_after"] = tensor_rel(out, ref)
         res["rows"].append(row)
-        log(c.shape, f"K{args.bits}", "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
+        log(c.shape, "m=%2d" % c.m, " ".join(f"{k}={v:.1f}" for k, v in cold.items()))
         dump("ablate.json", res)
 
 
