@@ -40,6 +40,10 @@ E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
 DEFAULT_VARIANTS = "46,26,36,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
+# Builds that run another build's arithmetic in its order, so parity records whether their outputs
+# are that build's bits (only the fp64 tolerance is the gate): v50 decodes v4's integers, v53 is v50
+# with another ring completion, v54 is v53 with two k-tiles per ring row.
+BITWISE_TWINS = {50: 4, 53: 50, 54: 53}
 CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46, its timing ablations (lna2_api.h)
 ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 
@@ -308,16 +312,9 @@ def cmd_parity(args):
                         if not (ok and rep):
                             res["fail"] += 1
                             log("FAIL", case)
-                    if 50 in outs and 4 in outs:
-                        # v50 decodes the same integers: v4's bits are expected, but only the
-                        # tolerance above is the gate
-                        cases[50]["bitwise_vs_v4"] = bool(torch.equal(outs[50], outs[4]))
-                    if 53 in outs and 50 in outs:
-                        # v53 is v50's arithmetic in v50's order with another ring completion: the same bits
-                        cases[53]["bitwise_vs_v50"] = bool(torch.equal(outs[53], outs[50]))
-                    if 54 in outs and 53 in outs:
-                        # v54 is v53's arithmetic in v53's order, two k-tiles per ring row: the same bits
-                        cases[54]["bitwise_vs_v53"] = bool(torch.equal(outs[54], outs[53]))
+                    for v, twin in BITWISE_TWINS.items():
+                        if v in outs and twin in outs:
+                            cases[v][f"bitwise_vs_v{twin}"] = bool(torch.equal(outs[v], outs[twin]))
             worst = max((c["worst_rel"] for c in res["cases"] if c["K"] == K and c["cb"] == cb and c["I"] == I),
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +
