@@ -442,15 +442,15 @@ struct V2Kernel {
                 b_frag<CB, DUP>(xk[32], b);
                 mma_row<K, CB, DUP, ABL, PRM>(row + ROW8 / 4, b, w0i, w1i, sh, a, acc);
             }
-            return;
-        }
-        for (int sub = 0; sub < kw; sub++) {
-            const uint32_t* row = step<IT_GU>();
-            if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
-            uint32_t b[4];
-            b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xb + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
-                            b);
-            mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+        } else {
+            for (int sub = 0; sub < kw; sub++) {
+                const uint32_t* row = step<IT_GU>();
+                if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
+                uint32_t b[4];
+                b_frag<CB, DUP>(*reinterpret_cast<const uint2*>(xb + ((proj * KCI_MAX + ksub * kw + sub) * 32 + lane) * 2),
+                                b);
+                mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
+            }
         }
     }
 
@@ -803,6 +803,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_cons
 
 using KernelFn = void (*)(Args);
 
+// k-tiles per ring row of the build pick_v2 returns: v54's MCG builds hold two (its MUL1 layers run
+// v4's build); the launch's shared-memory size follows from it.
+int ring_kt(int codebook, int variant) { return variant == V2_KT2_VARIANT && codebook == CB_MCG ? 2 : 1; }
+
 // variant 2: MCG exact-sum; 3: the format's rounding (and every MUL1 layer); 4: variant 2's
 // kernel compiled for 2 CTAs per SM
 KernelFn pick_v2(int bits, int codebook, int variant) {
@@ -821,7 +825,7 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
     if (variant == V2_GRP_VARIANT && codebook == CB_MCG)  // v50's builds with GRP (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true>;
-    if (variant == V2_KT2_VARIANT && codebook == CB_MCG)  // v53's builds with two-k-tile rows (MUL1: v4's, below)
+    if (ring_kt(codebook, variant) == 2)  // v53's builds with two-k-tile rows (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true, true>
                          : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true, true>;
     if (codebook == CB_MCG) {
@@ -854,8 +858,7 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down) {
 }
 
 static int v2_dyn_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k) {
-    const int kt = variant == V2_KT2_VARIANT && codebook == CB_MCG ? 2 : 1;
-    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), kt).total;
+    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), ring_kt(codebook, variant)).total;
 }
 
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
