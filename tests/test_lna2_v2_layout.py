@@ -244,7 +244,7 @@ def warp_rows(acc):
 # the launch, item by item
 
 
-def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
+def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1, big=False):
     K, H, I = layer.K, layer.hidden, layer.inter
     m, top_k = ids.shape
     n_e = layer.gate_trellis.shape[0]
@@ -258,6 +258,8 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
     KCI = 16 if kt % 16 == 0 else 8
     if KCI == 16 and ng * n_ib * (kt // 16) < target:
         KCI = 8
+    if big and KCI == 16 and kt % 32 == 0 and ng * n_ib * (kt // 32) >= target:  # make_cfg<true> (v55)
+        KCI = 32
     nchunk = kt // KCI
     ks = nchunk
     while ks % 2 == 0 and (ng * n_ib * (ks // 2) >= target or ks * gr > 1024):
@@ -278,7 +280,7 @@ def model_v2(x, ids, w, layer, cb, dup, G=8, items_x8=11, limit=10.0, db=1):
                 for ch in range(R):
                     cols = KCI * 16
                     k0 = (kc * R + ch) * cols
-                    xs = np.zeros((2, 16, 32, 2), dtype=np.int64)
+                    xs = np.zeros((2, KCI, 32, 2), dtype=np.int64)
                     for proj_i, proj in enumerate(("gate", "up")):
                         for j in range(rows):
                             for blk in range(cols // 128):
@@ -360,6 +362,56 @@ def test_v2_dataflow_matches_reference(K, cb, dup):
     rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert cfg["groups"] > len(torch.unique(ids[ids < E]))  # the 9-row expert really split
     assert rel.max() < 2e-3, (rel, cfg)
+
+
+def test_v55_big_chunks_match_reference():
+    """v55 (make_cfg<true>): where one-chunk items would still be enough, gate/up chunks hold 32
+    k-tiles, each warp eight consecutive ones of its projection, two chunks an item here; one
+    expert has five rows."""
+    H, I, E, top_k = 1024, 128, 6, 2
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=31)
+    gen = torch.Generator().manual_seed(32)
+    m = 5
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(m)])
+    ids[:, 0] = 4
+    ids[ids[:, 1] == 4, 1] = 5
+    w = torch.softmax(torch.randn(m, top_k, generator=gen), -1)
+    x = torch.randn(m, H, generator=gen).half()
+    got, cfg = model_v2(x, ids, w, layer, "mcg", True, G=2, big=True)
+    assert cfg["KCI"] == 32 and cfg["R"] == 2
+    ref = moe_reference(x, layer, ids, w).numpy()
+    assert (np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max() < 2e-3
+
+
+def raw_staging_big(KCI, rows):
+    """load_raw_big / store_raw_big (lna2_v2.cu): which (row, piece of 8 inputs) each thread stages,
+    prefetched or read in store_raw, and which scale words (projection, word) it stages."""
+    kws = {8: 1, 16: 2, 32: 3}[KCI]
+    cols, psh = KCI * 16, kws + 3
+    xs, ss = [], []
+    for t in range(256):
+        j, piece = t >> psh, t & ((1 << psh) - 1)
+        if j < rows:
+            xs.append((j, piece))
+        if KCI == 32:
+            xs += [(jj, piece) for jj in range(j + 4, rows, 4)]  # RAW_ROWS_BIG = 256 / 64
+        proj, idx = t >> 7, t & 127
+        if KCI == 32:
+            ss += [(proj, 2 * idx), (proj, 2 * idx + 1)]
+        elif idx * 2 < cols:
+            ss.append((proj, idx))
+    return xs, ss, cols
+
+
+@pytest.mark.parametrize("KCI", [8, 16, 32])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+def test_v55_raw_staging_covers_each_input_once(KCI, rows):
+    """Every input of the chunk's rows and every scale word of both projections is staged by exactly
+    one thread, for each chunk size a v55 launch can pick and group sizes on both sides of the four
+    rows one 32-k-tile pass holds."""
+    xs, ss, cols = raw_staging_big(KCI, rows)
+    assert sorted(xs) == [(j, p) for j in range(rows) for p in range(cols // 8)]
+    assert sorted(ss) == [(pr, wd) for pr in range(2) for wd in range(cols // 2)]
 
 
 def test_v2_paired_down_items_match_reference():
@@ -502,12 +554,12 @@ def kt2_rows(kind, R, kws, KCI, KWd):
     return rows
 
 
-@pytest.mark.parametrize("KCI, R", [(16, 1), (16, 4), (16, 16), (8, 1), (8, 3), (8, 32)])
+@pytest.mark.parametrize("KCI, R", [(16, 1), (16, 4), (16, 16), (8, 1), (8, 3), (8, 32), (32, 1), (32, 8)])
 def test_kt2_gate_up_rows_hold_the_one_k_tile_sequence(KCI, R):
     """A KT2 gate/up row holds the two k-tiles that two of v53's consecutive stages would: the same
     k-tiles, once each, in the same order (so each warp's MMAs accumulate in v53's order and the
     outputs are v53's bits), and gu_chunk's B fragments (ksub * kw + sub, + 1) follow the rows."""
-    kws = 2 if KCI == 16 else 1
+    kws = {8: 1, 16: 2, 32: 3}[KCI]  # 32: v55's big chunks
     kw = 1 << kws
     rows = kt2_rows("gu", R, kws, KCI, 0)
     assert [k for r in rows for k in r] == kt1_gate_up_ktiles(R, kws, KCI)

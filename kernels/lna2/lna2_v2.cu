@@ -38,6 +38,12 @@ constexpr int RED_FLOATS = 4096;   // reduction buffer; aliases the B-fragment b
 constexpr int RAW_STRIDE = KCI_MAX * 16 + 8;  // halves per staged raw input row
 constexpr int XS_BYTES = RED_FLOATS * 4;      // >= 2 proj x KCI_MAX k-tiles x 32 lanes x 8 B
 static_assert(2 * KCI_MAX * 32 * 8 <= XS_BYTES, "B fragments fit the buffer");
+// v55's chunks of 32 k-tiles (512 input columns) where items are many: half the chunks, so half the
+// staging, CTA barriers and rotation waits per tile; their B fragments fill the same buffer
+constexpr int KCI_BIG = 32;
+constexpr int RAW_STRIDE_BIG = KCI_BIG * 16 + 8;
+constexpr int RAW_ROWS_BIG = THREADS / (KCI_BIG * 16 / 8);  // input rows one load_raw pass holds (4)
+static_assert(2 * KCI_BIG * 32 * 8 <= XS_BYTES, "B fragments of a big chunk fit the buffer");
 static_assert(THREADS == 256 && WARPS == 8, "the item shapes assume 8 warps");
 
 struct Plan : RoutePlan<GR> {
@@ -55,12 +61,12 @@ struct Dyn {
 // 8 tiles of one k-tile row, or of kt consecutive k-tiles (v54's rows hold two)
 __host__ __device__ inline int ring_row_bytes(int bits, int kt = 1) { return 256 * bits * kt; }
 
-__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap, int kt = 1) {
+__host__ __device__ inline Dyn dyn_layout(int bits, int stages, int ucap, int kt = 1, bool big = false) {
     Dyn d{};
     int off = 0;
     d.ring = off; off += stages * WARPS * ring_row_bytes(bits, kt);
     d.xs = off;   off += XS_BYTES;
-    d.raw = off;  off += GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;
+    d.raw = off;  off += big ? GR * RAW_STRIDE_BIG * 2 + 2 * KCI_BIG * 16 * 2 : GR * RAW_STRIDE * 2 + 2 * KCI_MAX * 16 * 2;
     off = (off + 15) & ~15;
     d.ptr = off;  off += ucap * 9 * 8;
     off = (off + 15) & ~15;
@@ -119,6 +125,8 @@ __device__ __forceinline__ Item item_of(int t, const Cfg& c, int ng, const Pl& s
     return it;
 }
 
+// BIG (v55): chunks of 32 k-tiles wherever one-chunk items would still be enough items
+template <bool BIG = false>
 __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     Cfg c{};
     c.n_ib = a.inter / 128;
@@ -127,7 +135,12 @@ __device__ __forceinline__ Cfg make_cfg(const Args& a, int ng, int gr, int G) {
     const int target = max(1, G * a.items_x8 / 8);
     c.KCI = (kt % 16 == 0) ? 16 : 8;
     if (c.KCI == 16 && ng * c.n_ib * (kt / 16) < target) c.KCI = 8;  // finer items when few groups
-    c.kws = c.KCI == 16 ? 2 : 1;
+    if constexpr (BIG) {
+        if (c.KCI == 16 && kt % KCI_BIG == 0 && ng * c.n_ib * (kt / KCI_BIG) >= target) c.KCI = KCI_BIG;
+        c.kws = c.KCI == KCI_BIG ? 3 : c.KCI == 16 ? 2 : 1;
+    } else {
+        c.kws = c.KCI == 16 ? 2 : 1;
+    }
     const int nchunk = kt / c.KCI;
     int ks = nchunk;
     while (ks % 2 == 0 && (ng * c.n_ib * (ks / 2) >= target || ks * gr > V2_PART_CAP)) ks /= 2;
@@ -173,9 +186,16 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
 // KT2 (with GRP): a ring row is two consecutive k-tiles of the warp's share, 16 tiles, so each ring
 // step, row address and loop turn serves twice the tiles (variant 54). The k order of every warp's
 // sums is unchanged, so its outputs are v53's bit for bit.
-template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false, bool KT2 = false>
+// KC32 (with KT2): gate/up chunks of 32 k-tiles where items are many (make_cfg<true>), so a warp
+// runs four ring rows between two chunk stagings instead of two (variant 55). Each warp's k-tiles
+// change (eight consecutive of a 32-tile chunk instead of four of a 16-tile one), so its bits are
+// not v54's.
+template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false, bool KT2 = false, bool KC32 = false>
 struct V2Kernel {
     static_assert(!KT2 || GRP, "two-k-tile rows are built on v53's commit-group ring");
+    static_assert(!KC32 || KT2, "32-k-tile chunks are built on v54's two-k-tile rows");
+    static constexpr int KCAP = KC32 ? KCI_BIG : KCI_MAX;         // k-tiles a chunk may hold
+    static constexpr int RSTR = KC32 ? RAW_STRIDE_BIG : RAW_STRIDE;  // halves per staged raw input row
     static constexpr int TILE = 32 * K;   // bytes per tile
     static constexpr int ROW8 = 8 * TILE;  // bytes of 8 tiles of one k-tile
     static constexpr int KTR = KT2 ? 2 : 1;  // k-tiles per ring row
@@ -205,6 +225,7 @@ struct V2Kernel {
     // the next chunk's raw inputs, loaded ahead into registers
     uint4 rx;
     uint32_t rs;
+    uint32_t rs_hi;  // KC32: a 32-k-tile chunk's scales are two words a thread
 
     __device__ V2Kernel(const Args& a_, Plan& s_, uint8_t* dyn_)
         : a(a_), L(make_layout_v2(a_.hidden, a_.inter)), s(s_), dyn(dyn_) {}
@@ -374,6 +395,10 @@ struct V2Kernel {
 
     // ---- raw inputs of one gate/up chunk, loaded into registers ahead of use
     __device__ void load_raw(const Item& it, int ch) {
+        if constexpr (KC32) {
+            load_raw_big(it, ch);
+            return;
+        }
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
         const int k0 = (it.kc * c.R + ch) * cols;
@@ -389,7 +414,11 @@ struct V2Kernel {
                        idx);
     }
 
-    __device__ void store_raw(const Item& it) {
+    __device__ void store_raw(const Item& it, int ch) {
+        if constexpr (KC32) {
+            store_raw_big(it, ch);
+            return;
+        }
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
         __half* rawx = reinterpret_cast<__half*>(dyn + D.raw);
@@ -400,27 +429,73 @@ struct V2Kernel {
         if (idx * 2 < cols) *reinterpret_cast<uint32_t*>(raws + proj * KCI_MAX * 16 + idx * 2) = rs;
     }
 
+    // KC32's staging, for chunks of 8, 16 or 32 k-tiles: a row's pieces of 8 inputs go to 2^(kws+3)
+    // consecutive threads, so one pass holds 256 / that rows (4 at 32 k-tiles; a group's rows past
+    // those are read in store_raw, unprefetched: only groups of more than four rows have them);
+    // the two projections' scales are one or two words a thread (128 threads each).
+    __device__ void load_raw_big(const Item& it, int ch) {
+        const int t = threadIdx.x;
+        const int cols = c.KCI * 16;
+        const int k0 = (it.kc * c.R + ch) * cols;
+        const int psh = c.kws + 3;
+        const int j = t >> psh, piece = t & ((1 << psh) - 1);
+        if (j < s.gnr[it.g])
+            rx = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) +
+                                                      size_t(s.grows[it.g][j]) * a.hidden + k0 + piece * 8));
+        const int proj = t >> 7, idx = t & 127;
+        const uint32_t* sp = reinterpret_cast<const uint32_t*>(reinterpret_cast<const __half*>(P(it.g, proj ? 4 : 1)) + k0);
+        if (c.KCI == KCI_BIG) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(sp) + idx);
+            rs = v.x;
+            rs_hi = v.y;
+        } else if (idx * 2 < cols) {
+            rs = __ldg(sp + idx);
+        }
+    }
+
+    __device__ void store_raw_big(const Item& it, int ch) {
+        const int t = threadIdx.x;
+        const int cols = c.KCI * 16;
+        __half* rawx = reinterpret_cast<__half*>(dyn + D.raw);
+        __half* raws = rawx + GR * RSTR;
+        const int psh = c.kws + 3;
+        const int j = t >> psh, piece = t & ((1 << psh) - 1);
+        const int rows = s.gnr[it.g];
+        if (j < rows) *reinterpret_cast<uint4*>(rawx + j * RSTR + piece * 8) = rx;
+        if (c.KCI == KCI_BIG) {
+            const int k0 = (it.kc * c.R + ch) * cols;  // the rows one pass did not hold
+            for (int jj = j + RAW_ROWS_BIG; jj < rows; jj += RAW_ROWS_BIG)
+                *reinterpret_cast<uint4*>(rawx + jj * RSTR + piece * 8) =
+                    __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) +
+                                                         size_t(s.grows[it.g][jj]) * a.hidden + k0 + piece * 8));
+        }
+        const int proj = t >> 7, idx = t & 127;
+        uint32_t* sd = reinterpret_cast<uint32_t*>(raws + proj * KCAP * 16);
+        if (c.KCI == KCI_BIG) *reinterpret_cast<uint2*>(sd + 2 * idx) = make_uint2(rs, rs_hi);
+        else if (idx * 2 < cols) sd[idx] = rs;
+    }
+
     // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words.
     __device__ void rotate(const Item& it) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int rows = s.gnr[it.g];
         const int nblk = c.KCI / 8;
         const uint8_t* rawx = dyn + D.raw;
-        const uint8_t* raws = rawx + GR * RAW_STRIDE * 2;
+        const uint8_t* raws = rawx + GR * RSTR * 2;
         uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
         for (int task = warp; task < 2 * rows * nblk; task += WARPS) {
             const int proj = task & 1, rest = task >> 1;
             const int j = rest % rows, blk = rest / rows;
             const int k = blk * 128 + 4 * lane;
             float v[4], sc[4];
-            load4_raw(rawx + (j * RAW_STRIDE + k) * 2, a.x_dtype, v);
-            load4_raw(raws + (proj * KCI_MAX * 16 + k) * 2, DT_F16, sc);
+            load4_raw(rawx + (j * RSTR + k) * 2, a.x_dtype, v);
+            load4_raw(raws + (proj * KCAP * 16 + k) * 2, DT_F16, sc);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= sc[i];
             fwht128(v, lane);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
-            store_frag_pairs(xs + (proj * KCI_MAX + blk * 8 + (lane >> 2)) * 64, j, lane, v);
+            store_frag_pairs(xs + (proj * KCAP + blk * 8 + (lane >> 2)) * 64, j, lane, v);
         }
     }
 
@@ -435,7 +510,7 @@ struct V2Kernel {
             for (int sub = 0; sub < kw; sub += 2) {
                 const uint32_t* row = step<IT_GU>();
                 if (ch == 0 && sub == 0) trace(EV_STAGE0, ticket);
-                const uint2* xk = reinterpret_cast<const uint2*>(xb) + (proj * KCI_MAX + ksub * kw + sub) * 32 + lane;
+                const uint2* xk = reinterpret_cast<const uint2*>(xb) + (proj * KCAP + ksub * kw + sub) * 32 + lane;
                 uint32_t b[4];
                 b_frag<CB, DUP>(xk[0], b);
                 mma_row<K, CB, DUP, ABL, PRM>(row, b, w0i, w1i, sh, a, acc);
@@ -470,7 +545,7 @@ struct V2Kernel {
         regs_free = false;
         for (int ch = 0; ch < c.R; ch++) {
             __syncthreads();  // the previous chunk's MMAs and rotation are done with xs and raw
-            store_raw(it);
+            store_raw(it, ch);
             __syncthreads();
             if (ch + 1 < c.R) {
                 load_raw(it, ch + 1);
@@ -717,7 +792,7 @@ struct V2Kernel {
         nev = 0;
         ret_old = -1;
         trace(EV_START, -1);
-        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k), KTR);
+        D = dyn_layout(K, S, ucap_for(a.n_experts, a.m, a.top_k), KTR, KC32);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         int* ticket = reinterpret_cast<int*>(a.scratch + L.ticket);
@@ -726,7 +801,7 @@ struct V2Kernel {
         if (!GRP && t < WARPS * S) mbar_init(bar + t, 32);  // one per warp and slot, completed by the warp's lanes
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         ng = s.ng;
-        c = make_cfg(a, ng, s.gr, G);
+        c = make_cfg<KC32>(a, ng, s.gr, G);
         if constexpr ((ABL & ABL_NO_DOWN) != 0) {
             if (ng) {
                 c.N2 = 0;
@@ -793,19 +868,23 @@ struct V2Kernel {
     }
 };
 
-template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool GRP = false, bool KT2 = false>
+template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool GRP = false, bool KT2 = false,
+          bool KC32 = false>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP, ABL, PRM, GRP, KT2> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL, PRM, GRP, KT2, KC32> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
-// k-tiles per ring row of the build pick_v2 returns: v54's MCG builds hold two (its MUL1 layers run
-// v4's build); the launch's shared-memory size follows from it.
-int ring_kt(int codebook, int variant) { return variant == V2_KT2_VARIANT && codebook == CB_MCG ? 2 : 1; }
+// k-tiles per ring row of the build pick_v2 returns: v54's and v55's MCG builds hold two (their MUL1
+// layers run v4's build); the launch's shared-memory size follows from it, and from big_chunks.
+int ring_kt(int codebook, int variant) {
+    return (variant == V2_KT2_VARIANT || variant == V2_KC32_VARIANT) && codebook == CB_MCG ? 2 : 1;
+}
+bool big_chunks(int codebook, int variant) { return variant == V2_KC32_VARIANT && codebook == CB_MCG; }
 
 // variant 2: MCG exact-sum; 3: the format's rounding (and every MUL1 layer); 4: variant 2's
 // kernel compiled for 2 CTAs per SM
@@ -825,6 +904,9 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
     if (variant == V2_GRP_VARIANT && codebook == CB_MCG)  // v50's builds with GRP (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true>;
+    if (big_chunks(codebook, variant))  // v54's builds with 32-k-tile chunks (MUL1: v4's, below)
+        return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true, true, true>
+                         : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true, true, true>;
     if (ring_kt(codebook, variant) == 2)  // v53's builds with two-k-tile rows (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true, true>
                          : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true, true>;
@@ -858,7 +940,8 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down) {
 }
 
 static int v2_dyn_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k) {
-    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), ring_kt(codebook, variant)).total;
+    return dyn_layout(bits, S, ucap_for(n_experts, m, top_k), ring_kt(codebook, variant), big_chunks(codebook, variant))
+        .total;
 }
 
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
