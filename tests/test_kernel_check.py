@@ -121,7 +121,7 @@ def test_a_device_fault_stops_the_check_where_it_happened():
 def test_bench_times_only_correct_builds_and_names_the_fastest():
     """The timer is a stand-in too (no GPU clock here): it returns set medians per variant, so what is
     tested is which builds get timed and what the report concludes."""
-    set_us = {26: 20.0, 54: 25.0, 46: 18.0, 36: 30.0}
+    set_us = {26: 20.0, 55: 25.0, 46: 18.0, 36: 30.0}
     timed: list[set[int]] = []
 
     def timer(fns):
@@ -138,7 +138,7 @@ def test_bench_times_only_correct_builds_and_names_the_fastest():
     (c,) = rep.cases
     assert c.variant == policy.ONE_ROW_VARIANT and c.ok
     assert c.failed_variants == [policy.TWO_ROW_VARIANT] and not rep.ok  # a served build is wrong here
-    assert timed == [{26, 54, 46}] and c.timings_us == {26: 20.0, 54: 25.0, 46: 18.0}
+    assert timed == [{26, 55, 46}] and c.timings_us == {26: 20.0, 55: 25.0, 46: 18.0}
     assert c.fastest == 46
     assert selfcheck.table_rows(rep)[0][-2:] == ["20.0", "v46 18.0 (1.11x); off: v36"]
 
@@ -151,8 +151,8 @@ def test_when_the_pick_is_fastest_the_report_says_so():
 
 def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shape():
     spec = selfcheck.CheckSpec()
-    assert selfcheck.candidates(1, spec, 2) == [26, 54, 46, 36]
-    assert selfcheck.candidates(24, spec, 3) == [54, 26, 46, 36]  # K3 past 8 rows: the fallback serves
+    assert selfcheck.candidates(1, spec, 2) == [26, 55, 46, 36]
+    assert selfcheck.candidates(24, spec, 3) == [55, 26, 46, 36]  # K3 past 5 rows: the fallback serves
     tp1 = selfcheck.CheckSpec(inter=2048)
     assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
 

@@ -226,10 +226,10 @@ def test_variant_follows_the_policy():
     for rows in (1, 2, 3, 9):
         h.call(0, rows)
     # the dispatch hands the policy the layer's hidden size: this 128-wide harness layer is not one
-    # the cluster kernel takes, so v54 serves it even at one row, where a 4096-wide slice gets v26
+    # the cluster kernel takes, so v55 serves it even at one row, where a 4096-wide slice gets v26
     # (and v46 from two to twelve K2 rows)
-    assert [s["variant"] for s in h.ext.seen] == [54, 54, 54, 54]
-    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9, 13, 25)] == [26, 46, 46, 46, 54, 54]
+    assert [s["variant"] for s in h.ext.seen] == [55, 55, 55, 55]
+    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9, 13, 25)] == [26, 46, 46, 46, 55, 55]
 
 
 def test_flat_ids_are_reshaped(tmp_path):

@@ -1,7 +1,7 @@
 """Which lna2 kernel variant serves a call of `rows` decode rows.
 
 All variants compute the same function (parity-checked against the fp64 reference on the H200,
-v53 and v54 on an H100; kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
+v53, v54 and v55 on an H100; kernels/lna2/NOTES.md) and are bitwise repeatable, so the choice is per call. The table is read
 off the same-process benchmarks of 2026-12-03 (session 15 run 4, kernels/lna2/results/2026-12-03-h200.json)
 and, from two rows, of 2026-12-04 (session 18 runs 1-7); session 19 run 2 re-measured every point
 with this table in force, and its dispatch ran it (2026-12-04-h200.json; session 18 run 7's figures
@@ -24,8 +24,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   - One row, K2 or K3: v26, where every CTA also finishes the activation itself (no second cluster
     barrier) and every unit's cluster has SMs of its own. Session 19 run 2: 19.3 / 20.6 us at one
     K2 / K3 row against v40's 19.3 / 21.2 (v40's per-row bookkeeping buys nothing at one row).
-  - From two rows, K2 to twelve and K3 from three to eight: v46 (since session 24; K2 to 24 and K3 to
-    sixteen until session 27, below), which is
+  - From two rows, K2 to twelve and K3 from three to five: v46 (since session 24; K2 to 24 and K3 to
+    sixteen until session 27, K3 to eight until session 28, below), which is
     v40 with its "reads done" cluster arrive relaxed. v40 is v26 with one partial buffer of min(8, m) rows
     whose reuse a split cluster barrier guards (v36: two K3 CTAs per SM to eighteen rows, where
     v26's two 8-row buffers cost K3 its second CTA from two rows), and arrivals counted per (column
@@ -41,7 +41,23 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
-* v54 serves everything else, every TP1 point included, and from session 27 also 13-24 K2 and 9-16
+* v55 serves everything else, every TP1 point included, and from session 28 also 13-24 K2 and 6-24
+  K3 rows of the TP8 slice. It is v54 with gate/up chunks of 32 k-tiles wherever one-chunk items
+  would still be enough items (TP1 from one row, TP8 from ~4 rows): a warp runs four ring rows
+  between two chunk stagings instead of two, so the staging, the chunk's three CTA barriers and the
+  rotation's wait are paid half as often. Each warp's k-tiles change, so its bits are not v54's;
+  272 parity cases and 32 CUDA-graph cases with v54 passed, memcheck and racecheck clean. Session 28
+  (2026-12-05, an H100 80GB HBM3, the slower of two same-process medians): TP1 K2 64.0 / 106.0 /
+  166.9 / 314.3 / 538.6 / 797.7 us at 1 / 2 / 4 / 8 / 16 / 24 rows against v54's 69.7 / 112.6 /
+  172.4 / 324.6 / 561.4 / 826.3, K3 73.6 / 111.9 / 201.3 / 327.5 / 621.7 / 873.1 against 74.1 /
+  116.1 / 209.9 / 338.9 / 639.6 / 899.6; TP8 K2 96.3 / 127.9 at 16 / 24 rows against 99.8 / 130.5,
+  K3 118.5 / 150.1 against 122.3 / 152.8. At TP8 against v46 (a third process, 4-14 rows): K3 61.2 / 62.7 /
+  68.7 / 80.2 at 6 / 7 / 8 / 9 rows against 66.9 / 67.0 / 72.6 / 86.4 (v46 wins at 4 and 5: 43.8 /
+  52.6 against 50.9 / 60.8); K2 v46 wins or ties to twelve rows but at ten (74.4 against 79.1), v55
+  from thirteen (89.1 / 90.8 against 96.1 / 98.4 at 13 / 14). So v55 takes K3 from six rows, where
+  its margin (5.4-8.5 %) is past the ~4 % by which the H200 favoured the cluster kernels in session
+  24, and the K2 crossover stays at twelve.
+* v54 served everything else, every TP1 point included, in session 27, with 13-24 K2 and 9-16
   K3 rows of the TP8 slice. It is v53 with two k-tiles per ring row (16 tiles a ring step): the
   ring step, row address and loop turn are paid half as often, the arithmetic and its order are
   v53's, and its outputs were bitwise v53's in all 152 parity cases (16 of them at I = 384, where a
@@ -90,20 +106,21 @@ group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 
 v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
 an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26.
-v0-v4, v6, v7, v9, v20, v21, v31, v40, v50 and v53 stay available for the benchmark and the parity grid;
-v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53 and 54 run for MUL1 layers.
+v0-v4, v6, v7, v9, v20, v21, v31, v40, v50, v53 and v54 stay available for the benchmark and the parity
+grid; v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53, 54 and 55 run for MUL1
+layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
 the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03)."""
 
 from __future__ import annotations
 
-SEAT_VARIANT = 54  # v53 (v50's rings on cp.async groups) with two k-tiles per ring row
+SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
 TWO_ROW_VARIANT = 36  # K3 (and any bits but 2), two rows
 CLUSTER_VARIANT_K2 = 46  # K2, two to CLUSTER_MAX_ROWS_K2 rows
-CLUSTER_MAX_ROWS = 8
+CLUSTER_MAX_ROWS = 5
 CLUSTER_MAX_ROWS_K2 = 12
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
