@@ -938,6 +938,83 @@ def mcg_cases(grid, dev, gen, K=2):
         torch.cuda.empty_cache()
 
 
+def cmd_order(args):
+    """Does a build's cold time depend on what ran before it? The bench times ten launches of one
+    build in a row (each after the L2 flush); `dsv4serve kernel check --bench` alternates the builds
+    launch by launch, and in session 28 it put the v2 family 8-16 us above the bench at every TP8
+    point while the cluster builds moved < 1 us. Per case, cold medians (us) of each variant:
+      series       the bench's method (ten in a row, rounds alternated);
+      interleaved  the kernel check's (one launch each, in turn, 30 rounds);
+      after_other  each timed launch preceded by one untimed launch of the next variant, then the flush;
+      after_gemm   preceded by an fp16 GEMM (cuBLAS: large shared memory, as a decode step's
+                   projections are), then the flush;
+      series_half  the bench's method with an fp16 output (the dispatch's out = empty_like(x)).
+    Each variant's output is checked against the fp64 reference once."""
+    import torch
+
+    dev = torch.device("cuda:0")
+    gen = torch.Generator(device=dev)
+    lna2_mod()
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
+    _, alternate = cold_timers(flush)
+    variants = [int(v) for v in args.variants.split(",")]
+    ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
+    gb = torch.randn((4096, 64), device=dev, dtype=torch.float16)
+    res = {"variants": variants, "rows": []}
+
+    def per_launch(fns, pre, rounds=30):
+        ev = {k: [] for k in fns}
+        keys = list(fns)
+        for k, fn in fns.items():  # first-launch setup off the clock
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(60e6))
+        for _ in range(rounds):
+            for i, k in enumerate(keys):
+                if pre is not None:
+                    pre(keys[(i + 1) % len(keys)])
+                flush.fill_(1)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fns[k]()
+                e1.record()
+                ev[k].append((e0, e1))
+        torch.cuda.synchronize()
+        return {k: round(statistics.median(a.elapsed_time(b) * 1e3 for a, b in v), 2) for k, v in ev.items()}
+
+    for K in [int(k) for k in args.ks.split(",")]:
+        grid = [("tp8", tuple(int(m) for m in args.ms.split(",")))]
+        dense = None
+        for c in mcg_cases(grid, dev, gen, K):
+            if not all(serves(v, H, c.I, K) for v in variants):
+                continue
+            half = torch.empty((c.m, H), dtype=torch.float16, device=dev)
+
+            def fn(v, out=None, c=c):
+                return lambda: c.L.run(c.x, c.ids32, c.w32, c.out if out is None else out, v)
+
+            if dense is None or dense[0] is not c.W:
+                dense = (c.W, DenseCache(as_layer(c.W, K, "mcg", c.I)))
+            ref = dense[1].moe(c.x, c.sel, c.rw.float())
+            row = {"K": K, "m": c.m, "U": int(torch.unique(c.sel).numel())}
+            for v in variants:
+                fn(v)()
+                torch.cuda.synchronize()
+                row[f"v{v}_rel_err"] = tensor_rel(c.out, ref)
+            fns = {v: fn(v) for v in variants}
+            row["series"] = alternate(fns, 3, 10, True)[0]
+            row["interleaved"] = per_launch(fns, None)
+            row["after_other"] = per_launch(fns, lambda nxt: fns[nxt]())
+            row["after_gemm"] = per_launch(fns, lambda nxt: torch.matmul(ga, gb))
+            row["series_half"] = alternate({v: fn(v, half) for v in variants}, 3, 10, True)[0]
+            res["rows"].append(row)
+            log(f"K{K} m={c.m:2d} U={row['U']:3d} " + " | ".join(
+                f"{how} " + " ".join(f"v{v} {row[how][v]:6.1f}" for v in variants)
+                for how in ("series", "interleaved", "after_other", "after_gemm", "series_half")))
+            dump("order.json", res)
+    dump("order.json", res)
+
+
 def cmd_sweep(args):
     """v2-family tuning grid (CTAs per SM, gate/up item target) at the bench's shapes, MCG (K2 unless
     --bits 3), cold medians alternated in one process; the defaults in lna2_v2.cu are read off this
@@ -1391,6 +1468,10 @@ def main():
     b.add_argument("--ks", default="2,3")
     b.add_argument("--ms", default="1,2,4,8,16,24")
     b.add_argument("--variants", default=DEFAULT_VARIANTS)
+    od = sub.add_parser("order")
+    od.add_argument("--ks", default="2,3")
+    od.add_argument("--ms", default="1,8,16")
+    od.add_argument("--variants", default="55,46")
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
@@ -1419,7 +1500,7 @@ def main():
                                         "was not timed) is copied from there, marked with its source")
     args = ap.parse_args()
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
-     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "ablate": cmd_ablate, "trace": cmd_trace,
+     "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "order": cmd_order, "ablate": cmd_ablate, "trace": cmd_trace,
      "trace-summary": cmd_trace_summary, "dispatch": cmd_dispatch, "refusals": cmd_refusals,
      "refusal-case": cmd_refusal_case}[args.cmd](args)
 

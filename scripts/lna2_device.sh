@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repo root:
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
-#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu,
+#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,order,ablate,ncu,
 #                 kcheck (`dsv4serve kernel check --bench`) (default all)
 # Wheels come from .whl145/ or .whl165/ (carried; every checkout starts without them). To fill them,
 # and .whl/ with what dsv4serve needs there, from the repo root on the dev machine:
@@ -24,7 +24,7 @@
 # TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
-# SWEEP_MS / SWEEP_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
+# SWEEP_MS / SWEEP_TIMEOUT, ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
@@ -183,6 +183,14 @@ if has sweep && [ "$(left)" -gt 240 ]; then
     echo "exit $?" >> "$OUT/sweep-k$b.log"
     grep -E "^tp|exit|Error|FAIL" "$OUT/sweep-k$b.log" | tee -a "$LOG"
   done
+fi
+
+if has order && [ "$(left)" -gt 60 ]; then
+  step "launch order: series / interleaved / after another build / after a GEMM / fp16 out"
+  timeout ${ORDER_TIMEOUT:-150} python3 scripts/lna2_device.py order ${ORDER_VARIANTS:+--variants $ORDER_VARIANTS} \
+    ${ORDER_MS:+--ms $ORDER_MS} ${ORDER_KS:+--ks $ORDER_KS} > "$OUT/order.log" 2>&1
+  echo "exit $?" >> "$OUT/order.log"
+  grep -E "^K|exit|Error" "$OUT/order.log" | tee -a "$LOG"
 fi
 
 if has ablate && [ "$(left)" -gt 120 ]; then
