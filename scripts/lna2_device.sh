@@ -24,7 +24,7 @@
 # TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
-# SWEEP_MS / SWEEP_TIMEOUT, ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
+# SWEEP_MS / SWEEP_TIMEOUT, BENCH_AFTER (gemm: a GEMM before each cold launch), ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
@@ -207,7 +207,8 @@ if has bench; then
     [ "$(left)" -lt 60 ] && { echo "skip bench vs $INC: $(left)s left" | tee -a "$LOG"; continue; }
     step "bench vs $INC"
     PYTHONPATH=/tmp/site$INC:$PYTHONPATH timeout $(( $(left) > 280 ? 280 : $(left) )) python3 scripts/lna2_device.py bench \
-      --incumbent $INC --ms $MS --variants $BV ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} > "$OUT/bench_$INC.log" 2>&1; echo "exit $?" >> "$OUT/bench_$INC.log"
+      --incumbent $INC --ms $MS --variants $BV ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} ${BENCH_AFTER:+--after $BENCH_AFTER} \
+      > "$OUT/bench_$INC.log" 2>&1; echo "exit $?" >> "$OUT/bench_$INC.log"
     grep -E "^tp|exit|Error" "$OUT/bench_$INC.log" | tee -a "$LOG"
   done
 fi
