@@ -152,7 +152,7 @@ def test_when_the_pick_is_fastest_the_report_says_so():
 def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shape():
     spec = selfcheck.CheckSpec()
     assert selfcheck.candidates(1, spec, 2) == [26, 55, 46, 36]
-    assert selfcheck.candidates(24, spec, 3) == [55, 26, 46, 36]  # K3 past 5 rows: the fallback serves
+    assert selfcheck.candidates(24, spec, 3) == [55, 26, 46, 36]  # K3 past 8 rows: the fallback serves
     tp1 = selfcheck.CheckSpec(inter=2048)
     assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
 

@@ -24,8 +24,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   - One row, K2 or K3: v26, where every CTA also finishes the activation itself (no second cluster
     barrier) and every unit's cluster has SMs of its own. Session 19 run 2: 19.3 / 20.6 us at one
     K2 / K3 row against v40's 19.3 / 21.2 (v40's per-row bookkeeping buys nothing at one row).
-  - From two rows, K2 to twelve and K3 from three to five: v46 (since session 24; K2 to 24 and K3 to
-    sixteen until session 27, K3 to eight until session 28, below), which is
+  - From two rows, K2 to twelve and K3 from three to eight: v46 (since session 24; K2 to 24 and K3 to
+    sixteen until session 27, below), which is
     v40 with its "reads done" cluster arrive relaxed. v40 is v26 with one partial buffer of min(8, m) rows
     whose reuse a split cluster barrier guards (v36: two K3 CTAs per SM to eighteen rows, where
     v26's two 8-row buffers cost K3 its second CTA from two rows), and arrivals counted per (column
@@ -41,7 +41,7 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
-* v55 serves everything else, every TP1 point included, and from session 28 also 13-24 K2 and 6-24
+* v55 serves everything else, every TP1 point included, and from session 28 also 13-24 K2 and 9-24
   K3 rows of the TP8 slice. It is v54 with gate/up chunks of 32 k-tiles wherever one-chunk items
   would still be enough items (TP1 from one row, TP8 from ~4 rows): a warp runs four ring rows
   between two chunk stagings instead of two, so the staging, the chunk's three CTA barriers and the
@@ -54,9 +54,15 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   K3 118.5 / 150.1 against 122.3 / 152.8. At TP8 against v46 (a third process, 4-14 rows): K3 61.2 / 62.7 /
   68.7 / 80.2 at 6 / 7 / 8 / 9 rows against 66.9 / 67.0 / 72.6 / 86.4 (v46 wins at 4 and 5: 43.8 /
   52.6 against 50.9 / 60.8); K2 v46 wins or ties to twelve rows but at ten (74.4 against 79.1), v55
-  from thirteen (89.1 / 90.8 against 96.1 / 98.4 at 13 / 14). So v55 takes K3 from six rows, where
-  its margin (5.4-8.5 %) is past the ~4 % by which the H200 favoured the cluster kernels in session
-  24, and the K2 crossover stays at twelve.
+  from thirteen (89.1 / 90.8 against 96.1 / 98.4 at 13 / 14). Those are the bench's timings, ten
+  launches of one build in a row. Timed launch by launch against each other (`lna2_device.py
+  order`), v55 is 7-10 us slower at every TP8 point and v46 at most 1.6 us: then v46 wins at six to
+  nine K3 rows (67.4-73.5 against 71.5-78.5 at 6 / 8) and ties v55 at 10-12 K3 and 13-16 K2 rows;
+  with a GEMM between launches of one build, v55 loses only 1-2 us from two rows (5.7 at one K2 row).
+  The seat's launch order lies between those (every layer runs the same build at a given row count,
+  but K2 and K3 layers are different builds), so the cluster ranges stay where session 27 set them,
+  K2 to twelve and K3 to eight: v46's time does not depend on what ran before it, and past those
+  points v55 wins or ties however it is timed.
 * v54 served everything else, every TP1 point included, in session 27, with 13-24 K2 and 9-16
   K3 rows of the TP8 slice. It is v53 with two k-tiles per ring row (16 tiles a ring step): the
   ring step, row address and loop turn are paid half as often, the arithmetic and its order are
@@ -120,7 +126,7 @@ ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
 TWO_ROW_VARIANT = 36  # K3 (and any bits but 2), two rows
 CLUSTER_VARIANT_K2 = 46  # K2, two to CLUSTER_MAX_ROWS_K2 rows
-CLUSTER_MAX_ROWS = 5
+CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_ROWS_K2 = 12
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
