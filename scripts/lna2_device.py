@@ -960,7 +960,10 @@ def cmd_order(args):
       after_other  each timed launch preceded by one untimed launch of the next variant, then the flush;
       after_gemm   preceded by an fp16 GEMM (cuBLAS: large shared memory, as a decode step's
                    projections are), then the flush;
-      series_half  the bench's method with an fp16 output (the dispatch's out = empty_like(x)).
+      series_half  the bench's method with an fp16 output (the dispatch's out = empty_like(x));
+      after_other_empty / after_other_sep / after_self_sep  preceded by the other build with nothing
+                   routed, by the other build on a second layer object (own scratch and pointer
+                   tables), by the same build on that second object.
     Each variant's output is checked against the fp64 reference once."""
     import torch
 
@@ -1019,10 +1022,22 @@ def cmd_order(args):
             row["after_other"] = per_launch(fns, lambda nxt: fns[nxt]())
             row["after_gemm"] = per_launch(fns, lambda nxt: torch.matmul(ga, gb))
             row["series_half"] = alternate({v: fn(v, half) for v in variants}, 3, 10, True)[0]
+            # which state the preceding launch takes away: the other build with nothing routed (its
+            # plan and exit only: little of its code runs), the other build on a layer of its own
+            # (its own scratch and pointer tables), the same build on that other layer
+            ids_none = torch.full_like(c.ids32, -1)
+            other = Lna2Layer(c.W, K, "mcg", c.I, dev)
+            out2 = torch.empty_like(c.out)
+            row["after_other_empty"] = per_launch(fns, lambda nxt: c.L.run(c.x, ids_none, c.w32, out2, nxt))
+            row["after_other_sep"] = per_launch(fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, nxt))
+            row["after_self_sep"] = per_launch(
+                fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, variants[(variants.index(nxt) - 1) % len(variants)]))
+            del other
             res["rows"].append(row)
             log(f"K{K} m={c.m:2d} U={row['U']:3d} " + " | ".join(
                 f"{how} " + " ".join(f"v{v} {row[how][v]:6.1f}" for v in variants)
-                for how in ("series", "interleaved", "after_other", "after_gemm", "series_half")))
+                for how in ("series", "interleaved", "after_other", "after_gemm", "series_half", "after_other_empty",
+                            "after_other_sep", "after_self_sep")))
             dump("order.json", res)
     dump("order.json", res)
 
