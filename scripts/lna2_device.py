@@ -969,13 +969,15 @@ def cmd_order(args):
 
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
-    lna2_mod()
+    lna = lna2_mod()
+    if args.carveout is not None:  # before the first launch (lna2_api.h: set_carveout)
+        lna.lna2_set_carveout(args.carveout)
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
     variants = [int(v) for v in args.variants.split(",")]
     ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
     gb = torch.randn((4096, 64), device=dev, dtype=torch.float16)
-    res = {"variants": variants, "rows": []}
+    res = {"variants": variants, "carveout": args.carveout, "rows": []}
 
     def per_launch(fns, pre, rounds=30):
         ev = {k: [] for k in fns}
@@ -1501,6 +1503,8 @@ def main():
     od.add_argument("--ks", default="2,3")
     od.add_argument("--ms", default="1,8,16")
     od.add_argument("--variants", default="55,46")
+    od.add_argument("--carveout", type=int, default=None,
+                    help="preferred shared-memory carveout for every lna2 kernel (percent; -1 the driver's default)")
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")

@@ -722,6 +722,8 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
         if (err != cudaSuccess) return err;
         sl->allowed = dyn;
     }
+    const cudaError_t cerr = apply_carveout(reinterpret_cast<const void*>(fn));
+    if (cerr != cudaSuccess) return cerr;
     *slot = sl;
     return cudaSuccess;
 }
