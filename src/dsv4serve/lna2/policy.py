@@ -57,7 +57,7 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   from thirteen (89.1 / 90.8 against 96.1 / 98.4 at 13 / 14). Those are the bench's timings, ten
   launches of one build in a row. Timed launch by launch against each other (`lna2_device.py
   order`), v55 is 7-10 us slower at every TP8 point and v46 at most 1.6 us: then v46 wins at six to
-  nine K3 rows (67.4-73.5 against 71.5-78.5 at 6 / 8) and ties v55 at 10-12 K3 and 13-16 K2 rows;
+  nine K3 rows (67.4-73.5 against 70.7-78.5 at 6 and 8) and ties v55 at 10-12 K3 and 13-16 K2 rows;
   with a GEMM between launches of one build, v55 loses only 1-2 us from two rows (5.7 at one K2 row).
   The seat's launch order lies between those (every layer runs the same build at a given row count,
   but K2 and K3 layers are different builds), so the cluster ranges stay where session 27 set them,
