@@ -810,7 +810,7 @@ def cmd_bench(args):
     series, alternate = cold_timers(flush)
     # --after gemm: every cold launch follows a cuBLAS GEMM (then the flush), as a decode step's MoE
     # follows its projections; the default series repeats one kernel, whose code and launch state
-    # then stay warm across the flush (session 28's `order`: 7-10 us for the v2 family, < 2 for v46)
+    # then stay warm across the flush (session 28's `order`: 7-10 us for the v2 family, at most 2.2 for v46)
     after = None
     if args.after == "gemm":
         ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
@@ -954,7 +954,7 @@ def cmd_order(args):
     """Does a build's cold time depend on what ran before it? The bench times ten launches of one
     build in a row (each after the L2 flush); `dsv4serve kernel check --bench` alternates the builds
     launch by launch, and in session 28 it put the v2 family 8-16 us above the bench at every TP8
-    point while the cluster builds moved < 1 us. Per case, cold medians (us) of each variant:
+    point while the cluster builds moved at most 2.5 us. Per case, cold medians (us) of each variant:
       series       the bench's method (ten in a row, rounds alternated);
       interleaved  the kernel check's (one launch each, in turn, 30 rounds);
       after_other  each timed launch preceded by one untimed launch of the next variant, then the flush;

@@ -56,7 +56,7 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   52.6 against 50.9 / 60.8); K2 v46 wins or ties to twelve rows but at ten (74.4 against 79.1), v55
   from thirteen (89.1 / 90.8 against 96.1 / 98.4 at 13 / 14). Those are the bench's timings, ten
   launches of one build in a row. Timed launch by launch against each other (`lna2_device.py
-  order`), v55 is 7-10 us slower at every TP8 point and v46 at most 1.6 us: then v46 wins at six to
+  order`), v55 is 7-10 us slower at every TP8 point and v46 at most 2.2 us: then v46 wins at six to
   nine K3 rows (67.4-73.5 against 70.7-78.5 at 6 and 8) and ties v55 at 10-12 K3 and 13-16 K2 rows;
   with a GEMM between launches of one build, v55 loses only 1-2 us from two rows (5.7 at one K2 row).
   The seat's launch order lies between those (every layer runs the same build at a given row count,
