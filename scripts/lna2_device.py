@@ -975,6 +975,8 @@ def cmd_order(args):
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
     variants = [int(v) for v in args.variants.split(",")]
+    if len(variants) < 2 or len(set(variants)) != len(variants):
+        raise SystemExit(f"order: --variants needs two or more different builds, got {args.variants}")
     ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
     gb = torch.randn((4096, 64), device=dev, dtype=torch.float16)
     res = {"variants": variants, "carveout": args.carveout, "rows": []}

@@ -4,7 +4,7 @@
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
 #     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,order,ablate,ncu,
-#                 kcheck (`dsv4serve kernel check --bench`) (default all)
+#                 kcheck (`dsv4serve kernel check --bench`) (default all but order)
 # Wheels come from .whl145/ or .whl165/ (carried; every checkout starts without them). To fill them,
 # and .whl/ with what dsv4serve needs there, from the repo root on the dev machine:
 #   printf '/.whl145/\n/.whl165/\n/.dev/\n' >> .git/info/exclude
@@ -187,7 +187,8 @@ fi
 
 if has order && [ "$(left)" -gt 60 ]; then
   step "launch order: series / interleaved / after another build / after a GEMM / fp16 out"
-  timeout ${ORDER_TIMEOUT:-150} python3 scripts/lna2_device.py order ${ORDER_VARIANTS:+--variants $ORDER_VARIANTS} \
+  OT=${ORDER_TIMEOUT:-150}
+  timeout $(( $(left) > OT ? OT : $(left) )) python3 scripts/lna2_device.py order ${ORDER_VARIANTS:+--variants $ORDER_VARIANTS} \
     ${ORDER_MS:+--ms $ORDER_MS} ${ORDER_KS:+--ks $ORDER_KS} ${ORDER_CARVEOUT:+--carveout $ORDER_CARVEOUT} > "$OUT/order.log" 2>&1
   echo "exit $?" >> "$OUT/order.log"
   grep -E "^K|exit|Error" "$OUT/order.log" | tee -a "$LOG"

@@ -248,9 +248,9 @@ void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8, int64_t pair_down) {
     g_grid.clear();
 }
 
-// Benchmarks only (lna2_api.h): the shared-memory carveout every lna2 kernel gets from now on;
-// -1 the driver's default, CARVEOUT_UNSET (-1000) leaves the attribute alone. Process-wide; set it
-// before the first launch.
+// Benchmarks only (lna2_api.h): the shared-memory carveout every v2-family and cluster kernel gets
+// from now on (v0 / v1 never); -1 the driver's default, CARVEOUT_UNSET (-1000) leaves the attribute
+// alone. Process-wide; set it before the first launch (the cluster kernel caches its occupancy).
 void lna2_set_carveout(int64_t percent) {
     TORCH_CHECK_VALUE(percent == lna2::CARVEOUT_UNSET || (percent >= -1 && percent <= 100),
                       "lna2_set_carveout: percent must be -1 (the driver's default), 0..100 or ", lna2::CARVEOUT_UNSET,

@@ -182,7 +182,7 @@ constexpr int V2_GRP_VARIANT = 53;
 // row addresses and loop turns per tile at the same decode, aimed at TP1, where those are most of
 // the ~11 instructions a tile outside the decode (kernels/lna2/NOTES.md, session 27).
 constexpr int V2_KT2_VARIANT = 54;
-// Variant 55 is v54 with gate/up chunks of 32 k-tiles where items are many (TP1, and TP8 from ~8
+// Variant 55 is v54 with gate/up chunks of 32 k-tiles where items are many (TP1, and TP8 from ~4
 // rows): the chunk's staging, three CTA barriers and rotation wait are paid per 64 tiles a warp
 // instead of 32, which session 26's profile put at 7 % of TP1's instructions and 13 % of its stall
 // samples (kernels/lna2/NOTES.md, session 28).

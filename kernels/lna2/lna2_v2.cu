@@ -432,7 +432,8 @@ struct V2Kernel {
     // KC32's staging, for chunks of 8, 16 or 32 k-tiles: a row's pieces of 8 inputs go to 2^(kws+3)
     // consecutive threads, so one pass holds 256 / that rows (4 at 32 k-tiles; a group's rows past
     // those are read in store_raw, unprefetched: only groups of more than four rows have them);
-    // the two projections' scales are one or two words a thread (128 threads each).
+    // the two projections' scales are one or two words a thread (128 threads each; two as one 8-byte
+    // load, so the gate / up suh vectors must be 8-byte aligned, as svh's uint2 reads already assume).
     __device__ void load_raw_big(const Item& it, int ch) {
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
