@@ -739,6 +739,16 @@ class Inc165:
         self.ext.exl3_moe_gather(out, st["scratch"], st["fe"], st["inv"], tb[1, :E], tb[0, :E], tb[2, :E], st["ws"])
 
 
+def gemm_before(dev):
+    """A launch to put before a timed one: a cuBLAS fp16 GEMM (4096 x 4096 x 64), as a decode step's
+    projections run before its MoE (bench --after gemm, order's after_gemm)."""
+    import torch
+
+    ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
+    gb = torch.randn((4096, 64), device=dev, dtype=torch.float16)
+    return lambda: torch.matmul(ga, gb)
+
+
 def cold_timers(flush, spin_cycles=int(30e6)):
     """(series, alternate) timing helpers shared by bench, sweep and ablate: CUDA events with the
     host queue filled behind a spin; cold = `flush` (256 MiB) written before every launch."""
@@ -811,11 +821,7 @@ def cmd_bench(args):
     # --after gemm: every cold launch follows a cuBLAS GEMM (then the flush), as a decode step's MoE
     # follows its projections; the default series repeats one kernel, whose code and launch state
     # then stay warm across the flush (session 28's `order`: 7-10 us for the v2 family, at most 2.2 for v46)
-    after = None
-    if args.after == "gemm":
-        ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
-        gb = torch.randn((4096, 64), device=dev, dtype=torch.float16)
-        after = lambda: torch.matmul(ga, gb)  # noqa: E731
+    after = gemm_before(dev) if args.after == "gemm" else None
 
     variants = [int(v) for v in args.variants.split(",")]
     result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -977,8 +983,7 @@ def cmd_order(args):
     variants = [int(v) for v in args.variants.split(",")]
     if len(variants) < 2 or len(set(variants)) != len(variants):
         raise SystemExit(f"order: --variants needs two or more different builds, got {args.variants}")
-    ga = torch.randn((4096, 4096), device=dev, dtype=torch.float16)
-    gb = torch.randn((4096, 64), device=dev, dtype=torch.float16)
+    gemm = gemm_before(dev)
     res = {"variants": variants, "carveout": args.carveout, "rows": []}
 
     def per_launch(fns, pre, rounds=30):
@@ -1024,7 +1029,7 @@ def cmd_order(args):
             row["series"] = alternate(fns, 3, 10, True)[0]
             row["interleaved"] = per_launch(fns, None)
             row["after_other"] = per_launch(fns, lambda nxt: fns[nxt]())
-            row["after_gemm"] = per_launch(fns, lambda nxt: torch.matmul(ga, gb))
+            row["after_gemm"] = per_launch(fns, lambda nxt: gemm())
             row["series_half"] = alternate({v: fn(v, half) for v in variants}, 3, 10, True)[0]
             # which state the preceding launch takes away: the other build with nothing routed (its
             # plan and exit only: little of its code runs), the other build on a layer of its own
