@@ -969,7 +969,8 @@ def cmd_order(args):
       series_half  the bench's method with an fp16 output (the dispatch's out = empty_like(x));
       after_other_empty / after_other_sep / after_self_sep  preceded by the other build with nothing
                    routed, by the other build on a second layer object (own scratch and pointer
-                   tables), by the same build on that second object.
+                   tables), by the same build on that second object;
+      after_v<P>_empty  preceded by build P (--before) with nothing routed.
     Each variant's output is checked against the fp64 reference once."""
     import torch
 
@@ -983,8 +984,9 @@ def cmd_order(args):
     variants = [int(v) for v in args.variants.split(",")]
     if len(variants) < 2 or len(set(variants)) != len(variants):
         raise SystemExit(f"order: --variants needs two or more different builds, got {args.variants}")
+    befores = [int(v) for v in args.before.split(",")] if args.before else []
     gemm = gemm_before(dev)
-    res = {"variants": variants, "carveout": args.carveout, "rows": []}
+    res = {"variants": variants, "carveout": args.carveout, "before": befores, "rows": []}
 
     def per_launch(fns, pre, rounds=30):
         ev = {k: [] for k in fns}
@@ -1041,12 +1043,16 @@ def cmd_order(args):
             row["after_other_sep"] = per_launch(fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, nxt))
             row["after_self_sep"] = per_launch(
                 fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, variants[(variants.index(nxt) - 1) % len(variants)]))
+            # --before: which kind of preceding kernel costs the v2 family (cluster launch or not,
+            # shared size, same module): each build named there, with nothing routed, before every launch
+            for p in befores:
+                row[f"after_v{p}_empty"] = per_launch(fns, lambda nxt, p=p: c.L.run(c.x, ids_none, c.w32, out2, p))
             del other
             res["rows"].append(row)
             log(f"K{K} m={c.m:2d} U={row['U']:3d} " + " | ".join(
                 f"{how} " + " ".join(f"v{v} {row[how][v]:6.1f}" for v in variants)
                 for how in ("series", "interleaved", "after_other", "after_gemm", "series_half", "after_other_empty",
-                            "after_other_sep", "after_self_sep")))
+                            "after_other_sep", "after_self_sep", *(f"after_v{p}_empty" for p in befores))))
             dump("order.json", res)
     dump("order.json", res)
 
@@ -1512,6 +1518,8 @@ def main():
     od.add_argument("--variants", default="55,46")
     od.add_argument("--carveout", type=int, default=None,
                     help="preferred shared-memory carveout for every lna2 kernel (percent; -1 the driver's default)")
+    od.add_argument("--before", default="",
+                    help="builds to launch with nothing routed before every timed launch, one mode each")
     sw = sub.add_parser("sweep")
     sw.add_argument("--variant", type=int, default=4)
     sw.add_argument("--items", default="4,6,8,11,12,16,24", help="items_x8 values")
