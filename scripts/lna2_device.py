@@ -125,10 +125,10 @@ class Lna2Layer:
         self.scratch[ctrl:].view(-1)[: (self.scratch.numel() - ctrl) // 2 * 2].view(torch.float16).fill_(float("nan"))
 
 
-def make_weights(I, K, dev, gen, suh_s=1 / 64, svh_gu=0.5, svh_d=1.0):
+def make_weights(I, K, dev, gen, suh_s=1 / 64, svh_gu=0.5, svh_d=1.0, seed=1234):
     import torch
 
-    gen.manual_seed(1234 + 10 * K + I)
+    gen.manual_seed(seed + 10 * K + I)
 
     def trellis(k, n):
         return torch.randint(-32768, 32767, (E, k // 16, n // 16, 16 * K), dtype=torch.int16, device=dev, generator=gen)
@@ -970,6 +970,7 @@ def cmd_order(args):
       after_other_empty / after_other_sep / after_self_sep  preceded by the other build with nothing
                    routed, by the other build on a second layer object (own scratch and pointer
                    tables), by the same build on that second object;
+      after_self_otherw  preceded by the same build on other weights (and its own scratch);
       after_v<P>_empty  preceded by build P (--before) with nothing routed.
     Each variant's output is checked against the fp64 reference once."""
     import torch
@@ -977,8 +978,6 @@ def cmd_order(args):
     dev = torch.device("cuda:0")
     gen = torch.Generator(device=dev)
     lna = lna2_mod()
-    if args.carveout is not None:  # before the first launch (lna2_api.h: set_carveout)
-        lna.lna2_set_carveout(args.carveout)
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     _, alternate = cold_timers(flush)
     variants = [int(v) for v in args.variants.split(",")]
@@ -986,7 +985,7 @@ def cmd_order(args):
         raise SystemExit(f"order: --variants needs two or more different builds, got {args.variants}")
     befores = [int(v) for v in args.before.split(",")] if args.before else []
     gemm = gemm_before(dev)
-    res = {"variants": variants, "carveout": args.carveout, "before": befores, "rows": []}
+    res = {"variants": variants, "before": befores, "rows": []}
 
     def per_launch(fns, pre, rounds=30):
         ev = {k: [] for k in fns}
@@ -1047,12 +1046,18 @@ def cmd_order(args):
             # shared size, same module): each build named there, with nothing routed, before every launch
             for p in befores:
                 row[f"after_v{p}_empty"] = per_launch(fns, lambda nxt, p=p: c.L.run(c.x, ids_none, c.w32, out2, p))
-            del other
+            # the same build, fully routed, on other weights (other pages, same code): fast like the
+            # series if what a full launch leaves behind is its code on the SMs, slow if it is the
+            # data's address translations
+            other_w = Lna2Layer(make_weights(c.I, K, dev, gen, seed=4321), K, "mcg", c.I, dev)
+            row["after_self_otherw"] = per_launch(
+                fns, lambda nxt: other_w.run(c.x, c.ids32, c.w32, out2, variants[(variants.index(nxt) - 1) % len(variants)]))
+            del other, other_w
             res["rows"].append(row)
             log(f"K{K} m={c.m:2d} U={row['U']:3d} " + " | ".join(
                 f"{how} " + " ".join(f"v{v} {row[how][v]:6.1f}" for v in variants)
                 for how in ("series", "interleaved", "after_other", "after_gemm", "series_half", "after_other_empty",
-                            "after_other_sep", "after_self_sep", *(f"after_v{p}_empty" for p in befores))))
+                            "after_other_sep", "after_self_sep", "after_self_otherw", *(f"after_v{p}_empty" for p in befores))))
             dump("order.json", res)
     dump("order.json", res)
 
@@ -1516,8 +1521,6 @@ def main():
     od.add_argument("--ks", default="2,3")
     od.add_argument("--ms", default="1,8,16")
     od.add_argument("--variants", default="55,46")
-    od.add_argument("--carveout", type=int, default=None,
-                    help="preferred shared-memory carveout for every lna2 kernel (percent; -1 the driver's default)")
     od.add_argument("--before", default="",
                     help="builds to launch with nothing routed before every timed launch, one mode each")
     sw = sub.add_parser("sweep")

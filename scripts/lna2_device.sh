@@ -24,7 +24,7 @@
 # TRACE_MS: its K and TP8 row counts),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
-# SWEEP_MS / SWEEP_TIMEOUT, BENCH_AFTER (gemm: a GEMM before each cold launch), ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_CARVEOUT / ORDER_BEFORE / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
+# SWEEP_MS / SWEEP_TIMEOUT, BENCH_AFTER (gemm: a GEMM before each cold launch), ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_BEFORE / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
@@ -189,7 +189,7 @@ if has order && [ "$(left)" -gt 60 ]; then
   step "launch order: series / interleaved / after another build / after a GEMM / fp16 out"
   OT=${ORDER_TIMEOUT:-150}
   timeout $(( $(left) > OT ? OT : $(left) )) python3 scripts/lna2_device.py order ${ORDER_VARIANTS:+--variants $ORDER_VARIANTS} \
-    ${ORDER_MS:+--ms $ORDER_MS} ${ORDER_KS:+--ks $ORDER_KS} ${ORDER_CARVEOUT:+--carveout $ORDER_CARVEOUT} ${ORDER_BEFORE:+--before $ORDER_BEFORE} > "$OUT/order.log" 2>&1
+    ${ORDER_MS:+--ms $ORDER_MS} ${ORDER_KS:+--ks $ORDER_KS} ${ORDER_BEFORE:+--before $ORDER_BEFORE} > "$OUT/order.log" 2>&1
   echo "exit $?" >> "$OUT/order.log"
   grep -E "^K|exit|Error" "$OUT/order.log" | tee -a "$LOG"
 fi

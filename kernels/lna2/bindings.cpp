@@ -248,18 +248,6 @@ void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8, int64_t pair_down) {
     g_grid.clear();
 }
 
-// Benchmarks only (lna2_api.h): the shared-memory carveout every v2-family and cluster kernel gets
-// from now on (v0 / v1 never); -1 the driver's default, CARVEOUT_UNSET (-1000) leaves the attribute
-// alone. Process-wide; set it before the first launch (the cluster kernel caches its occupancy).
-void lna2_set_carveout(int64_t percent) {
-    TORCH_CHECK_VALUE(percent == lna2::CARVEOUT_UNSET || (percent >= -1 && percent <= 100),
-                      "lna2_set_carveout: percent must be -1 (the driver's default), 0..100 or ", lna2::CARVEOUT_UNSET,
-                      " (leave the attribute alone), got ", percent);
-    std::lock_guard<std::mutex> lk(g_mu);
-    lna2::set_carveout(static_cast<int>(percent));
-    g_grid.clear();
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "lna2: EXL3 routed-expert MoE decode kernel (dsv4serve)";
     m.def("lna2_moe_decode", &lna2_moe_decode, "one launch: routed experts for [m, top_k] routes",
@@ -280,7 +268,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("lna2_build_id", &lna2_build_id);
     m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep; for v7 0 = auto, 1 = one CTA per SM, 2 = as many as fit), item target x8 (0 = keep), paired down items (-1 = keep)",
           py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0, py::arg("pair_down") = -1);
-    m.def("lna2_set_carveout", &lna2_set_carveout,
-          "benchmarks: preferred shared-memory carveout for every lna2 kernel (-1 default, 0..100, -1000 leave alone)",
-          py::arg("percent"));
 }

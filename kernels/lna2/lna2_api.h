@@ -3,7 +3,6 @@
 // so the kernel compiles with plain nvcc (CI builds it for sm_90 and sm_120 without a GPU).
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -203,26 +202,6 @@ cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 // setting), the gate/up item target, grid * items_x8 / 8 (0 keeps it), and whether down items may
 // cover two output blocks (0 / 1, < 0 keeps it).
 void set_tuning(int ctas_per_sm, int items_x8, int pair_down);
-
-// Benchmarks: the preferred L1 / shared-memory carveout (percent of the SM's shared maximum, or -1
-// for the driver's default) that every v2 and cluster kernel is given before it launches or is
-// measured for occupancy. CARVEOUT_UNSET (the default) touches no kernel's attribute. Session 28 found
-// a v2 launch 7-10 us slower after any other lna2 kernel than after itself (NOTES.md); this is the
-// experiment's knob. Set it once per process, before the first launch: v7 caches its cluster
-// occupancy per kernel.
-constexpr int CARVEOUT_UNSET = -1000;
-inline std::atomic<int>& carveout_setting() {  // one per process: an inline function's static
-    static std::atomic<int> v{CARVEOUT_UNSET};
-    return v;
-}
-inline void set_carveout(int percent) { carveout_setting().store(percent); }
-inline int carveout() { return carveout_setting().load(); }
-// cudaFuncSetAttribute(fn, PreferredSharedMemoryCarveout, carveout()) when the knob is set
-inline cudaError_t apply_carveout(const void* fn) {
-    const int cv = carveout();
-    if (cv == CARVEOUT_UNSET) return cudaSuccess;
-    return cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, cv);
-}
 
 // v2's own entry points (lna2_v2.cu); occupancy() and launch() route variants 2, 3 and 4 to them.
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,

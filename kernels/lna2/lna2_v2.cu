@@ -954,8 +954,6 @@ cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_
     const int dyn = v2_dyn_bytes(bits, codebook, variant, n_experts, m, top_k);
     err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (err != cudaSuccess) return err;
-    err = apply_carveout(reinterpret_cast<const void*>(fn));
-    if (err != cudaSuccess) return err;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
     if (err == cudaSuccess && g_tuning.ctas_per_sm > 0 && *blocks_per_sm > g_tuning.ctas_per_sm)
         *blocks_per_sm = g_tuning.ctas_per_sm;
@@ -974,8 +972,6 @@ cudaError_t v2_launch(const Args& a_in, int grid, cudaStream_t stream) {
     a.stages = S;
     const int dyn = v2_dyn_bytes(a.bits, a.codebook, a.variant, a.n_experts, a.m, a.top_k);
     cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
-    if (err != cudaSuccess) return err;
-    err = apply_carveout(reinterpret_cast<const void*>(fn));
     if (err != cudaSuccess) return err;
     fn<<<grid, THREADS, dyn, stream>>>(a);
     return cudaGetLastError();

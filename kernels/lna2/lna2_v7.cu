@@ -707,9 +707,7 @@ KernelSlot g_slots[SLOTS];
 int g_nslots = 0;
 std::mutex g_slots_mu;
 
-// The slot of (fn, device), its allowance raised to at least dyn, and the benchmarks' carveout set
-// on fn when they asked for one (apply_carveout: a host call per launch while the knob is set).
-// Caller holds g_slots_mu.
+// The slot of (fn, device), its allowance raised to at least dyn. Caller holds g_slots_mu.
 cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
     KernelSlot* sl = nullptr;
     for (int i = 0; i < g_nslots; i++)
@@ -724,8 +722,6 @@ cudaError_t allow(KernelFn fn, int dyn, int device, KernelSlot** slot) {
         if (err != cudaSuccess) return err;
         sl->allowed = dyn;
     }
-    const cudaError_t cerr = apply_carveout(reinterpret_cast<const void*>(fn));
-    if (cerr != cudaSuccess) return cerr;
     *slot = sl;
     return cudaSuccess;
 }
