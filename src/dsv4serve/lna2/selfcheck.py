@@ -352,8 +352,11 @@ class Lna2Runner:
 
 def cuda_timer(device: Any, reps: int) -> Timer:
     """Median microseconds per launch, cold: launches alternate between the variants, each after a
-    write of 4x the card's L2 (so weights and code come from memory, as at decode after attention),
-    all enqueued behind a spin so the host's launch cost is not in the events."""
+    write of 4x the card's L2, all enqueued behind a spin so the host's launch cost is not in the
+    events. The write sends the weights back to memory; the alternation does the same to each
+    build's code, which the SMs keep across a flush but not across another build's full launch
+    (kernels/lna2/NOTES.md, session 29), as at decode, where attention and the dense GEMMs run
+    between two MoE launches. Ten launches of one build in a row (the device bench) keep it."""
     import torch
 
     props = torch.cuda.get_device_properties(device)
