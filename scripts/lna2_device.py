@@ -1042,8 +1042,8 @@ def cmd_order(args):
             row["after_other_sep"] = per_launch(fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, nxt))
             row["after_self_sep"] = per_launch(
                 fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, variants[(variants.index(nxt) - 1) % len(variants)]))
-            # --before: which kind of preceding kernel costs the v2 family (cluster launch or not,
-            # shared size, same module): each build named there, with nothing routed, before every launch
+            # --before: each build named there, with nothing routed, before every launch (session 29:
+            # whatever the build, cluster or not, v55 itself included, an empty launch restores nothing)
             for p in befores:
                 row[f"after_v{p}_empty"] = per_launch(fns, lambda nxt, p=p: c.L.run(c.x, ids_none, c.w32, out2, p))
             # the same build, fully routed, on other weights (other pages, same code): fast like the
