@@ -1150,7 +1150,9 @@ EVENTS = ["start", "plan", "item", "stage0", "mma", "arrived", "finished", "read
 
 
 def cmd_trace(args):
-    """Per-CTA event timelines of v2 (globaltimer ns) at a few shapes, for NOTES.md's breakdown."""
+    """Per-CTA event timelines of v2 and the cluster kernel (globaltimer ns) at a few shapes, for
+    NOTES.md's breakdown, each beside the launch's time by CUDA events (with --empty, also each
+    shape with nothing routed)."""
     import torch
 
     dev = torch.device("cuda:0")
@@ -1165,27 +1167,37 @@ def cmd_trace(args):
     shapes = [(sh, ms) for sh, ms in (("tp8", tp8_ms), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
     for case in mcg_cases(shapes, dev, gen, args.bits):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
-        for _ in range(3):
-            L.run(x, ids32, w32, out, args.variant)
-        for rep in range(3):
-            tr = torch.zeros(grid * 64 * 2, dtype=torch.int64, device=dev)
-            flush.fill_(rep)
-            L.run(x, ids32, w32, out, args.variant, tr)
-            torch.cuda.synchronize()
-            t = tr.view(-1, 64, 2).cpu()
-            ctas = []
-            t0 = min(int(v) for v in t[:, 0, 0].tolist() if v > 0)
-            for cta in range(t.shape[0]):
-                evs = [(int(ns) - t0, int(code) & 255, (int(code) >> 8) - 1) for ns, code in t[cta].tolist() if ns > 0]
-                if evs:
-                    ctas.append(evs)
-            res.append({"shape": shape, "m": m, "rep": rep, "ctas": ctas})
-            end = max(e[0] for c in ctas for e in c)
-            log(f"{shape} K{args.bits} m={m} rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us")
+        # --empty: the same launch with nothing routed (its plan, the zero output and the exit only)
+        for empty, ids in ((False, ids32), (True, torch.full_like(ids32, -1)))[: 2 if args.empty else 1]:
+            for _ in range(3):
+                L.run(x, ids, w32, out, args.variant)
+            for rep in range(3):
+                tr = torch.zeros(grid * 64 * 2, dtype=torch.int64, device=dev)
+                flush.fill_(rep)
+                # the launch's event time beside its traced span (first CTA's first event to the last
+                # event): the difference is what happens outside the kernel's instructions
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                L.run(x, ids, w32, out, args.variant, tr)
+                e1.record()
+                torch.cuda.synchronize()
+                t = tr.view(-1, 64, 2).cpu()
+                ctas = []
+                t0 = min(int(v) for v in t[:, 0, 0].tolist() if v > 0)
+                for cta in range(t.shape[0]):
+                    evs = [(int(ns) - t0, int(code) & 255, (int(code) >> 8) - 1) for ns, code in t[cta].tolist() if ns > 0]
+                    if evs:
+                        ctas.append(evs)
+                end = max(e[0] for c in ctas for e in c)
+                ev_us = e0.elapsed_time(e1) * 1e3
+                res.append({"shape": shape, "m": m, "rep": rep, "empty": empty, "event_us": round(ev_us, 2),
+                            "span_us": round(end / 1e3, 2), "ctas": ctas})
+                log(f"{shape} K{args.bits} m={m}{' empty' if empty else ''} rep={rep}: {len(ctas)} CTAs traced, "
+                    f"last event at {end / 1e3:.1f} us, launch {ev_us:.1f} us by events")
         tag = f"v{args.variant}" + (f"-k{args.bits}" if args.bits != 2 else "")
         dump(f"trace-{tag}.json", {"events": events, "variant": args.variant, "bits": args.bits, "runs": res})
     if cluster:
-        summary = summarize_trace_v7({"runs": res})
+        summary = summarize_trace_v7({"runs": [r for r in res if not r.get("empty")]})
         for row in summary:
             log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
                 f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
@@ -1235,9 +1247,10 @@ def summarize_trace_v7(doc):
 
 
 def summarize_trace(doc):
-    """Phase durations of v2 items from a trace (cmd_trace's JSON): medians and maxima in us."""
+    """Phase durations of v2 items from a trace (cmd_trace's JSON): medians and maxima in us (runs
+    with nothing routed have no items and are left out)."""
     out = []
-    for run in doc["runs"]:
+    for run in (r for r in doc["runs"] if not r.get("empty")):
         items = {"gu": [], "dn": []}
         plans, exits, gathers = [], [], []
         for evs in run["ctas"]:
@@ -1536,6 +1549,7 @@ def main():
     tr.add_argument("--variant", type=int, default=4)
     tr.add_argument("--bits", type=int, default=2, choices=(2, 3))
     tr.add_argument("--ms", default="", help="TP8 row counts, comma list (default 1,2,8)")
+    tr.add_argument("--empty", action="store_true", help="also trace each case with nothing routed")
     ts = sub.add_parser("trace-summary")
     ts.add_argument("--trace", required=True)
     ts.add_argument("--out", required=True)

@@ -37,6 +37,10 @@ def test_v2_trace_summary_tells_gate_up_items_from_down_items():
     row = dev.summarize_trace(doc)[0]
     assert (row["gu_items"], row["dn_items"]) == (2, 1)
     assert row["gu_start_to_first_stage"]["median_us"] == 1.0 and row["dn_start_to_ready"]["median_us"] == 1.0
+    # a launch with nothing routed (trace --empty) has a plan and no items: left out of the summary
+    empty = {"shape": "tp1", "m": 8, "rep": 0, "empty": True, "ctas": [[(0, ev["plan"], 0)]]}
+    both = dev.summarize_trace({"runs": [empty, doc["runs"][0]]})
+    assert len(both) == 1 and (both[0]["gu_items"], both[0]["dn_items"]) == (2, 1)
 
 
 def test_error_figures_are_relative_l2_and_a_zero_reference_row_must_be_zero():
