@@ -1040,8 +1040,11 @@ def cmd_order(args):
             out2 = torch.empty_like(c.out)
             row["after_other_empty"] = per_launch(fns, lambda nxt: c.L.run(c.x, ids_none, c.w32, out2, nxt))
             row["after_other_sep"] = per_launch(fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, nxt))
-            row["after_self_sep"] = per_launch(
-                fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, variants[(variants.index(nxt) - 1) % len(variants)]))
+
+            def prev(nxt):  # the build timed right after this pre-launch: per_launch hands over the next one
+                return variants[(variants.index(nxt) - 1) % len(variants)]
+
+            row["after_self_sep"] = per_launch(fns, lambda nxt: other.run(c.x, c.ids32, c.w32, out2, prev(nxt)))
             # --before: each build named there, with nothing routed, before every launch (session 29:
             # whatever the build, cluster or not, v55 itself included, an empty launch restores nothing)
             for p in befores:
@@ -1050,8 +1053,7 @@ def cmd_order(args):
             # series if what a full launch leaves behind is its code on the SMs, slow if it is the
             # data's address translations
             other_w = Lna2Layer(make_weights(c.I, K, dev, gen, seed=4321), K, "mcg", c.I, dev)
-            row["after_self_otherw"] = per_launch(
-                fns, lambda nxt: other_w.run(c.x, c.ids32, c.w32, out2, variants[(variants.index(nxt) - 1) % len(variants)]))
+            row["after_self_otherw"] = per_launch(fns, lambda nxt: other_w.run(c.x, c.ids32, c.w32, out2, prev(nxt)))
             del other, other_w
             res["rows"].append(row)
             log(f"K{K} m={c.m:2d} U={row['U']:3d} " + " | ".join(
@@ -1168,7 +1170,8 @@ def cmd_trace(args):
     for case in mcg_cases(shapes, dev, gen, args.bits):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
         # --empty: the same launch with nothing routed (its plan, the zero output and the exit only)
-        for empty, ids in ((False, ids32), (True, torch.full_like(ids32, -1)))[: 2 if args.empty else 1]:
+        runs = [(False, ids32)] + ([(True, torch.full_like(ids32, -1))] if args.empty else [])
+        for empty, ids in runs:
             for _ in range(3):
                 L.run(x, ids, w32, out, args.variant)
             for rep in range(3):

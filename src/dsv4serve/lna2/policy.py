@@ -61,8 +61,9 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   with a GEMM between launches of one build, v55 loses only 1-2 us from two rows (5.7 at one K2 row).
   The seat's launch order lies between those (every layer runs the same build at a given row count,
   but K2 and K3 layers are different builds), so the cluster ranges stay where session 27 set them,
-  K2 to twelve and K3 to eight: v46's time does not depend on what ran before it, and past those
-  points v55 wins or ties however it is timed.
+  K2 to twelve and K3 to eight: v46's time depends little on what ran before it (0.3-2.1 us), and
+  past those points v55 wins or ties however it is timed. Session 29 found why v55 loses: its own
+  code goes cold on the SMs when another build runs a full launch in between (kernels/lna2/NOTES.md).
 * v54 served everything else, every TP1 point included, in session 27, with 13-24 K2 and 9-16
   K3 rows of the TP8 slice. It is v53 with two k-tiles per ring row (16 tiles a ring step): the
   ring step, row address and loop turn are paid half as often, the arithmetic and its order are
