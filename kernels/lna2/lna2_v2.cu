@@ -394,6 +394,19 @@ struct V2Kernel {
     }
 
     // ---- raw inputs of one gate/up chunk, loaded into registers ahead of use
+
+    // The input column where chunk ch of a gate/up item starts (cols: c.KCI * 16, which the callers
+    // already hold; recomputing it here changes v55's register allocation).
+    __device__ int chunk_k0(const Item& it, int ch, int cols) const { return (it.kc * c.R + ch) * cols; }
+    // Eight inputs of routed row `row` (pieces of eight from column k0).
+    __device__ uint4 x8(size_t row, int k0, int piece) const {
+        return __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) + row * a.hidden + k0 + piece * 8));
+    }
+    // The gate (proj 0) or up (proj 1) suh vector from column k0, as words of two scales.
+    __device__ const uint32_t* suh_at(const Item& it, int proj, int k0) const {
+        return reinterpret_cast<const uint32_t*>(reinterpret_cast<const __half*>(P(it.g, proj ? 4 : 1)) + k0);
+    }
+
     __device__ void load_raw(const Item& it, int ch) {
         if constexpr (KC32) {
             load_raw_big(it, ch);
@@ -401,17 +414,11 @@ struct V2Kernel {
         }
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
-        const int k0 = (it.kc * c.R + ch) * cols;
+        const int k0 = chunk_k0(it, ch, cols);
         const int j = t >> 5, piece = t & 31;
-        if (j < s.gnr[it.g] && piece * 8 < cols) {
-            const int row = s.grows[it.g][j];
-            rx = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) + size_t(row) * a.hidden +
-                                                      k0 + piece * 8));
-        }
+        if (j < s.gnr[it.g] && piece * 8 < cols) rx = x8(s.grows[it.g][j], k0, piece);
         const int proj = t >> 7, idx = t & 127;
-        if (idx * 2 < cols)
-            rs = __ldg(reinterpret_cast<const uint32_t*>(reinterpret_cast<const __half*>(P(it.g, proj ? 4 : 1)) + k0) +
-                       idx);
+        if (idx * 2 < cols) rs = __ldg(suh_at(it, proj, k0) + idx);
     }
 
     __device__ void store_raw(const Item& it, int ch) {
@@ -437,14 +444,12 @@ struct V2Kernel {
     __device__ void load_raw_big(const Item& it, int ch) {
         const int t = threadIdx.x;
         const int cols = c.KCI * 16;
-        const int k0 = (it.kc * c.R + ch) * cols;
+        const int k0 = chunk_k0(it, ch, cols);
         const int psh = c.kws + 3;
         const int j = t >> psh, piece = t & ((1 << psh) - 1);
-        if (j < s.gnr[it.g])
-            rx = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) +
-                                                      size_t(s.grows[it.g][j]) * a.hidden + k0 + piece * 8));
+        if (j < s.gnr[it.g]) rx = x8(s.grows[it.g][j], k0, piece);
         const int proj = t >> 7, idx = t & 127;
-        const uint32_t* sp = reinterpret_cast<const uint32_t*>(reinterpret_cast<const __half*>(P(it.g, proj ? 4 : 1)) + k0);
+        const uint32_t* sp = suh_at(it, proj, k0);
         if (c.KCI == KCI_BIG) {
             const uint2 v = __ldg(reinterpret_cast<const uint2*>(sp) + idx);
             rs = v.x;
@@ -464,11 +469,9 @@ struct V2Kernel {
         const int rows = s.gnr[it.g];
         if (j < rows) *reinterpret_cast<uint4*>(rawx + j * RSTR + piece * 8) = rx;
         if (c.KCI == KCI_BIG) {
-            const int k0 = (it.kc * c.R + ch) * cols;  // the rows one pass did not hold
+            const int k0 = chunk_k0(it, ch, cols);  // the rows one pass did not hold
             for (int jj = j + RAW_ROWS_BIG; jj < rows; jj += RAW_ROWS_BIG)
-                *reinterpret_cast<uint4*>(rawx + jj * RSTR + piece * 8) =
-                    __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(a.x) +
-                                                         size_t(s.grows[it.g][jj]) * a.hidden + k0 + piece * 8));
+                *reinterpret_cast<uint4*>(rawx + jj * RSTR + piece * 8) = x8(s.grows[it.g][jj], k0, piece);
         }
         const int proj = t >> 7, idx = t & 127;
         uint32_t* sd = reinterpret_cast<uint32_t*>(raws + proj * KCAP * 16);
