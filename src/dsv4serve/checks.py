@@ -17,7 +17,6 @@ import importlib.metadata as md
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -415,34 +414,26 @@ def _core_dumps(rep: Report, ctx: Ctx) -> None:
 
 
 def _port(rep: Report, ctx: Ctx) -> None:
+    from dsv4serve import ports
+
     v = ctx.profile.vllm
     host = "127.0.0.1" if v.host in launch.PUBLIC_HOSTS else v.host
     if ctx.seat is not None and ctx.seat.port == v.port:
         rep.add("machine", "port", "ok", f"{host}:{v.port} served by the running seat", "")
         return
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind((host, v.port))
-    except OSError as e:
-        owner = _port_owner(v.port)
-        rep.add("machine", "port", "fail", f"{host}:{v.port} in use{owner} ({e.strerror})", "a free port",
-                f"stop that process, or pick another with --set vllm.port=N")
-    else:
+    problem = ports.bind_problem(host, v.port)
+    if problem is None:
         rep.add("machine", "port", "ok", f"{host}:{v.port} free", "a free port")
-    finally:
-        s.close()
-
-
-def _port_owner(port: int) -> str:
-    try:
-        import psutil
-
-        for c in psutil.net_connections(kind="inet"):
-            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
-                return f" by pid {c.pid} ({psutil.Process(c.pid).name()})"
-    except Exception:  # noqa: BLE001 - naming the owner is a courtesy, not the check
-        pass
-    return ""
+    elif problem.kind == "host":
+        rep.add("machine", "port", "fail", f"vllm.host {host} {problem.detail}", "an address of this machine",
+                "set vllm.host to one (--set vllm.host=127.0.0.1)")
+    elif problem.kind == "other":
+        rep.add("machine", "port", "fail", f"cannot listen on {host}:{v.port} ({problem.detail})", "a free port",
+                "pick another with --set vllm.port=N")
+    else:
+        who = ports.owner(v.port)
+        rep.add("machine", "port", "fail", f"{host}:{v.port} in use{f' by {who}' if who else ''} ({problem.detail})",
+                "a free port", "stop that process, or pick another with --set vllm.port=N")
 
 
 # ---------------------------------------------------------------------------------------------

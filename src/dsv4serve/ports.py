@@ -6,9 +6,21 @@ silently share traffic (vLLM did this before its PR #47529).
 
 from __future__ import annotations
 
+import errno
 import socket
+from typing import Literal, NamedTuple
 
 import psutil
+
+OWNER_CHARS = 120
+
+
+class BindProblem(NamedTuple):
+    """Why a (host, port) cannot be bound: the port is taken, the host is not this machine's, or
+    something else the OS said (detail)."""
+
+    kind: Literal["in-use", "host", "other"]
+    detail: str
 
 
 def owner(port: int) -> str | None:
@@ -20,26 +32,51 @@ def owner(port: int) -> str | None:
         if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
             try:
                 p = psutil.Process(c.pid)
-                cmd = " ".join(p.cmdline())[:120]
-                return f"pid {c.pid} ({cmd})"
+                return f"pid {c.pid} ({_one_line(p.cmdline())})"
             except psutil.Error:
                 return f"pid {c.pid}"
     return None
 
 
-def in_use(host: str, port: int) -> bool:
-    fam = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+def _one_line(argv: list[str]) -> str:
+    """A command line fit for a one-line message: whitespace (newlines of a `python -c` script
+    included) collapsed, cut at a word boundary."""
+    cmd = " ".join(" ".join(argv).split())
+    if len(cmd) <= OWNER_CHARS:
+        return cmd
+    cut = cmd[:OWNER_CHARS].rsplit(" ", 1)[0] or cmd[:OWNER_CHARS]
+    return cut + " …"
+
+
+def bind_problem(host: str, port: int) -> BindProblem | None:
+    """None when a server could bind (host, port) now. Binds as uvicorn does, with SO_REUSEADDR:
+    TIME_WAIT leftovers of a server just stopped do not count (they would not stop vLLM), a live
+    listener does."""
+    bare = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return BindProblem("host", f"does not resolve ({e.strerror})")
+    fam, _, _, _, addr = infos[0]
     s = socket.socket(fam, socket.SOCK_STREAM)
-    # SO_REUSEADDR (as uvicorn sets it) only ignores TIME_WAIT leftovers; a live listener still
-    # makes bind fail, which is the question asked.
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        s.bind((host.strip("[]") or "0.0.0.0", port))
-        return False
-    except OSError:
-        return True
+        s.bind(addr)
+        return None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return BindProblem("in-use", e.strerror or "Address already in use")
+        if e.errno == errno.EADDRNOTAVAIL:
+            return BindProblem("host", "is not an address of this machine")
+        return BindProblem("other", e.strerror or str(e))
     finally:
         s.close()
+
+
+def in_use(host: str, port: int) -> bool:
+    """Whether something holds (host, port). A host that cannot be bound at all counts too: the
+    seat could not listen there either."""
+    return bind_problem(host, port) is not None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
