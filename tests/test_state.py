@@ -143,6 +143,18 @@ def test_down_with_nothing_running_says_so(home):
     assert r.returncode == 0 and "seat cpu-demo is not running: nothing to stop" in r.stdout
 
 
+def test_a_mistyped_seat_name_is_an_error_not_a_seat_that_is_not_running(home):
+    """`down -p 8x16gb-38k` must not answer "not running, nothing to stop" (exit 0) while the seat
+    the user meant keeps running: a name that no seat ever ran under must be a profile."""
+    for cmd in (["down", "--profile", "8x16gb-38k"], ["status", "--profile", "8x16gb-38k"],
+                ["logs", "--profile", "8x16gb-38k"]):
+        r = cli(*cmd, home=home, timeout=60)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert r.stderr.strip() == "error: unknown profile '8x16gb-38k'; did you mean '8x16gb-380k'?", cmd
+    r = cli("down", "--profile", "nope", "--json", home=home, timeout=60)
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["message"] == "unknown profile 'nope'"
+
+
 def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes_and_keeps_the_file(home):
     """A state file that does not parse must not lock the user out: `status` shows it as one row
     beside the other seats, and `down` (which the error names as the fix) stops the processes

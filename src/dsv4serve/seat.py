@@ -343,10 +343,9 @@ def _seat_names(profile_name: str | None) -> list[str]:
         return [load_profile(profile_name).name]
     if state.state_path(profile_name).exists() or state.last_path(profile_name).exists():
         return [profile_name]
-    try:
-        return [load_profile(profile_name).name]
-    except Exception:  # noqa: BLE001 - an unknown name simply has no seat
-        return [profile_name]
+    # No seat ever ran under this name: it must be a profile, or it is a typo, which is said (exit 2)
+    # rather than answered "not running" while the seat the user meant keeps running.
+    return [load_profile(profile_name).name]
 
 
 def down(profile_name: str | None, grace: float | None = None) -> dict:
