@@ -79,7 +79,8 @@ def test_set_overrides_are_typed():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("vllm.max_num_seq=4", "unknown key 'vllm.max_num_seq'; did you mean 'vllm.max_num_seqs'?"),
+    ("vllm.max_num_seq=4",
+     "unknown key 'vllm.max_num_seq' (from --set vllm.max_num_seq); did you mean 'vllm.max_num_seqs'?"),
     ("vllm.port=eighty", "vllm.port"),
     ("moe.strict=3", "moe.strict"),
     ("vllm.port=70000", "between 1 and 65535"),
@@ -241,3 +242,41 @@ def test_env_numbers_in_a_file_reach_the_process_as_written(tmp_path):
     f.write_text("extends: cpu-demo\nname: envtest\nenv: {F: 1.10}\n")
     with pytest.raises(ProfileError, match=r"env.F: 1.1 is a YAML number; quote the value"):
         load_profile(str(f))
+
+
+def test_a_relative_extends_is_read_beside_its_file_from_any_working_directory(tmp_path, monkeypatch):
+    """The same file must launch the same seat wherever dsv4serve runs: a `base.yaml` in the
+    working directory must not shadow the one beside the profile that names it."""
+    (tmp_path / "prof").mkdir()
+    write(tmp_path / "prof", {"extends": "cpu-demo", "name": "base", "vllm": {"port": 1111}}, "base.yaml")
+    write(tmp_path, {"extends": "cpu-demo", "name": "base", "vllm": {"port": 2222}}, "base.yaml")
+    kid = write(tmp_path / "prof", {"extends": "base.yaml", "name": "kid"}, "kid.yaml")
+    for cwd in (tmp_path, tmp_path / "prof"):
+        monkeypatch.chdir(cwd)
+        assert load_profile(str(kid)).vllm.port == 1111
+    write(tmp_path / "prof", {"extends": "gone.yaml"}, "dangling.yaml")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(tmp_path / "prof" / "dangling.yaml"))
+    assert e.value.message == (f"profile file 'gone.yaml' ({tmp_path / 'prof' / 'gone.yaml'}) does not exist, "
+                               f"named by 'extends' in {tmp_path / 'prof' / 'dangling.yaml'}")
+
+
+def test_an_error_names_the_file_or_flag_the_bad_value_came_from(tmp_path):
+    """A copy of a shipped profile keeps its name, so 'profile cpu-demo: unknown key' alone reads as
+    a broken shipped profile: the error says which file (or --set) wrote the key."""
+    data = yaml.safe_load(Path(shipped_profiles()["cpu-demo"]).read_text())
+    data["vllm"]["prot"] = data["vllm"].pop("port")
+    copy_ = write(tmp_path, data, "copy.yaml")
+    kid = write(tmp_path, {"extends": "copy.yaml", "name": "kid"}, "kid.yaml")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(copy_))
+    assert e.value.line() == f"profile cpu-demo: unknown key 'vllm.prot' (in {copy_}); did you mean 'vllm.port'?"
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(kid))
+    assert e.value.message == f"profile kid: unknown key 'vllm.prot' (in {copy_})"
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", ["vllm.port=x"])
+    assert e.value.message == 'profile cpu-demo: vllm.port: Input should be a valid integer (got "x") (from --set vllm.port)'
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", ["gates.markers=[{text: x, ranks: 0}]"])
+    assert e.value.message.endswith('"all" (got 0) (from --set gates.markers)')

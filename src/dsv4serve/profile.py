@@ -334,14 +334,17 @@ def _resolve_ref(ref: str, relative_to: Path | None) -> Path:
     if ref in shipped:
         return shipped[ref]
     path = Path(ref).expanduser()
-    if not path.is_absolute() and relative_to is not None and not path.exists():
+    if not path.is_absolute() and relative_to is not None:
+        # an extends is read beside the file that names it, wherever dsv4serve runs from: the same
+        # file must never launch a different seat from another working directory
         path = relative_to / path
     if path.suffix in (".yaml", ".yml") or path.exists():
         if path.is_dir():
             raise ProfileError(f"profile '{ref}' is a directory, not a YAML file",
                                hint=f"pass a .yaml file or a shipped profile: {', '.join(shipped) or 'none'}")
         if not path.is_file():
-            raise ProfileError(f"profile file '{ref}' does not exist",
+            shown = f"'{ref}'" if str(path) == ref else f"'{ref}' ({path})"
+            raise ProfileError(f"profile file {shown} does not exist",
                                hint=f"shipped profiles: {', '.join(shipped) or 'none'}")
         return path
     close = difflib.get_close_matches(ref, list(shipped), n=1)
@@ -431,7 +434,10 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_raw(ref: str, _seen: tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
+def load_raw(ref: str, _seen: tuple[str, ...] = (),
+             chain: list[tuple[Path, dict[str, Any]]] | None = None) -> tuple[dict[str, Any], Path]:
+    """The profile's data with its extends merged in, and its file. `chain`, when given, receives
+    each file read and its own data, the furthest ancestor first."""
     path = _resolve_ref(ref, Path(_seen[-1]).parent if _seen else None)
     key = str(path.resolve())
     if key in _seen:
@@ -441,9 +447,17 @@ def load_raw(ref: str, _seen: tuple[str, ...] = ()) -> tuple[dict[str, Any], Pat
     if parent is not None:
         if not isinstance(parent, str):
             raise ProfileError(f"profile {path.name}: 'extends' must name a profile")
-        base, _ = load_raw(parent, _seen + (key,))
+        try:
+            base, _ = load_raw(parent, _seen + (key,), chain)
+        except ProfileError as e:
+            if e.message.startswith(("unknown profile", "profile file")) and "named by 'extends'" not in e.message:
+                raise ProfileError(f"{e.message}, named by 'extends' in {path}", hint=e.hint) from None
+            raise
         base.pop("name", None)
         base.pop("description", None)
+    if chain is not None:
+        chain.append((path, copy.deepcopy(data)))
+    if parent is not None:
         data = deep_merge(base, data)
     data.setdefault("name", path.stem)
     return data, path
@@ -516,18 +530,48 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
-def _format_validation(name: str, err: ValidationError) -> ProfileError:
+def _has_key(data: Any, loc: tuple[Any, ...]) -> bool:
+    for part in loc:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return False
+    return True
+
+
+def _source(loc: tuple[Any, ...], chain: list[tuple[Path, dict[str, Any]]], overrides: list[str]) -> str:
+    """Where the value at `loc` came from, as words to append to an error ("" for the shipped
+    profile itself): the last --set on that key, else the nearest file of the extends chain that
+    writes it, so an error in a parent or a copy does not read as one in the shipped profile."""
+    dotted = ".".join(str(p) for p in loc)
+    for item in reversed(overrides):
+        key = item.partition("=")[0].strip()
+        if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + "."):
+            return f" (from --set {key})"
+    shipped = {p.resolve() for p in shipped_profiles().values()}
+    for path, data in reversed(chain):
+        if _has_key(data, loc):
+            return "" if path.resolve() in shipped else f" (in {path})"
+    top = chain[-1][0] if chain else None
+    return "" if top is None or top.resolve() in shipped else f" (in {top} or what it extends)"
+
+
+def _format_validation(name: str, err: ValidationError, source: Any = None) -> ProfileError:
+    """The first error as one line; `source(loc)` says where the value came from (see _source)."""
     e = err.errors()[0]
     loc = tuple(e.get("loc", ()))
+    where_from = source(loc) if source else ""
     path = ".".join(str(p) for p in loc)
     if e.get("type") == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else (
             f"valid keys here: {', '.join(valid)}" if valid else None)
-        return ProfileError(f"profile {name}: unknown key '{path}'", hint=hint)
+        return ProfileError(f"profile {name}: unknown key '{path}'{where_from}", hint=hint)
     if e.get("type") == "missing":
-        return ProfileError(f"profile {name}: missing required key '{path}'")
+        return ProfileError(f"profile {name}: missing required key '{path}'{source(()) if source else ''}")
     msg = e.get("msg", "invalid value").rstrip(".").removeprefix("Value error, ")
     # Our own validators name the exact key (env.X, gates.markers.0.ranks) below the one pydantic
     # reports; saying both would read twice.
@@ -535,11 +579,12 @@ def _format_validation(name: str, err: ValidationError) -> ProfileError:
     got = e.get("input")
     # A section's input is the whole mapping: "(got dict)" would name the wrong thing.
     got_s = f" (got {json.dumps(got)})" if isinstance(got, (str, int, float, bool, type(None))) else ""
-    return ProfileError(f"profile {name}: {where}{msg}{got_s}")
+    return ProfileError(f"profile {name}: {where}{msg}{got_s}{where_from}")
 
 
 def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
-    data, path = load_raw(ref)
+    chain: list[tuple[Path, dict[str, Any]]] = []
+    data, path = load_raw(ref, chain=chain)
     for item in overrides or []:
         parts, value = parse_override(item)
         apply_override(data, parts, value)
@@ -549,4 +594,4 @@ def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
     try:
         return Profile.model_validate(data)
     except ValidationError as err:
-        raise _format_validation(name, err) from None
+        raise _format_validation(name, err, lambda loc: _source(loc, chain, overrides or [])) from None
