@@ -109,6 +109,11 @@ def test_set_overrides_are_typed():
     # pattern fails every seat
     ('gates.markers=[{text: "", ranks: all}]', "gates.markers.0.text"),
     ('gates.forbidden=[""]', "an empty pattern matches every line"),
+    # YAML's .inf / .nan: no timeout at all, and --json would print Infinity / NaN (not JSON)
+    ("gates.timeouts.total_s=.inf", "gates.timeouts.total_s: Input should be a finite number (got Infinity)"),
+    ("gates.timeouts.stall_s=.nan", "gates.timeouts.stall_s: Input should be a finite number (got NaN)"),
+    ('reference.tok_s={"1": {en: .nan}}', "reference.tok_s.1.en: Input should be a finite number"),
+    ("vllm.compilation_config={a: [1, -.inf]}", "vllm.compilation_config.a.1 is -inf, which JSON cannot carry"),
 ])
 def test_bad_overrides_are_one_line_errors(override, needle):
     with pytest.raises(ProfileError) as e:

@@ -14,6 +14,7 @@ import copy
 import difflib
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -61,7 +62,21 @@ def _count_or(word: str):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # YAML's .inf / .nan would pass as floats and come out of --json as Infinity / NaN, which no
+    # strict JSON parser reads (and an infinite timeout is no timeout)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _finite_json(v: Any, where: str) -> None:
+    """A free-form mapping handed to vLLM as JSON must be valid JSON: no .inf / .nan inside."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{where} is {v}, which JSON cannot carry; give a finite number")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _finite_json(x, f"{where}.{k}")
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _finite_json(x, f"{where}.{i}")
 
 
 class ModelSection(_Strict):
@@ -149,6 +164,12 @@ class VllmSection(_Strict):
     def _util(cls, v: float | None) -> float | None:
         if v is not None and not 0.0 < v <= 1.0:
             raise ValueError("must be in (0, 1]")
+        return v
+
+    @field_validator("compilation_config", "speculative_config")
+    @classmethod
+    def _json_ready(cls, v: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
+        _finite_json(v, f"vllm.{info.field_name}")
         return v
 
     @field_validator("speculative_config")
