@@ -236,3 +236,70 @@ def test_index_json_is_what_the_generator_wrote(clean):
     idx = json.loads((Path(clean.path) / pack.INDEX).read_text())
     assert set(idx["weight_map"].values()) == set(clean.shards)
     assert clean.config["quantization_config"]["non_routed_exl3"]["layers"]
+
+
+# --- one failure on the real cause ---------------------------------------------------------------
+
+
+def test_a_missing_shard_fails_on_its_files_not_on_the_dense_entries_it_held(tmp_path):
+    """Entries whose modules sit in the missing file are that failure: dense-coverage and the
+    tensor-counted entry counts must not send the user to rebuild a config that is fine."""
+    sp = write_pack(tmp_path / "pack", SynthSpec(missing_shard=True))
+    rep = _validate(sp)
+    assert set(_bad(rep, ("fail",))) == {"files-resolve", "tensors-missing"}, \
+        [(f.check, f.found) for f in rep.findings if f.status == "fail"]
+
+
+@pytest.mark.parametrize("edit, found", [
+    (lambda c: [c], "the top level is a JSON list, not an object"),
+    (lambda c: {**c, "architectures": 5}, "architectures is 5, not a list of class names"),
+    (lambda c: {**c, "num_hidden_layers": "two"}, 'num_hidden_layers is "two", not a whole number'),
+    (lambda c: {**c, "vision_n_layers": "x"}, 'vision_n_layers is "x", not a whole number'),
+    (lambda c: {**c, "quantization_config": [1]}, "quantization_config is [1], not a JSON object"),
+    (lambda c: {**c, "compress_ratios": 4}, "compress_ratios is 4, not a JSON list"),
+])
+def test_a_config_of_the_wrong_shape_is_one_config_failure_not_a_crash(tmp_path, clean, edit, found):
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    cfg = json.loads((p / "config.json").read_text())
+    (p / "config.json").write_text(json.dumps(edit(cfg)))
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    assert set(_bad(rep)) == {"config"}, [(f.check, f.found) for f in rep.findings if f.status != "ok"]
+    assert rep.get("config").found == f"config.json: {found}" and rep.get("config").fix
+    assert rep.get("exl3-rules").status == "n/a"
+
+
+@pytest.mark.parametrize("index, word", [
+    ("{not json", "JSONDecodeError"),
+    ('{"metadata": {}}', "KeyError"),
+    ("[1, 2]", "TypeError"),
+    ('{"weight_map": {"a.weight": null}}', "weight_map['a.weight'] is null, not a file name"),
+])
+def test_an_unreadable_index_still_reads_the_shards_on_disk(tmp_path, clean, index, word):
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    (p / pack.INDEX).write_text(index)
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    assert set(_bad(rep)) == {"index"} and word in rep.get("index").found, \
+        [(f.check, f.found) for f in rep.findings if f.status != "ok"]
+    assert rep.get("shard-count").status == "ok" and rep.get("dense-bits").status == "ok"
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F16", "shape": [2], "data_offsets": ["0", "4"]},
+    {"dtype": "F16", "shape": "ab", "data_offsets": [0, 4]},
+    {"dtype": 7, "shape": [2], "data_offsets": [0, 4]},
+    {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]},
+])
+def test_a_header_entry_of_the_wrong_types_is_malformed_not_a_crash(tmp_path, entry):
+    import struct
+
+    hdr = json.dumps({"t": entry}).encode()
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 8)
+    with pytest.raises(pack.HeaderError, match="tensor t: malformed header entry"):
+        pack.read_header(f)

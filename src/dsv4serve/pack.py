@@ -128,8 +128,12 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
         try:
             start, end = t["data_offsets"]
             dtype, shape = t["dtype"], t["shape"]
+            ok = (all(type(v) is int for v in (start, end)) and 0 <= start <= end and isinstance(dtype, str)
+                  and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape))
         except (KeyError, TypeError, ValueError):
-            raise HeaderError(f"tensor {name}: malformed header entry") from None
+            ok = False
+        if not ok:
+            raise HeaderError(f"tensor {name}: malformed header entry (data_offsets, dtype or shape)")
         if end > data_len:
             raise HeaderError(f"truncated: tensor {name} ends at byte {end} of a {data_len}-byte data section")
         width = DTYPE_BYTES.get(dtype)
@@ -192,7 +196,8 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     rep.config = _config(rep, root)
     weight_map = _index(rep, root)
     on_disk = [e.name for e in entries if _SHARD_NAME.search(e.name) and (e.exists() or e.is_symlink())]
-    files = sorted(set(weight_map.values())) if weight_map is not None else sorted(on_disk)
+    # an unreadable index ({}, already a failure) names no files: read the shards on disk instead
+    files = sorted(set(weight_map.values())) if weight_map else sorted(on_disk)
     rep.files = files
     _resolve(rep, root, files, dead)
     if live_links:
@@ -214,7 +219,10 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
             rep.add("unindexed-files", "ok", "the index names every safetensors file")
     headers = _headers(rep, root, files)
     _coverage(rep, weight_map, headers)
-    if exl3:
+    if exl3 and rep.config is None:
+        rep.add("exl3-rules", "n/a", "config.json is missing or unusable (see config)", "",
+                "checked once config.json is restored")
+    elif exl3:
         _exl3_rules(rep, model_class, wo_a_slices)
     else:
         qc = (rep.config or {}).get("quantization_config")
@@ -243,9 +251,33 @@ def _config(rep: PackReport, root: Path) -> dict[str, Any] | None:
         rep.add("config", "fail", f"config.json unreadable ({e.__class__.__name__})", "valid JSON",
                 "restore config.json from the pack's source")
         return None
+    bad = _config_problem(cfg)
+    if bad:
+        rep.add("config", "fail", f"config.json: {bad}", "a model config (architectures, num_hidden_layers, …)",
+                "restore config.json from the pack's source")
+        return None
     arch = cfg.get("architectures") or ["?"]
     rep.add("config", "ok", f"{arch[0]}, {cfg.get('num_hidden_layers', '?')} layers")
     return cfg
+
+
+def _config_problem(cfg: Any) -> str | None:
+    """What makes a config.json unusable to these checks (and to vLLM), or None: each field they
+    read, if present, has the type they read it as."""
+    if not isinstance(cfg, dict):
+        return f"the top level is a JSON {type(cfg).__name__}, not an object"
+    arch = cfg.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
+        return f"architectures is {json.dumps(arch)}, not a list of class names"
+    for key in ("num_hidden_layers", "vision_n_layers", "o_groups"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return f"{key} is {json.dumps(v)}, not a whole number"
+    for key, kind in (("quantization_config", dict), ("compress_ratios", list)):
+        v = cfg.get(key)
+        if v is not None and not isinstance(v, kind):
+            return f"{key} is {json.dumps(v)}, not a JSON {'object' if kind is dict else 'list'}"
+    return None
 
 
 def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
@@ -263,6 +295,9 @@ def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
         wm = json.loads(p.read_text())["weight_map"]
         if not isinstance(wm, dict):
             raise ValueError("weight_map is not an object")
+        odd = next((k for k, v in wm.items() if not isinstance(v, str) or not v), None)
+        if odd is not None:
+            raise ValueError(f"weight_map[{odd!r}] is {json.dumps(wm[odd])}, not a file name")
     except (OSError, ValueError, KeyError, TypeError) as e:
         rep.add("index", "fail", f"{INDEX} unreadable ({e.__class__.__name__}: {e})", "a JSON weight_map",
                 "rebuild the index from the shard headers")
@@ -624,11 +659,14 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
     problems = []
     if uncovered:
         problems.append(f"{len(uncovered)} dense EXL3 modules without an entry: {_few(uncovered, 2)}")
-    if empty:
+    if empty and not rep.partial:  # with a weight file gone, its modules' entries are that failure
         problems.append(f"{len(empty)} entries cover no tensors: {_few(empty, 2)}")
     if unknown:
         problems.append(f"{len(unknown)} entries name an unknown module: {_few(unknown, 2)}")
-    if problems:
+    if not problems and empty:
+        rep.add("dense-coverage", "n/a", f"{len(empty)} entries cover no tensors, and weight files are missing or "
+                "unreadable (files-resolve, headers)", "", "checked once the files are restored")
+    elif problems:
         rep.add("dense-coverage", "fail", "; ".join(problems), "one entry per fused module, each covering its tensors",
                 "rebuild non_routed_exl3.layers from the pack (an uncovered module loads as plain weights and fails)")
     else:
@@ -658,6 +696,9 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
     canon = " (the real pack: " + "/".join(map(str, CANON_ENTRY_COUNTS)) + ")" if tuple(expected) == CANON_ENTRY_COUNTS else ""
     if found == expected:
         rep.add("dense-entry-counts", "ok", f_s, f"{e_s} from {basis}{canon}")
+    elif rep.partial and not basis.startswith("config.json"):  # counted from tensors, some of them missing
+        rep.add("dense-entry-counts", "n/a", f"{f_s} against {e_s} from {basis}, with weight files missing or "
+                "unreadable (files-resolve, headers)", "", "checked once the files are restored")
     else:
         diff = [f"{k} {f}≠{e}" for k, f, e in zip(DENSE_KINDS, found, expected) if f != e]
         rep.add("dense-entry-counts", "fail", f"{f_s} ({_few(diff, 3)})", f"{e_s} from {basis}{canon}",
