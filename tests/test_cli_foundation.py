@@ -318,3 +318,12 @@ def test_live_up_json_reports_its_error_as_one_more_event_line(home):
 def test_without_json_errors_leave_stdout_empty(home):
     r = run("profiles", "show", "/nonexistent/seat.yaml", env={"DSV4SERVE_HOME": str(home)})
     assert r.returncode == 2 and r.stdout == "" and "does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("group", [[], ["profiles"], ["kernel"], ["patch"]])
+def test_a_bare_command_group_prints_its_help_once_and_exits_2(home, group):
+    """typer builds the no-arguments error from a help call that under rich prints the help
+    itself: printing the error's text as well showed every group's help twice."""
+    r = run(*group)
+    assert r.returncode == 2
+    assert (r.stdout + r.stderr).count("Usage:") == 1, r.stdout

@@ -285,7 +285,10 @@ def main() -> None:
         # they are one line like every other refusal (exit 2 all the same)
         rc = app(standalone_mode=False)
     except no_args as e:
-        print(e.ctx.get_help() if e.ctx else str(e))
+        # The exception is built from ctx.get_help(), which under rich prints the help itself and
+        # returns ""; plain click returns the text. Print it only in the second case (else twice).
+        if e.format_message().strip():
+            print(e.format_message())
         raise SystemExit(2) from None
     except cx.UsageError as e:
         cmd = e.ctx.command_path if e.ctx else "dsv4serve"
