@@ -130,7 +130,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, {"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1}})
                 return
             if s.chat == "http_500":
-                self._json(500, {"error": {"message": "EngineCore died", "type": "InternalServerError"}})
+                # a traceback in the message (what a crashed engine sends) must still be one line
+                self._json(500, {"error": {"message": "EngineCore died\nTraceback (most recent call last):\n  x",
+                                           "type": "InternalServerError"}})
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -276,7 +278,7 @@ def test_metrics_absent_gives_na(fake):
 @pytest.mark.parametrize("mode, words", [
     ("error_chunk", "server sent an error chunk: KV cache exhausted at 166000 tokens"),
     ("no_choices", "stream chunk has no 'choices'"),
-    ("http_500", "HTTP 500: EngineCore died"),
+    ("http_500", "HTTP 500: EngineCore died Traceback (most recent call last): x"),
     ("json_200", "did not stream (content-type application/json)"),
 ])
 def test_stream_errors_are_surfaced(fake, mode, words):

@@ -78,22 +78,25 @@ class Endpoint:
 
 
 def _server_message(resp: httpx.Response) -> str:
-    """The server's own words for a non-200: vLLM sends {"error": {"message": ...}}."""
+    """The server's own words for a non-200, on one line: vLLM sends {"error": {"message": ...}},
+    and a Python traceback in it would otherwise spill over many."""
+    return " ".join(_server_words(resp).split())[:300] or resp.reason_phrase
+
+
+def _server_words(resp: httpx.Response) -> str:
     try:
         body = resp.json()
     except ValueError:
-        text = resp.text.strip().replace("\n", " ")
-        return text[:300] or resp.reason_phrase
+        return resp.text
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
-            msg = err.get("message") or err.get("detail") or json.dumps(err)[:300]
-            return str(msg)
+            return str(err.get("message") or err.get("detail") or json.dumps(err))
         if isinstance(err, str):
             return err
         if "detail" in body:
             return str(body["detail"])
-    return json.dumps(body)[:300]
+    return json.dumps(body)
 
 
 def http_failure(base_url: str, e: Exception) -> JobFailed:
