@@ -67,8 +67,10 @@ def _merge(ctx: typer.Context, **given) -> Shared:
 
 @contextmanager
 def _progress(enabled: bool, total: int | None) -> Iterator[Callable[[str], None]]:
-    """A transient bar on stderr; a no-op when JSON must own the output."""
-    if not enabled:
+    """A transient bar on stderr; a no-op when JSON must own the output, and when stderr is not a
+    terminal (a log file or a pipe would keep the bar's last frame, or a bare newline before the
+    error line that follows)."""
+    if not enabled or not err_console.is_terminal:
         yield lambda _desc: None
         return
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
