@@ -51,6 +51,9 @@ def test_canon_dry_run_json_passes_vllm_parser(home):
     assert plan["gates"]["markers"][0] == {"text": "LNA2 MoE kernel ACTIVE", "ranks": 8}
     assert plan["gates"]["kv_cache_min_tokens"] == 389120
     assert plan["vllm_parser"]["checked"] is True, plan["vllm_parser"]
+    # this machine's vLLM is not the image's (stack.vllm): up skips the check, and the plan says so
+    assert "is not the image's stack.vllm >=0.28,<0.29" in plan["vllm_parser"]["up_skips"]
+    assert "advice only: up skips this check" in plan["vllm_parser"]["detail"]
     assert not list(home.glob("runs/*")) if home.exists() else True   # a dry run starts and writes nothing
 
 

@@ -93,6 +93,25 @@ def test_docker_seat_is_parsed_when_host_vllm_matches_the_pin(monkeypatch, capsy
     assert "vLLM parser: accepted" in capsys.readouterr().out
 
 
+def test_docker_dry_run_reports_a_refusal_by_another_vllm_as_advice_not_an_error(home, monkeypatch):
+    """up skips the parser where this vLLM is not the image's; the dry run still asks it, but a
+    refusal there must not fail a plan that up would launch."""
+    from dsv4serve.errors import ProfileError
+
+    def refuse(args, name=""):
+        raise ProfileError("vLLM 0.32.0 rejects --tool-call-parser deepseek_v4")
+
+    monkeypatch.setattr(vllm_args, "validate", refuse)
+    monkeypatch.setattr(seat, "_host_vllm_version", lambda: "0.32.0")
+    plan = seat.dry_run(load_profile("8x16gb-380k"))
+    p = plan["vllm_parser"]
+    assert p["accepted"] is False and p["up_skips"] == "vLLM 0.32.0 here is not the image's stack.vllm >=0.28,<0.29"
+    assert p["detail"].startswith("refused here: vLLM 0.32.0 rejects") and "advice only" in p["detail"]
+    monkeypatch.setattr(seat, "_host_vllm_version", lambda: "0.28.1rc1")  # the image's own: up would refuse too
+    with pytest.raises(ProfileError):
+        seat.dry_run(load_profile("8x16gb-380k"))
+
+
 def test_parser_check_leaves_no_env_behind(monkeypatch):
     """Importing vLLM edits os.environ; the seat must not inherit that from the launcher."""
     def fake(args, name=""):

@@ -32,12 +32,24 @@ def dry_run(profile: Profile, validate: bool = True) -> dict[str, Any]:
 
     run_dir = home.runs_dir() / "<run-id>"
     spec = launch.build(profile, run_id="<run-id>", run_dir=run_dir)
-    parser = {"checked": False, "detail": "skipped (--no-validate)"}
+    parser: dict[str, Any] = {"checked": False, "detail": "skipped (--no-validate)"}
     if validate:
         from dsv4serve import vllm_args
+        from dsv4serve.errors import ProfileError
 
-        res = vllm_args.validate(spec.vllm_args, profile.name)
-        parser = {"checked": res.available, "vllm_version": res.vllm_version, "detail": res.detail}
+        # up skips the check where this vLLM is not the image's (docker_parser_skip): here it is
+        # still run, as advice, and said to be advice, so the plan never claims more than up checks
+        skip = docker_parser_skip(profile) if spec.runtime == "docker" else None
+        try:
+            res = vllm_args.validate(spec.vllm_args, profile.name)
+            parser = {"checked": res.available, "vllm_version": res.vllm_version, "detail": res.detail}
+        except ProfileError as e:
+            if skip is None:
+                raise
+            parser = {"checked": True, "accepted": False, "detail": f"refused here: {e.message}"}
+        if skip is not None:
+            parser["up_skips"] = skip
+            parser["detail"] += f" (advice only: up skips this check, {skip})"
     return {
         "profile": profile.name,
         "digest": profile.digest(),
