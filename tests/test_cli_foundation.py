@@ -330,3 +330,20 @@ def test_a_bare_command_group_prints_its_help_once_and_exits_2(home, group):
     r = run(*group)
     assert r.returncode == 2
     assert (r.stdout + r.stderr).count("Usage:") == 1, r.stdout
+
+
+def test_an_option_missing_its_value_points_at_its_own_commands_help(home):
+    """click fails such an option before any context exists: the hint must still name the
+    subcommand, and live `up --json` (an event stream) must get one more event line, not an
+    indented document."""
+    r = run("up", "-p")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == "error: Option '-p' requires an argument. (see `dsv4serve up --help`)"
+    r = run("kernel", "build", "--arch")
+    assert r.stderr.strip() == "error: Option '--arch' requires an argument. (see `dsv4serve kernel build --help`)"
+    r = run("up", "--json", "-p")
+    (line,) = r.stdout.splitlines()
+    ev = json.loads(line)
+    assert ev["event"] == "error" and ev["type"] == "UsageError" and ev["hint"] == "see `dsv4serve up --help`"
+    r = run("up", "--dry-run", "--json", "-p")  # the dry run prints one document, so its error is one too
+    assert json.loads(r.stdout)["error"]["exit_code"] == 2

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
-from dsv4serve.cli_common import console, emit_json, err_console, error_doc, handled
+from dsv4serve.cli_common import console, emit_json, emit_json_line, err_console, error_doc, handled
 
 app = typer.Typer(
     name="dsv4serve",
@@ -277,6 +278,23 @@ def _usage_exceptions() -> Any:
     return cx
 
 
+def _usage_command(ctx: Any) -> str:
+    """The command a usage error belongs to. An option missing its value fails before any
+    context exists (ctx is None), so the subcommands named on the command line are followed from
+    the root."""
+    if ctx is None:
+        path, cmd = "dsv4serve", typer.main.get_command(app)
+    else:
+        path, cmd = ctx.command_path, ctx.command
+    if ctx is None or ctx.parent is None:
+        for word in (a for a in sys.argv[1:] if not a.startswith("-")):
+            sub = getattr(cmd, "commands", {}).get(word)
+            if sub is None:
+                break
+            path, cmd = f"{path} {word}", sub
+    return path
+
+
 def main() -> None:
     cx = _usage_exceptions()
     no_args = getattr(cx, "NoArgsIsHelpError", ())
@@ -291,12 +309,17 @@ def main() -> None:
             print(e.format_message())
         raise SystemExit(2) from None
     except cx.UsageError as e:
-        cmd = e.ctx.command_path if e.ctx else "dsv4serve"
+        cmd = _usage_command(e.ctx)
         err_console.print(f"error: {e.format_message()} (see `{cmd} --help`)", highlight=False, markup=False,
                           soft_wrap=True)
         # the parse failed before any json_out was bound: the flag on the command line is all there is
-        if "--json" in sys.argv[1:]:
-            emit_json(error_doc("UsageError", e.format_message(), f"see `{cmd} --help`", e.exit_code))
+        argv = sys.argv[1:]
+        if "--json" in argv:
+            doc = error_doc("UsageError", e.format_message(), f"see `{cmd} --help`", e.exit_code)
+            if cmd.endswith(" up") and "--dry-run" not in argv:  # live up streams events, one per line
+                emit_json_line({"t": round(time.time(), 3), "event": "error", **doc["error"]})
+            else:
+                emit_json(doc)
         raise SystemExit(e.exit_code) from None
     except cx.ClickException as e:
         err_console.print(f"error: {e.format_message()}", highlight=False, markup=False, soft_wrap=True)
