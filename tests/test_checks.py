@@ -364,7 +364,8 @@ def test_patch_rows_per_file(monkeypatch):
 
     # the stand-in's plan is canned; whether the files are the host's to check is the real rule
     _present(monkeypatch, dsv4serve, "patches",
-             SimpleNamespace(profile_plan=lambda p: rows, patched_in_image=real.patched_in_image))
+             SimpleNamespace(profile_plan=lambda p: rows, patched_in_image=real.patched_in_image,
+                             apply_command=real.apply_command))
     rep = _software(load_profile("8x16gb-380k", ["runtime.kind=native"]))
     a = _st(rep, "patch vllm/a.py")
     assert a.status == "ok" and a.found.startswith("patched, sha256 " + "ab" * 6 + "…")

@@ -251,10 +251,12 @@ def test_profile_plan_and_ensure_patched(trees: Path, tmp_path: Path) -> None:
     plan = patches.profile_plan(prof)
     assert len(plan) == 11 and all(tuple(row) == patches.PLAN_KEYS for row in plan)
     assert [r["state"] for r in plan[:6]] == ["pristine"] * 6
-    assert plan[0]["fix"] == "dsv4serve patch apply --profile cpu-demo"
+    # the root is spelled out: patch takes no --set, and this one came from a --set
+    assert plan[0]["fix"] == f"dsv4serve patch apply --profile cpu-demo --root {root}"
     with pytest.raises(BadInput) as e:
         patches.ensure_patched(prof, apply=False)
     assert plan[0]["file"] in e.value.line() and "--apply-patches" in e.value.line()
+    assert f"run `dsv4serve patch apply --profile cpu-demo --root {root}`" in e.value.line()
     results = patches.ensure_patched(prof, apply=True)
     assert [len(r.changed) for r in results] == [6]
     assert patches.ensure_patched(prof, apply=False) == []

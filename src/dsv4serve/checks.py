@@ -614,7 +614,7 @@ def _patches(rep: Report, ctx: Ctx) -> None:
     if not rows:
         rep.add("software", "patches", "warn", "the patch plan is empty", f"patch sets {', '.join(p.patches)}", "")
     for r in rows:
-        _patch_row(rep, p.name, r, ok_states)
+        _patch_row(rep, patches_mod.apply_command(p), r, ok_states)
 
 
 def _patches_in_image(rep: Report, ctx: Ctx) -> None:
@@ -631,7 +631,7 @@ def _patches_in_image(rep: Report, ctx: Ctx) -> None:
                 f"`dsv4serve patch status --set-name {name} --root <that copy>`")
 
 
-def _patch_row(rep: Report, profile: str, r: dict[str, Any], ok_states: frozenset[str]) -> None:
+def _patch_row(rep: Report, apply_cmd: str, r: dict[str, Any], ok_states: frozenset[str]) -> None:
     state = str(r.get("state", "?"))
     found_sha = str(r.get("found_sha256") or "")[:12]
     found = (f"{state}" + (f", sha256 {found_sha}…" if found_sha else "")
@@ -642,7 +642,7 @@ def _patch_row(rep: Report, profile: str, r: dict[str, Any], ok_states: frozense
         status = "ok"
     else:
         status = "fail"
-    fix = str(r.get("fix") or ("dsv4serve patch apply --profile " + profile if state == "pristine" else ""))
+    fix = str(r.get("fix") or (apply_cmd if state == "pristine" else ""))
     if r.get("rebuild"):
         fix += f" (then rebuild: {r.get('rebuild')})" if isinstance(r.get("rebuild"), str) else " (then rebuild)"
     sha = str(r.get("expected_sha256") or "")[:12]

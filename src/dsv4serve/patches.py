@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -283,10 +284,11 @@ class FileStatus(BaseModel):
         return {k: getattr(self, k) for k in PLAN_KEYS}
 
 
-def _fix_cmd(pset: PatchSet, root: Path | None, profile: str | None, action: str = "apply") -> str:
-    if profile:
-        return f"dsv4serve patch {action} --profile {profile}"
-    return f"dsv4serve patch {action} --set-name {pset.set}" + (f" --root {root}" if root else "")
+def _fix_cmd(pset: PatchSet | None, root: Path | None, profile: str | None, action: str = "apply") -> str:
+    """The patch command for a profile's sets (else pset's). The root is spelled out even for a
+    profile: patch takes no --set, so a patch_root given to up by --set would otherwise be lost."""
+    which = f"--profile {profile}" if profile or pset is None else f"--set-name {pset.set}"
+    return f"dsv4serve patch {action} {which}" + (f" --root {shlex.quote(str(root))}" if root else "")
 
 
 def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> list[FileStatus]:
@@ -545,6 +547,11 @@ def profile_root(profile: Any) -> Path | None:
     return Path(raw).expanduser()
 
 
+def apply_command(profile: Any) -> str:
+    """The command that patches this profile's tree."""
+    return _fix_cmd(None, profile_root(profile), profile.name)
+
+
 def profile_status(profile: Any, root: Path | None = None) -> list[FileStatus]:
     root = root if root is not None else profile_root(profile)
     rows: list[FileStatus] = []
@@ -578,7 +585,7 @@ def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     if not apply:
         first = next(r for r in rows if r.state not in OK_PATCHED)
         raise BadInput(f"patch set {first.set}: {first.file} is {first.state}, not patched",
-                       hint=(f"run `dsv4serve patch apply --profile {profile.name}` or "
+                       hint=(f"run `{apply_command(profile)}` or "
                              f"`dsv4serve up --profile {profile.name} --apply-patches`"
                              + ("" if first.state == "pristine" else f"; first: {first.fix}")))
     root = profile_root(profile)
