@@ -184,8 +184,9 @@ def test_missing_file_and_missing_package(trees: Path, tmp_path: Path) -> None:
     (root / pset.files[2].path).unlink()
     rows = patches.set_status(pset, root)
     assert rows[2].state == "missing" and rows[2].found_sha256 is None
-    with pytest.raises(patches.PatchRefused, match="missing"):
+    with pytest.raises(patches.PatchRefused) as e:
         patches.apply_set(pset, root)
+    assert e.value.message == f"apply vllm-0.32.0 refused: {pset.files[2].path} is missing; nothing was changed"
     empty = tmp_path / "empty"
     empty.mkdir()
     assert states(patches.set_status(pset, empty)) == ["package-missing"] * len(pset.files)

@@ -390,9 +390,9 @@ def refuse_unless(rows: list[FileStatus], allowed: frozenset[str], action: str, 
         elif r.state == "version-mismatch":
             detail = f"installed {r.package} {r.installed_version}, set wants {r.version}"
         else:
-            detail = r.state
-        raise PatchRefused(f"{action} {pset.set} refused: {r.file} is {r.state} ({detail}); nothing was changed",
-                           hint=r.fix)
+            detail = ""  # the state says it all ("missing", "package-missing")
+        raise PatchRefused(f"{action} {pset.set} refused: {r.file} is {r.state}"
+                           + (f" ({detail})" if detail else "") + "; nothing was changed", hint=r.fix)
 
 
 def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
