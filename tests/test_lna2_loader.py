@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from dsv4serve.lna2 import build, loader
 
 
@@ -47,3 +49,22 @@ def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
     assert loader.describe()["built"]["arch"] == "12.0"
     so.with_suffix(".json").write_text(json.dumps({"build_id": "0123456789ab", "arch": "9.0"}))
     assert loader.describe()["built"] == f"{so.with_suffix('.json')} describes another build"
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"arch": "x"}, "--arch: 'x' is not a compute capability like 9.0 or 12.0"),
+    ({"arch": " ; "}, "--arch ' ; ' names no architecture"),
+    ({"out": "FILE"}, "is a file, not a directory"),
+])
+def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, words):
+    """On this CPU machine the build would refuse torch; a bad --arch or --out must be said first
+    (else fixing torch leads to a second refusal), and nothing is created."""
+    from dsv4serve.errors import BadInput
+
+    if kw.get("out") == "FILE":
+        (tmp_path / "f").write_text("")
+        kw = {"out": tmp_path / "f"}
+    with pytest.raises(BadInput) as e:
+        build.build(**{"out": tmp_path / "out", **kw})
+    assert words in e.value.message
+    assert not (tmp_path / "out").exists()

@@ -59,6 +59,11 @@ def default_out() -> Path:
 
 
 def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = None, verbose: bool = False) -> Path:
+    # the user's own arguments first: a bad --arch or --out is said before any environment problem
+    gencode = arch_flags(arch)
+    out = Path(out or default_out())
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out} is a file, not a directory", hint="pass a directory (created if absent)")
     try:
         import torch
         from torch.utils.cpp_extension import load
@@ -69,7 +74,6 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
                        hint="build on the GPU machine (or in the seat's image)")
     src = kernels_dir()
     digest = source_digest(src)
-    out = Path(out or default_out())
     build_dir = out / f"build-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if jobs:
@@ -81,7 +85,7 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
              build_directory=str(build_dir), verbose=verbose, with_cuda=True,
              extra_cflags=["-O3", "-std=c++17", f"-DLNA2_BUILD_TAG={build_tag(digest)}"],
              extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-Xptxas", "-v",
-                                f"-DLNA2_BUILD_TAG={build_tag(digest)}", *arch_flags(arch)])
+                                f"-DLNA2_BUILD_TAG={build_tag(digest)}", *gencode])
     except Exception as e:  # noqa: BLE001 - compiler errors come as RuntimeError/subprocess errors
         raise JobFailed(f"lna2 build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
                         hint=f"see the build log in {build_dir}") from None
