@@ -467,6 +467,9 @@ def test_unwritable_out_is_refused_before_measuring(fake, tmp_path):
     res = run("--base-url", fake.url, "--out", str(blocker / "sub"))
     assert res.exit_code == 2
     assert "cannot create --out" in one_line_error(res)
+    res = run("--base-url", fake.url, "--out", str(blocker))
+    assert res.exit_code == 2
+    assert f"--out {blocker} is a file, not a directory" in one_line_error(res)
     assert fake.chat_bodies == []
 
 

@@ -221,6 +221,8 @@ def write_png(result: dict[str, Any], path: Path) -> str | None:
 
 def prepare_out(out_dir: Path) -> None:
     """Create --out and check it is writable, so a bad path fails before a long measurement."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"--out {out_dir} is a file, not a directory", hint="pass a directory (created if absent)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
