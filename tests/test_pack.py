@@ -303,3 +303,16 @@ def test_a_header_entry_of_the_wrong_types_is_malformed_not_a_crash(tmp_path, en
     f.write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 8)
     with pytest.raises(pack.HeaderError, match="tensor t: malformed header entry"):
         pack.read_header(f)
+
+
+def test_layer_bits_that_is_not_a_mapping_fails_instead_of_being_ignored(tmp_path, clean):
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    cfg = json.loads((p / "config.json").read_text())
+    cfg["quantization_config"]["layer_bits"] = [2, 3]
+    (p / "config.json").write_text(json.dumps(cfg))
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    f = rep.get("routed-bits")
+    assert f.status == "fail" and f.found == "quantization_config.layer_bits is [2, 3]" and f.fix

@@ -736,8 +736,12 @@ def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods:
         return
     base = qc.get("bits")
     lb_raw = qc.get("layer_bits") or {}
+    if not isinstance(lb_raw, dict):  # read as {layer: bits}: a list would silently check every layer against bits
+        rep.add("routed-bits", "fail", f"quantization_config.layer_bits is {json.dumps(lb_raw)[:80]}",
+                "an object {layer index: bits}", "rewrite layer_bits as {\"N\": bits, ...} (or drop it)")
+        return
     lb = {}
-    for k, v in (lb_raw.items() if isinstance(lb_raw, dict) else []):
+    for k, v in lb_raw.items():
         try:
             lb[int(k)] = v
         except ValueError:
