@@ -150,9 +150,9 @@ def test_a_mistyped_seat_name_is_an_error_not_a_seat_that_is_not_running(home):
                 ["logs", "--profile", "8x16gb-38k"]):
         r = cli(*cmd, home=home, timeout=60)
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
-        assert r.stderr.strip() == "error: unknown profile '8x16gb-38k'; did you mean '8x16gb-380k'?", cmd
+        assert r.stderr.strip() == "error: no seat or profile is named '8x16gb-38k'; did you mean '8x16gb-380k'?", cmd
     r = cli("down", "--profile", "nope", "--json", home=home, timeout=60)
-    assert r.returncode == 2 and json.loads(r.stdout)["error"]["message"] == "unknown profile 'nope'"
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["message"] == "no seat or profile is named 'nope'"
 
 
 def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes_and_keeps_the_file(home):
@@ -212,7 +212,8 @@ def test_without_a_start_time_only_the_run_tag_proves_the_pid_is_ours(home):
 def test_logs_of_an_unknown_seat_names_the_known_ones(home):
     state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down", "log": "/nonexistent/log"})
     r = cli("logs", "--profile", "nope", home=home, timeout=60)
-    assert r.returncode == 2 and "seat nope has no log" in r.stderr and "known seats: cpu-demo" in r.stderr, r.stderr
+    assert r.returncode == 2 and "no seat or profile is named 'nope'" in r.stderr, r.stderr
+    assert "known seats: cpu-demo; shipped profiles: 8x16gb-380k" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("arg", ["/etc/passwd", "../x", "a/b"])

@@ -346,6 +346,8 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
 def _seat_names(profile_name: str | None) -> list[str]:
     """The seat a --profile names (a shipped name or a YAML path, whose profile name is the seat)."""
     from dsv4serve import state
+    from dsv4serve.errors import BadInput, ProfileError
+    from dsv4serve.profile import shipped_profiles
 
     if not profile_name:
         return state.all_seats()
@@ -357,7 +359,18 @@ def _seat_names(profile_name: str | None) -> list[str]:
         return [profile_name]
     # No seat ever ran under this name: it must be a profile, or it is a typo, which is said (exit 2)
     # rather than answered "not running" while the seat the user meant keeps running.
-    return [load_profile(profile_name).name]
+    try:
+        return [load_profile(profile_name).name]
+    except ProfileError as e:
+        if not e.message.startswith("unknown profile"):
+            raise
+        import difflib
+
+        known = state.known_seats()
+        close = difflib.get_close_matches(profile_name, sorted({*known, *shipped_profiles()}), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "; ".join(
+            ([f"known seats: {', '.join(known)}"] if known else []) + [f"shipped profiles: {', '.join(shipped_profiles())}"])
+        raise BadInput(f"no seat or profile is named '{profile_name}'", hint=hint) from None
 
 
 def down(profile_name: str | None, grace: float | None = None) -> dict:
