@@ -1167,6 +1167,36 @@ def cmd_trace(args):
     events = EVENTS7 if cluster else EVENTS
     tp8_ms = tuple(int(m_) for m_ in args.ms.split(",")) if args.ms else (1, 2, 8)
     shapes = [(sh, ms) for sh, ms in (("tp8", tp8_ms), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
+    if args.stop:
+        # v26's launch split: the same launches by a build that returns after its prologue (1) or its
+        # route plan (2); what they write is not the op, so only their times are kept
+        if args.variant != 26 or args.bits != 2 or not hasattr(lna, "lna2_set_stop"):
+            raise SystemExit("trace --stop needs --variant 26 --bits 2 and a build with lna2_set_stop")
+        lna.lna2_set_stop(args.stop)
+    tag = f"v{args.variant}" + (f"-k{args.bits}" if args.bits != 2 else "") + (f"-stop{args.stop}" if args.stop else "")
+
+    def save():  # after every case: a deadline that stops the call keeps what was traced
+        dump(f"trace-{tag}.json", {"events": events, "variant": args.variant, "bits": args.bits, "stop": args.stop,
+                                   "runs": res})
+
+    try:
+        _trace_cases(args, lna, shapes, dev, gen, flush, grid, res, save)
+    finally:
+        if args.stop:
+            lna.lna2_set_stop(0)
+    if cluster and not args.stop:
+        summary = summarize_trace_v7({"runs": [r for r in res if not r.get("empty")]})
+        for row in summary:
+            log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
+                f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
+            log("   arrivals by pass (CTAs, median/max us):", " ".join(
+                f"{p['ctas']}:{p['median_us']}/{p['max_us']}" for p in row["arrivals_by_pass"]))
+        dump(f"trace-summary-{tag}.json", summary)
+
+
+def _trace_cases(args, lna, shapes, dev, gen, flush, grid, res, save):
+    import torch
+
     for case in mcg_cases(shapes, dev, gen, args.bits):
         shape, m, L, x, ids32, w32, out = case.shape, case.m, case.L, case.x, case.ids32, case.w32, case.out
         # --empty: the same launch with nothing routed (its plan, the zero output and the exit only)
@@ -1195,18 +1225,9 @@ def cmd_trace(args):
                 ev_us = e0.elapsed_time(e1) * 1e3
                 res.append({"shape": shape, "m": m, "rep": rep, "empty": empty, "event_us": round(ev_us, 2),
                             "span_us": round(end / 1e3, 2), "ctas": ctas})
-                log(f"{shape} K{args.bits} m={m}{' empty' if empty else ''} rep={rep}: {len(ctas)} CTAs traced, "
-                    f"last event at {end / 1e3:.1f} us, launch {ev_us:.1f} us by events")
-        tag = f"v{args.variant}" + (f"-k{args.bits}" if args.bits != 2 else "")
-        dump(f"trace-{tag}.json", {"events": events, "variant": args.variant, "bits": args.bits, "runs": res})
-    if cluster:
-        summary = summarize_trace_v7({"runs": [r for r in res if not r.get("empty")]})
-        for row in summary:
-            log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
-                f"{k}={v['median_us']}/{v['max_us']}" for k, v in row["phases"].items() if v))
-            log("   arrivals by pass (CTAs, median/max us):", " ".join(
-                f"{p['ctas']}:{p['median_us']}/{p['max_us']}" for p in row["arrivals_by_pass"]))
-        dump(f"trace-summary-{tag}.json", summary)
+                log(f"{shape} K{args.bits} m={m}{' empty' if empty else ''}{f' stop{args.stop}' if args.stop else ''} "
+                    f"rep={rep}: {len(ctas)} CTAs traced, last event at {end / 1e3:.1f} us, launch {ev_us:.1f} us by events")
+        save()
 
 
 EVENTS7 = ["start", "plan", "rotated", "gu_mma", "partial", "sync1", "act", "dn_mma", "y", "arrived", "gathered",
@@ -1553,6 +1574,8 @@ def main():
     tr.add_argument("--bits", type=int, default=2, choices=(2, 3))
     tr.add_argument("--ms", default="", help="TP8 row counts, comma list (default 1,2,8)")
     tr.add_argument("--empty", action="store_true", help="also trace each case with nothing routed")
+    tr.add_argument("--stop", type=int, default=0, choices=(0, 1, 2),
+                    help="v26 K2 only: trace a build that returns after its prologue (1) or route plan (2)")
     ts = sub.add_parser("trace-summary")
     ts.add_argument("--trace", required=True)
     ts.add_argument("--out", required=True)

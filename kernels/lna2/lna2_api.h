@@ -212,6 +212,7 @@ cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
 // launch keep one CTA per SM when its units' clusters all fit that way, 1 always, 2 never.
 bool v7_supports(int hidden, int inter);
 void v7_set_spread(int ctas_per_sm);
+void v7_set_stop(int stage);  // benchmarks: v26 K2 MCG stops after its prologue (1) or route plan (2); 0 off
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
                          int* num_sms);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);

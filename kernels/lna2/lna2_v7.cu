@@ -360,9 +360,17 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
+        if constexpr ((ABL & ABL_STOP_PROLOGUE) != 0) {
+            trace(E7_EXIT, -1);
+            return;
+        }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
+        if constexpr ((ABL & ABL_STOP_PLAN) != 0) {
+            trace(E7_EXIT, -1);
+            return;
+        }
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
             if (cid == 0) gather(y);
             return;
@@ -672,7 +680,12 @@ const Build7* build7_of(int variant) {
     return nullptr;  // a timing ablation: v7's flags, all false
 }
 
+int g_stop = 0;  // lna2_set_stop: 1 / 2 swap v26's K2 MCG kernel for one that stops after its prologue / plan
+
 KernelFn pick_v7(int bits, int codebook, int variant) {
+    if (g_stop != 0 && variant == V7_EPI_VARIANT && bits == 2 && codebook == CB_MCG)
+        return g_stop == 1 ? moe_decode_v7<2, CB_MCG, true, ABL_STOP_PROLOGUE, true, true, true, true>
+                           : moe_decode_v7<2, CB_MCG, true, ABL_STOP_PLAN, true, true, true, true>;
     if (KernelFn fn = pick_build(bits, codebook, variant)) return fn;
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
@@ -758,6 +771,11 @@ bool v7_supports(int hidden, int inter) {
 void v7_set_spread(int ctas_per_sm) {
     if (ctas_per_sm >= 0) g_spread = ctas_per_sm;
 }
+
+// Benchmarks only: v26's K2 MCG launches run a build that returns after its prologue (1) or its
+// route plan (2), with v26's launch shape and shared-memory layout; 0 restores v26. What such a
+// launch writes is not the op. Host-side: the served kernels are not recompiled.
+void v7_set_stop(int stage) { g_stop = stage == 1 || stage == 2 ? stage : 0; }
 
 // Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
