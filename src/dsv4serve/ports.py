@@ -53,8 +53,9 @@ def bind_problem(host: str, port: int) -> BindProblem | None:
     TIME_WAIT leftovers of a server just stopped do not count (they would not stop vLLM), a live
     listener does."""
     bare = host.strip("[]") or "0.0.0.0"
+    fam = socket.AF_INET6 if ":" in bare else socket.AF_INET  # a name binds its IPv4 address, as before
     try:
-        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(bare, port, family=fam, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         return BindProblem("host", f"does not resolve ({e.strerror})")
     fam, _, _, _, addr = infos[0]
