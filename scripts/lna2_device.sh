@@ -170,9 +170,10 @@ if has trace && [ "$(left)" -gt 240 ]; then
       > "$OUT/trace-v$TV.log" 2>&1; echo "exit $?" >> "$OUT/trace-v$TV.log"
     tail -16 "$OUT/trace-v$TV.log" | tee -a "$LOG"
     # TRACE_STOP=1,2 (v26, K2): the same cases by builds that stop after the prologue / the route plan
-    if [ "$TV" = 26 ]; then
+    if [ "$TV" = 26 ] && [ "${TRACE_BITS:-2}" = 2 ]; then  # the stop builds are K2 MCG only
       STOPS=${TRACE_STOP:-}
       for TS in ${STOPS//,/ }; do
+        [ "$(left)" -gt 100 ] || { echo "trace stop $TS skipped: past the deadline" | tee -a "$LOG"; break; }
         step "event trace of variant 26 stopped at stage $TS"
         timeout 90 python3 scripts/lna2_device.py trace --variant 26 --stop $TS ${TRACE_MS:+--ms $TRACE_MS} ${TRACE_EMPTY:+--empty} \
           > "$OUT/trace-v26-stop$TS.log" 2>&1; echo "exit $?" >> "$OUT/trace-v26-stop$TS.log"

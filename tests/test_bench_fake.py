@@ -131,7 +131,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if s.chat == "http_500":
                 # a traceback in the message (what a crashed engine sends) must still be one line
-                self._json(500, {"error": {"message": "EngineCore died\nTraceback (most recent call last):\n  x",
+                self._json(500, {"error": {"message": "EngineCore died\nTraceback (most recent call last):\n"
+                                                      + '  File "x.py", line 1, in f\n    y()\n' * 40
+                                                      + "torch.OutOfMemoryError: CUDA out of memory",
                                            "type": "InternalServerError"}})
                 return
             self.send_response(200)
@@ -278,7 +280,7 @@ def test_metrics_absent_gives_na(fake):
 @pytest.mark.parametrize("mode, words", [
     ("error_chunk", "server sent an error chunk: KV cache exhausted at 166000 tokens"),
     ("no_choices", "stream chunk has no 'choices'"),
-    ("http_500", "HTTP 500: EngineCore died Traceback (most recent call last): x"),
+    ("http_500", "HTTP 500: EngineCore died torch.OutOfMemoryError: CUDA out of memory"),
     ("json_200", "did not stream (content-type application/json)"),
 ])
 def test_stream_errors_are_surfaced(fake, mode, words):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -347,3 +348,6 @@ def test_an_option_missing_its_value_points_at_its_own_commands_help(home):
     assert ev["event"] == "error" and ev["type"] == "UsageError" and ev["hint"] == "see `dsv4serve up --help`"
     r = run("up", "--dry-run", "--json", "-p")  # the dry run prints one document, so its error is one too
     assert json.loads(r.stdout)["error"]["exit_code"] == 2
+    r = run("--bogus", "up", "--json", "-p", "cpu-demo")  # the root's own option: the root's help, no up event
+    assert re.fullmatch(r"error: No such option: --bogus \(see `(python -m )?dsv4serve --help`\)", r.stderr.strip())
+    assert json.loads(r.stdout)["error"]["type"] == "UsageError"

@@ -276,6 +276,7 @@ def test_a_config_of_the_wrong_shape_is_one_config_failure_not_a_crash(tmp_path,
     ('{"metadata": {}}', "KeyError"),
     ("[1, 2]", "TypeError"),
     ('{"weight_map": {"a.weight": null}}', "weight_map['a.weight'] is null, not a file name"),
+    ('{"weight_map": {}}', "weight_map is empty"),
 ])
 def test_an_unreadable_index_still_reads_the_shards_on_disk(tmp_path, clean, index, word):
     import shutil
@@ -287,6 +288,7 @@ def test_an_unreadable_index_still_reads_the_shards_on_disk(tmp_path, clean, ind
     assert set(_bad(rep)) == {"index"} and word in rep.get("index").found, \
         [(f.check, f.found) for f in rep.findings if f.status != "ok"]
     assert rep.get("shard-count").status == "ok" and rep.get("dense-bits").status == "ok"
+    assert rep.get("unindexed-files").status == "n/a"  # not "the index names every file": it names none
 
 
 @pytest.mark.parametrize("entry", [

@@ -81,3 +81,26 @@ def test_a_host_that_is_not_this_machine_is_not_called_a_busy_port(host, words):
     checks._port(rep, checks.Ctx(profile=profile, seat=None))
     (row,) = rep.rows
     assert row.status == "fail" and row.found.startswith(f"vllm.host {host}") and "in use" not in row.found
+
+
+def test_a_name_is_checked_on_its_ipv4_address_as_the_server_binds_it(monkeypatch):
+    """uvicorn binds a host name in IPv4 unless it is an IPv6 literal; resolving 'localhost' to ::1
+    first would check another socket than the one vLLM opens."""
+    asked = []
+    real = socket.getaddrinfo
+
+    def spy(host, port, family=0, type=0, *a, **kw):
+        asked.append((host, family))
+        return real(host, port, family, type, *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", spy)
+    port = ports.free_port()
+    assert ports.bind_problem("localhost", port) is None
+    ports.bind_problem("::1", port)  # free or not (a machine without IPv6): the family asked is the point
+    assert asked == [("localhost", socket.AF_INET), ("::1", socket.AF_INET6)]
+
+
+def test_an_owner_line_keeps_its_detail_when_one_word_is_long():
+    line = ports._one_line(["python3", "-c", "import socket\n" + "x = 1; " * 40])
+    assert "\n" not in line and line.startswith("python3 -c import socket x = 1;") and line.endswith(" …")
+    assert len(line) >= ports.OWNER_CHARS

@@ -251,6 +251,8 @@ void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8, int64_t pair_down) {
 // Benchmarks only: v26's K2 MCG launches stop after their prologue (1) or route plan (2), 0 = off
 // (the launch split of NOTES.md's session 29 next step 1). Their outputs are not the op.
 void lna2_set_stop(int64_t stage) {
+    TORCH_CHECK_VALUE(stage >= 0 && stage <= 2,
+                      "lna2_set_stop: stage must be 0 (off), 1 (after the prologue) or 2 (after the route plan), got ", stage);
     std::lock_guard<std::mutex> lk(g_mu);
     lna2::v7_set_stop(static_cast<int>(stage));
     g_grid.clear();

@@ -77,10 +77,22 @@ class Endpoint:
 # errors
 
 
+SERVER_MESSAGE_CHARS = 300
+
+
 def _server_message(resp: httpx.Response) -> str:
-    """The server's own words for a non-200, on one line: vLLM sends {"error": {"message": ...}},
-    and a Python traceback in it would otherwise spill over many."""
-    return " ".join(_server_words(resp).split())[:300] or resp.reason_phrase
+    """The server's own words for a non-200, on one line: vLLM sends {"error": {"message": ...}}.
+    A Python traceback in it keeps what precedes it and its last line (the exception), not the
+    frames; anything still too long keeps its start and its end, where the cause is."""
+    lines = [ln.strip() for ln in _server_words(resp).splitlines() if ln.strip()]
+    tb = next((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), None)
+    if tb is not None and tb < len(lines) - 1:
+        lines = lines[:tb] + [lines[-1]]
+    text = " ".join(" ".join(lines).split())
+    if len(text) > SERVER_MESSAGE_CHARS:
+        half = SERVER_MESSAGE_CHARS // 2 - 2
+        text = f"{text[:half]} … {text[-half:]}"
+    return text or resp.reason_phrase
 
 
 def _server_words(resp: httpx.Response) -> str:

@@ -282,16 +282,14 @@ def _usage_command(ctx: Any) -> str:
     """The command a usage error belongs to. An option missing its value fails before any
     context exists (ctx is None), so the subcommands named on the command line are followed from
     the root."""
-    if ctx is None:
-        path, cmd = "dsv4serve", typer.main.get_command(app)
-    else:
-        path, cmd = ctx.command_path, ctx.command
-    if ctx is None or ctx.parent is None:
-        for word in (a for a in sys.argv[1:] if not a.startswith("-")):
-            sub = getattr(cmd, "commands", {}).get(word)
-            if sub is None:
-                break
-            path, cmd = f"{path} {word}", sub
+    if ctx is not None:  # a context names its command (the root's own options stay the root's)
+        return ctx.command_path
+    path, cmd = "dsv4serve", typer.main.get_command(app)
+    for word in (a for a in sys.argv[1:] if not a.startswith("-")):
+        sub = getattr(cmd, "commands", {}).get(word)
+        if sub is None:
+            break
+        path, cmd = f"{path} {word}", sub
     return path
 
 

@@ -209,7 +209,9 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     else:
         rep.add("symlinks", "ok", "no symlinks")
     _shard_count(rep, files, expect_shards)
-    if weight_map is not None:
+    if weight_map == {}:  # unreadable (already a failure): nothing to compare the files with
+        rep.add("unindexed-files", "n/a", "the index is unreadable (see index)", "", "checked once the index is rebuilt")
+    elif weight_map is not None:
         stray = [n for n in on_disk if n not in set(files)]
         if stray:
             rep.add("unindexed-files", "warn", f"{len(stray)} not in the index: {_few(stray)}",
@@ -298,6 +300,8 @@ def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
         odd = next((k for k, v in wm.items() if not isinstance(v, str) or not v), None)
         if odd is not None:
             raise ValueError(f"weight_map[{odd!r}] is {json.dumps(wm[odd])}, not a file name")
+        if not wm:
+            raise ValueError("weight_map is empty: vLLM would load no tensor")
     except (OSError, ValueError, KeyError, TypeError) as e:
         rep.add("index", "fail", f"{INDEX} unreadable ({e.__class__.__name__}: {e})", "a JSON weight_map",
                 "rebuild the index from the shard headers")

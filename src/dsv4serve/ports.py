@@ -44,7 +44,9 @@ def _one_line(argv: list[str]) -> str:
     cmd = " ".join(" ".join(argv).split())
     if len(cmd) <= OWNER_CHARS:
         return cmd
-    cut = cmd[:OWNER_CHARS].rsplit(" ", 1)[0] or cmd[:OWNER_CHARS]
+    cut = cmd[:OWNER_CHARS].rsplit(" ", 1)[0]
+    if len(cut) < OWNER_CHARS * 2 // 3:  # a long word (a -c script) would take most of the line with it
+        cut = cmd[:OWNER_CHARS]
     return cut + " …"
 
 
