@@ -1168,8 +1168,8 @@ def cmd_trace(args):
     tp8_ms = tuple(int(m_) for m_ in args.ms.split(",")) if args.ms else (1, 2, 8)
     shapes = [(sh, ms) for sh, ms in (("tp8", tp8_ms), ("tp1", (1, 8))) if serves(args.variant, H, SHAPES[sh])]
     if args.stop:
-        # v26's launch split: the same launches by a build that returns after its prologue (1) or its
-        # route plan (2); what they write is not the op, so only their times are kept
+        # v26's launch split: the same launches by v26's stop build, returning after its prologue (1)
+        # or its route plan (2), or not (3, the control); only their times are kept
         if args.variant != 26 or args.bits != 2 or not hasattr(lna, "lna2_set_stop"):
             raise SystemExit("trace --stop needs --variant 26 --bits 2 and a build with lna2_set_stop")
         lna.lna2_set_stop(args.stop)
@@ -1184,7 +1184,7 @@ def cmd_trace(args):
     finally:
         if args.stop:
             lna.lna2_set_stop(0)
-    if cluster and not args.stop:
+    if cluster and args.stop in (0, 3):  # a launch stopped early has no phases to summarize
         summary = summarize_trace_v7({"runs": [r for r in res if not r.get("empty")]})
         for row in summary:
             log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
@@ -1574,8 +1574,9 @@ def main():
     tr.add_argument("--bits", type=int, default=2, choices=(2, 3))
     tr.add_argument("--ms", default="", help="TP8 row counts, comma list (default 1,2,8)")
     tr.add_argument("--empty", action="store_true", help="also trace each case with nothing routed")
-    tr.add_argument("--stop", type=int, default=0, choices=(0, 1, 2),
-                    help="v26 K2 only: trace a build that returns after its prologue (1) or route plan (2)")
+    tr.add_argument("--stop", type=int, default=0, choices=(0, 1, 2, 3),
+                    help="v26 K2 only: trace its stop build returning after its prologue (1) or route plan (2), "
+                         "or run to the end (3, the control)")
     ts = sub.add_parser("trace-summary")
     ts.add_argument("--trace", required=True)
     ts.add_argument("--out", required=True)

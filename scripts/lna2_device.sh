@@ -22,7 +22,8 @@
 # Environment: LNA2_VARIANTS (smoke, parity; the first two also get CUDA-graph cases),
 # BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT (TRACE_BITS,
 # TRACE_MS: its K and TP8 row counts; TRACE_EMPTY=1 also traces each case with nothing routed;
-# TRACE_STOP=1,2 with variant 26 also traces builds that stop after the prologue / the route plan),
+# TRACE_STOP=1,2,3 with variant 26 also traces its stop build stopping after the prologue / the
+# route plan / not at all),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
 # SWEEP_MS / SWEEP_TIMEOUT, BENCH_AFTER (gemm: a GEMM before each cold launch), ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_BEFORE / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.
@@ -169,7 +170,7 @@ if has trace && [ "$(left)" -gt 240 ]; then
     timeout 90 python3 scripts/lna2_device.py trace --variant $TV ${TRACE_BITS:+--bits $TRACE_BITS} ${TRACE_MS:+--ms $TRACE_MS} ${TRACE_EMPTY:+--empty} \
       > "$OUT/trace-v$TV.log" 2>&1; echo "exit $?" >> "$OUT/trace-v$TV.log"
     tail -16 "$OUT/trace-v$TV.log" | tee -a "$LOG"
-    # TRACE_STOP=1,2 (v26, K2): the same cases by builds that stop after the prologue / the route plan
+    # TRACE_STOP=1,2,3 (v26, K2): the same cases by its stop build (after the prologue / the plan / none)
     if [ "$TV" = 26 ] && [ "${TRACE_BITS:-2}" = 2 ]; then  # the stop builds are K2 MCG only
       STOPS=${TRACE_STOP:-}
       for TS in ${STOPS//,/ }; do

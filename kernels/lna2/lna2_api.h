@@ -129,6 +129,7 @@ struct Args {
     uint32_t kmul[8];           // v2: decode shift multipliers (set by launch())
     float swiglu_limit;
     unsigned long long* trace;  // v2 family and v7, optional: per-CTA event timeline (TRACE_EVENTS x {ns, (ticket or unit + 1)<<8 | event})
+    int stop;                   // read only by v26's stop build (lna2_set_stop): 1 / 2 return after the prologue / plan
 };
 
 constexpr int TRACE_EVENTS = 64;  // per CTA
@@ -212,7 +213,7 @@ cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
 // launch keep one CTA per SM when its units' clusters all fit that way, 1 always, 2 never.
 bool v7_supports(int hidden, int inter);
 void v7_set_spread(int ctas_per_sm);
-void v7_set_stop(int stage);  // benchmarks: v26 K2 MCG stops after its prologue (1) or route plan (2); 0 off
+void v7_set_stop(int stage);  // benchmarks: v26 K2 MCG stops after its prologue (1), route plan (2), not (3); 0 off
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
                          int* num_sms);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);

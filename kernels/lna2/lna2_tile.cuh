@@ -12,8 +12,9 @@ enum Ablation : int {
     ABL_NO_COPY = 2,    // the ring is never filled (stale shared memory): no trellis bytes move
     ABL_NO_DOWN = 4,    // gate/up items and finishers only: no down items, no top-k gather
     // the cluster kernel's start, for v26's launch split (lna2_set_stop; session 29's next step 1):
-    ABL_STOP_PROLOGUE = 8,  // every CTA returns right after its barrier inits
-    ABL_STOP_PLAN = 16,     // every CTA returns right after the route plan
+    // every CTA returns right after its barrier inits (Args::stop 1) or the route plan (2). The
+    // stage is read at run time, so the build keeps all of v26's code and registers.
+    ABL_STOP = 8,
 };
 
 namespace lna2 {

@@ -360,16 +360,20 @@ struct V7Kernel {
             mbar_init(bar + t, BULK ? WARPS : THREADS);  // BULK: one arming copy per warp
             if constexpr (BULK) fence_async_smem();
         }
-        if constexpr ((ABL & ABL_STOP_PROLOGUE) != 0) {
-            trace(E7_EXIT, -1);
-            return;
+        if constexpr ((ABL & ABL_STOP) != 0) {
+            if (a.stop == 1) {
+                trace(E7_EXIT, -1);
+                return;
+            }
         }
         build_plan(a, s, ptr);  // its barriers also publish the mbarrier init
         const int units = s.ng * g.n_ib;
         trace(E7_PLAN, -1);
-        if constexpr ((ABL & ABL_STOP_PLAN) != 0) {
-            trace(E7_EXIT, -1);
-            return;
+        if constexpr ((ABL & ABL_STOP) != 0) {
+            if (a.stop == 2) {
+                trace(E7_EXIT, -1);
+                return;
+            }
         }
         if (units == 0) {  // nothing routed: cluster 0 writes the zero output
             if (cid == 0) gather(y);
@@ -680,12 +684,11 @@ const Build7* build7_of(int variant) {
     return nullptr;  // a timing ablation: v7's flags, all false
 }
 
-int g_stop = 0;  // lna2_set_stop: 1 / 2 swap v26's K2 MCG kernel for one that stops after its prologue / plan
+int g_stop = 0;  // lna2_set_stop: 1 / 2 / 3 run v26's K2 MCG launches through its stop build (3: to the end)
 
 KernelFn pick_v7(int bits, int codebook, int variant) {
     if (g_stop != 0 && variant == V7_EPI_VARIANT && bits == 2 && codebook == CB_MCG)
-        return g_stop == 1 ? moe_decode_v7<2, CB_MCG, true, ABL_STOP_PROLOGUE, true, true, true, true>
-                           : moe_decode_v7<2, CB_MCG, true, ABL_STOP_PLAN, true, true, true, true>;
+        return moe_decode_v7<2, CB_MCG, true, ABL_STOP, true, true, true, true>;
     if (KernelFn fn = pick_build(bits, codebook, variant)) return fn;
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
     switch (variant - V7_ABLATION_BASE) {
@@ -772,10 +775,12 @@ void v7_set_spread(int ctas_per_sm) {
     if (ctas_per_sm >= 0) g_spread = ctas_per_sm;
 }
 
-// Benchmarks only: v26's K2 MCG launches run a build that returns after its prologue (1) or its
-// route plan (2), with v26's launch shape and shared-memory layout; 0 restores v26. What such a
-// launch writes is not the op. Host-side: the served kernels are not recompiled.
-void v7_set_stop(int stage) { g_stop = stage == 1 || stage == 2 ? stage : 0; }
+// Benchmarks only: v26's K2 MCG launches run its stop build (v26's code plus a run-time stage check,
+// so its size and registers are v26's), returning after the prologue (1) or the route plan (2), or
+// running to the end (3: the control, which computes the op), with v26's launch shape and
+// shared-memory layout; 0 restores v26. What a launch stopped early writes is not the op. The served
+// kernels are not recompiled.
+void v7_set_stop(int stage) { g_stop = stage >= 1 && stage <= 3 ? stage : 0; }
 
 // Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
@@ -800,6 +805,7 @@ cudaError_t v7_launch(const Args& a_in, cudaStream_t stream) {
     Geo g;
     if (!fn || !geometry(a_in.hidden, a_in.inter, g)) return cudaErrorInvalidValue;
     Args a = a_in;
+    a.stop = g_stop;  // read only by the stop build
     for (int j = 0; j < 7; j++) a.kmul[j] = a.bits == 2 ? 1u << (2 + 2 * j) : (j < 6 ? 1u << (3 * j) : 8u);
     a.kmul[7] = 1u << 16;
     int device = 0, sms = 0, smem_sm = 0;
