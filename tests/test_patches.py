@@ -357,3 +357,28 @@ def test_cli_status_without_sets_on_a_pristine_tree(trees: Path, tmp_path: Path)
     assert doc["sets"] == ["vllm-0.32.0"]
     assert {x["state"] for x in doc["rows"]} == {"pristine", "not-applicable"}
     assert {x["set"] for x in doc["skipped"]} == {"exllamav3-1.4.5", "vllm-0.28.0"}
+
+
+@pytest.mark.parametrize("action", ["apply", "revert"])
+def test_a_record_that_cannot_be_written_restores_every_file(trees: Path, tmp_path: Path, monkeypatch,
+                                                            action: str) -> None:
+    """The record is written after the files: when it fails (a read-only state dir), the tree must
+    not be left changed behind a traceback, and the error must say so on one line."""
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    if action == "revert":
+        patches.apply_set(pset, root)
+    before = states(patches.set_status(pset, root))
+
+    def refuse(*a, **kw):
+        raise PermissionError(13, "Permission denied", "/x/state.json.tmp")
+
+    monkeypatch.setattr(patches, "_record", refuse)
+    with pytest.raises(JobFailed) as e:
+        (patches.apply_set if action == "apply" else patches.revert_set)(pset, root)
+    assert e.value.message == (f"{action} vllm-0.32.0 failed (Permission denied: /x/state.json.tmp); "
+                               "every file it changed was restored")
+    assert states(patches.set_status(pset, root)) == before
+    if action == "revert":  # the backups the next revert needs are still there
+        sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
+        assert any((sdir / "backup").rglob("*.py"))

@@ -46,6 +46,13 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
     except FileNotFoundError as e:
         report_error("FileNotFoundError", str(e), None, EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except (PermissionError, NotADirectoryError, IsADirectoryError) as e:
+        # a path of the user's (the state dir, a patch tree) that the code met before any check
+        # could: one line naming it, never a traceback
+        where = f": {e.filename}" if e.filename else ""
+        report_error(type(e).__name__, f"{e.strerror or e}{where}", "fix that path's permissions or type, then retry",
+                     EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
 def emit_json(obj: Any) -> None:

@@ -426,6 +426,24 @@ def _record(sdir: Path, pset: PatchSet, tree: Path, action: str, changed: list[s
     os.replace(tmp, sdir / "state.json")
 
 
+def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pset: PatchSet, tree: Path,
+                       action: str, changed: list[str]) -> None:
+    """After _write_all: every file reads back as written and the change is recorded, or every file
+    gets its old bytes back and the error says so (a record that cannot be written must not leave
+    a changed tree behind a traceback)."""
+    try:
+        bad = next((p for p, new, _ in targets if sha256_file(p) != sha256_bytes(new)), None)
+        if bad is not None:
+            raise JobFailed(f"{bad} did not read back as written")
+        if changed:
+            _record(sdir, pset, tree, action, changed)
+    except (JobFailed, OSError) as e:
+        _write_all([(p, old, new) for p, new, old in targets])
+        why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+        raise JobFailed(f"{action} {pset.set} failed ({why}); every file it changed was restored",
+                        hint="fix that path (permissions, space), then run the command again") from None
+
+
 def _tree_or_refuse(pset: PatchSet, root: Path | None, rows: list[FileStatus], action: str) -> Path:
     tree = find_root(pset.package, root)
     if tree is None:
@@ -479,13 +497,8 @@ def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None =
             backup.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(backup, old)
         _write_all(targets)
-        for path, new, _old in targets:
-            if sha256_file(path) != sha256_bytes(new):
-                _write_all([(p, o, n) for p, n, o in targets])
-                raise JobFailed(f"{path} did not read back as written; every file of {pset.set} was restored")
         changed = [str(p.relative_to(tree)) for p, _, _ in targets]
-        if changed:
-            _record(sdir, pset, tree, "apply", changed)
+        _verify_and_record(targets, sdir, pset, tree, "apply", changed)
         final = set_status(pset, root, profile=profile)
     return SetResult(pset.set, "apply", str(tree), changed, final,
                      [c for c in changed if specs[c].rebuild], pset.rebuild_hint, str(sdir))
@@ -524,11 +537,10 @@ def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None 
             targets.append((tree / r.file, old, current))
         _write_all(targets)
         changed = [str(p.relative_to(tree)) for p, _, _ in targets]
-        for c in changed:
+        _verify_and_record(targets, sdir, pset, tree, "revert", changed)
+        for c in changed:  # the backups go only once the revert is complete and recorded
             with contextlib.suppress(FileNotFoundError):
                 (sdir / "backup" / c).unlink()
-        if changed:
-            _record(sdir, pset, tree, "revert", changed)
         final = set_status(pset, root, profile=profile)
     return SetResult(pset.set, "revert", str(tree), changed, final,
                      [c for c in changed if specs[c].rebuild], pset.rebuild_hint, str(sdir))

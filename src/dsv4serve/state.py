@@ -100,8 +100,7 @@ def last_path(seat: str) -> Path:
 
 
 def lock(seat: str, timeout: float = 0.0) -> FileLock:
-    d = seat_dir(seat)
-    d.mkdir(parents=True, exist_ok=True)
+    d = home.ensure(seat_dir(seat))  # a file or a read-only dir in the way: one line, not a traceback
     return FileLock(str(d / "seat.lock"), timeout=timeout)
 
 
@@ -117,8 +116,7 @@ def acquire(seat: str, what: str) -> FileLock:
 
 
 def _state_lock(seat: str) -> FileLock:
-    d = seat_dir(seat)
-    d.mkdir(parents=True, exist_ok=True)
+    d = home.ensure(seat_dir(seat))
     return FileLock(str(d / "state.lock"), timeout=10.0)
 
 
