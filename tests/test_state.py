@@ -224,3 +224,38 @@ def test_a_path_is_never_taken_as_a_seat_name(home, arg):
         r = cli(cmd, "--profile", arg, home=home, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (cmd, r.stderr)
     assert not (home.parent / "x").exists() and not (home / "seats").exists()
+
+
+def test_a_state_or_last_run_of_another_shape_is_a_row_not_a_crash_of_every_seat(home):
+    """status reads into gates and last.json: a state from another version (or edited by hand)
+    must be one unreadable row naming the field, and the other seats still show."""
+    state.save(make("good"))
+    bad = json.loads(make("odd").model_dump_json())
+    bad["gates"] = {"markers": "x", "timeouts": 5}
+    state.seat_dir("odd").mkdir(parents=True)
+    state.state_path("odd").write_text(json.dumps(bad))
+    state.seat_dir("lastlist").mkdir(parents=True)
+    state.last_path("lastlist").write_text("[1, 2]")
+    state.state_path("lastlist").write_text("{trunc")  # listed by status through its state file
+    with pytest.raises(state.UnreadableState) as e:
+        state.load("odd")
+    assert "(gates: Value error, gates.markers is not a list of {text, ranks})" in e.value.message
+    assert state.load_last("lastlist") is None
+    r = cli("status", "--json", home=home, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {row["seat"]: row for row in json.loads(r.stdout)}
+    assert rows["odd"]["phase"] == "unreadable" and rows["lastlist"]["phase"] == "unreadable"
+    assert rows["good"]["phase"] != "unreadable"
+    r = cli("logs", "--profile", "lastlist", home=home, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_an_interrupted_down_reads_as_stale_once_the_process_is_gone(home):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    st = make(pid=gone.pid, pgid=gone.pid, start_time=time.time() - 5)
+    state.save(st)
+    state.mark_stopping("cpu-demo", st.run_id, "dsv4serve down")
+    r = cli("status", "--json", home=home, timeout=60)
+    row = json.loads(r.stdout)[0]
+    assert row["phase"] == "stale" and row["stale"] and "did not finish" in row["problem"], row

@@ -523,7 +523,11 @@ def _row(name: str) -> dict[str, Any]:
     live = state.liveness(st)
     tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden())
     phase, problem, stale = st.phase, None, False
-    if st.phase == "stopping":
+    if st.phase == "stopping" and live in ("gone", "reused"):  # a `down` that was interrupted
+        phase, stale = "stale", True
+        problem = (f"a stop ({st.phase_detail or 'down'}) did not finish and the main process {st.pid} is "
+                   f"{'gone' if live == 'gone' else 'now another process'}: `dsv4serve down` clears it")
+    elif st.phase == "stopping":
         phase, problem = "stopping", st.phase_detail or "being stopped"
     elif live == "reused":
         phase, stale = "stale", True
@@ -663,7 +667,7 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
         path, tp, run_id = st.log_path, st.tp, st.run_id
     else:
         last = state.load_last(name)
-        if not last or not last.get("log"):
+        if not last or not isinstance(last.get("log"), str) or not last["log"]:
             known = state.known_seats()
             raise BadInput(f"seat {name} has no log",
                            hint=(f"known seats: {', '.join(known)}" if known and name not in known

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import psutil
 from filelock import FileLock, Timeout
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from dsv4serve import home
 from dsv4serve.errors import BadInput
@@ -65,6 +65,21 @@ class SeatState(BaseModel):
     supervisor_pid: int | None = Field(None, description="the `up` process watching the seat, while it runs")
     gates: dict[str, Any] = Field(default_factory=dict, description="launch.describe_gates() of the run")
     overrides: list[str] = Field(default_factory=list, description="the --set overrides `up` was given")
+
+    @field_validator("gates")
+    @classmethod
+    def _gates_shape(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # status and down read into it: a state from another version, or edited by hand, must be an
+        # unreadable state (a status row, and down sets it aside), not a crash of every command
+        markers = v.get("markers", [])
+        if not isinstance(markers, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("text"), str) and type(m.get("ranks")) is int for m in markers):
+            raise ValueError("gates.markers is not a list of {text, ranks}")
+        if not isinstance(v.get("forbidden", []), list):
+            raise ValueError("gates.forbidden is not a list")
+        if not isinstance(v.get("timeouts", {}), dict):
+            raise ValueError("gates.timeouts is not a mapping")
+        return v
 
     @property
     def base_url(self) -> str:
@@ -158,6 +173,10 @@ def load(seat: str) -> SeatState | None:
         return SeatState.model_validate_json(p.read_text())
     except FileNotFoundError:
         return None
+    except ValidationError as e:  # a ValueError: name the first field, not just the class
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise UnreadableState(seat, p, f"{where}: {err.get('msg', 'invalid')}" if where else e.__class__.__name__) from None
     except (ValueError, OSError) as e:
         raise UnreadableState(seat, p, e.__class__.__name__) from None
 
@@ -229,10 +248,14 @@ def save_last(seat: str, info: dict[str, Any]) -> None:
 
 
 def load_last(seat: str) -> dict[str, Any] | None:
+    """The seat's last run summary, or None when there is none or it is not one (a hand-edited or
+    foreign last.json is no reason for status or logs to crash). Values it names are checked by
+    their readers."""
     try:
-        return json.loads(last_path(seat).read_text())
+        data = json.loads(last_path(seat).read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def all_seats() -> list[str]:
