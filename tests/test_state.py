@@ -259,3 +259,13 @@ def test_an_interrupted_down_reads_as_stale_once_the_process_is_gone(home):
     r = cli("status", "--json", home=home, timeout=60)
     row = json.loads(r.stdout)[0]
     assert row["phase"] == "stale" and row["stale"] and "did not finish" in row["problem"], row
+
+
+def test_check_seat_and_the_dry_run_refuse_what_up_refuses_over_an_unreadable_state(home):
+    state.seat_dir("cpu-demo").mkdir(parents=True)
+    state.state_path("cpu-demo").write_text("{trunc")
+    r = cli("check-seat", "--profile", "cpu-demo", "--json", home=home, timeout=300)
+    live = [row for row in json.loads(r.stdout)["rows"] if row["section"] == "live"]
+    assert r.returncode == 1 and live[0]["status"] == "fail" and "is unreadable (Invalid JSON" in live[0]["found"]
+    r = cli("up", "--profile", "cpu-demo", "--dry-run", "--json", home=home, timeout=300)
+    assert r.returncode == 0 and "is unreadable" in json.loads(r.stdout)["up_refuses"][0]

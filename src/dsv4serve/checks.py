@@ -141,6 +141,7 @@ class Ctx:
     pack_report: pack.PackReport | None = None
     seat: Any = None  # state.SeatState of a running seat of this profile
     seat_pids: set[int] = field(default_factory=set)
+    seat_problem: Any = None  # the DsvError that kept the seat's state from being read (up refuses on it)
 
 
 def _gib(n: float | int | None) -> str:
@@ -854,7 +855,10 @@ def _find_seat(ctx: Ctx) -> None:
 
     try:
         st = state.find_running(ctx.profile.name)
-    except DsvError:
+    except state.UnreadableState as e:
+        ctx.seat_problem = e
+        return
+    except DsvError:  # not running: the live rows say so
         return
     ctx.seat = st
     ctx.seat_pids = _seat_pids(st)
@@ -879,6 +883,10 @@ def _seat_pids(st: Any) -> set[int]:
 
 def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> None:
     p, st = ctx.profile, ctx.seat
+    if st is None and ctx.seat_problem is not None:  # up refuses on it: so does this report
+        e = ctx.seat_problem
+        rep.add("live", "seat", "fail", e.message, "a readable state, or none", e.hint or "")
+        return
     if st is None:
         rep.add("live", "seat", "n/a", f"no running seat of profile {p.name}", "",
                 "start one with `dsv4serve up --profile " + p.name + "` to check it live")

@@ -73,7 +73,13 @@ def _up_refusals(profile: Profile) -> list[str]:
     from dsv4serve import patches
     from dsv4serve.errors import BadInput
 
+    from dsv4serve import state
+
     out = []
+    try:
+        state.load(profile.name)  # up refuses to start over a state it cannot read
+    except state.UnreadableState as e:
+        out.append(e.line())
     if patches.patched_in_image(profile):
         try:
             patches.ensure_patched(profile, apply=False)

@@ -176,7 +176,8 @@ def load(seat: str) -> SeatState | None:
     except ValidationError as e:  # a ValueError: name the first field, not just the class
         err = e.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ()))
-        raise UnreadableState(seat, p, f"{where}: {err.get('msg', 'invalid')}" if where else e.__class__.__name__) from None
+        msg = err.get("msg") or e.__class__.__name__
+        raise UnreadableState(seat, p, f"{where}: {msg}" if where else msg) from None
     except (ValueError, OSError) as e:
         raise UnreadableState(seat, p, e.__class__.__name__) from None
 
