@@ -187,3 +187,11 @@ def test_dry_run_names_a_port_in_use(tmp_path):
     assert r.returncode == 0, r.stderr
     refuses = json.loads(r.stdout)["up_refuses"]
     assert len(refuses) == 1 and f"port 127.0.0.1:{port} is already in use" in refuses[0]
+
+
+def test_a_docker_mount_path_with_a_colon_is_refused(tmp_path, monkeypatch):
+    """`docker run -v a:b:c` splits on ':': a state dir with one would mount the wrong thing."""
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "co:lon"))
+    with pytest.raises(ProfileError) as e:
+        build("8x16gb-380k")
+    assert "contains ':'" in e.value.message and "DSV4SERVE_HOME" in e.value.hint

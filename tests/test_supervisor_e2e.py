@@ -274,6 +274,12 @@ def test_logs_of_one_rank(demo_seat):
             assert int(m.group(2)) == pid1, ln
     r = cli("logs", "--rank", "7", home=demo_seat.home, timeout=60)
     assert r.returncode == 2 and "has ranks 0..1" in r.stderr
+    # "01" is rank 1; digits that int() does not read the way the user meant are refused, never a traceback
+    r = cli("logs", "--rank", "01", "--lines", "5000", home=demo_seat.home, timeout=60)
+    assert r.returncode == 0 and "dsv4serve plugin ready rank=1/2" in r.stdout and "rank=0/2" not in r.stdout
+    for odd in ("²", "١"):
+        r = cli("logs", "--rank", odd, home=demo_seat.home, timeout=60)
+        assert r.returncode == 2 and "give a rank number" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.seat_last

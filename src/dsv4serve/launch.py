@@ -204,6 +204,10 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
     mounts += _overlay_mounts(profile, run_dir)
     mounts += patched_file_mounts(profile)
     for host_path, cont, ro in mounts:
+        if ":" in host_path or ":" in cont:  # -v splits on ':': docker would mount something else
+            bad = host_path if ":" in host_path else cont
+            raise ProfileError(f"docker mount path {bad} contains ':', which `docker run -v` reads as a separator",
+                               hint="use paths without ':' (for the state dir: DSV4SERVE_HOME)")
         argv += ["-v", f"{host_path}:{cont}" + (":ro" if ro else "")]
     argv += list(rt.extra_args)
     argv.append(rt.image or "")

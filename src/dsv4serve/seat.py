@@ -692,7 +692,8 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
             tp = 8  # unknown: wide enough for every rank the seat may have had
     want: str | None = None
     if rank is not None:
-        if rank.isdigit():
+        if rank.isascii() and rank.isdigit():  # "²" and "١" are digits to str.isdigit, not to int()
+            rank = str(int(rank))  # "01" is rank 1
             if int(rank) >= tp:
                 raise BadInput(f"--rank {rank}: seat {name} has ranks 0..{tp - 1}")
             want = f"rank{rank}"
