@@ -269,3 +269,11 @@ def test_check_seat_and_the_dry_run_refuse_what_up_refuses_over_an_unreadable_st
     assert r.returncode == 1 and live[0]["status"] == "fail" and "is unreadable (Invalid JSON" in live[0]["found"]
     r = cli("up", "--profile", "cpu-demo", "--dry-run", "--json", home=home, timeout=300)
     assert r.returncode == 0 and "is unreadable" in json.loads(r.stdout)["up_refuses"][0]
+
+
+def test_logs_among_several_seats_asks_for_one_even_when_one_state_is_unreadable(home):
+    state.save(make("a", phase="stopped"))
+    state.seat_dir("b").mkdir(parents=True)
+    state.state_path("b").write_text("{trunc")
+    r = cli("logs", home=home, timeout=60)
+    assert r.returncode == 2 and "2 seats are known (a, b)" in r.stderr and "--profile" in r.stderr, r.stderr

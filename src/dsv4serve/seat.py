@@ -663,7 +663,13 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     if not names:
         raise BadInput("no seat has a log yet", hint="start one with `dsv4serve up --profile cpu-demo`")
     if len(names) > 1:
-        running = [n for n in names if state.load(n) is not None]
+        def may_be_running(n: str) -> bool:
+            try:
+                return state.load(n) is not None
+            except state.UnreadableState:  # it may be: the user names the seat rather than read its error
+                return True
+
+        running = [n for n in names if may_be_running(n)]
         if len(running) != 1:
             raise BadInput(f"{len(names)} seats are known ({', '.join(names)})", hint="name one with --profile")
         names = running
