@@ -70,10 +70,8 @@ def dry_run(profile: Profile, validate: bool = True) -> dict[str, Any]:
 def _up_refusals(profile: Profile) -> list[str]:
     """What `up` refuses before launching whatever its flags. The dry run still prints its plan
     (exit 0: it is the plan, not the launch) with these listed, so it never reads as one that runs."""
-    from dsv4serve import patches
+    from dsv4serve import patches, state
     from dsv4serve.errors import BadInput
-
-    from dsv4serve import state
 
     out = []
     try:
