@@ -89,12 +89,36 @@ def test_render_is_a_table():
     console.width = 200  # one line per row, so the words can be found whole
     try:
         with console.capture() as cap:
-            checks.render(rep)
+            checks.render(rep, plain=False)
     finally:
         console.width = old
     out = cap.get()
     for word in ("check", "status", "found", "expected", "fix", "machine", "nvml", "fail", "NVML not found"):
         assert word in out
+
+
+def test_render_off_a_terminal_is_one_line_per_check():
+    """Piped or logged, a failure and its fix stay on one line whatever the width (the table
+    folded each over many 80-column lines, cutting paths and commands mid-word)."""
+    from dsv4serve.cli_common import console
+
+    rep = checks.Report("x")
+    fix = "copy /usr/lib/python3/site-packages out of the image and run `dsv4serve patch status --root <that copy>`"
+    rep.add("software", "patches vllm-0.28.0", "fail", "docker seat: the files live\nin the image", "patched", fix)
+    rep.add("machine", "nvml", "ok", "driver 580")
+    old = console.width
+    console.width = 80
+    try:
+        with console.capture() as cap:
+            checks.render(rep, plain=True)
+    finally:
+        console.width = old
+    assert cap.get().splitlines() == [
+        "check-seat x: 1 ok, 0 warn, 1 fail, 0 n/a",
+        "ok    machine/nvml: driver 580",
+        f"fail  software/patches vllm-0.28.0: docker seat: the files live in the image | expected: patched | fix: {fix}",
+        "1 failing checks: the seat will not come up as the profile claims (exit 1)",
+    ]
 
 
 # --- machine ------------------------------------------------------------------------------------

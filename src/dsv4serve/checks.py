@@ -103,7 +103,9 @@ class Report:
                 "rows": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.rows]}
 
 
-def render(report: Report) -> None:
+def render(report: Report, plain: bool | None = None) -> None:
+    """A table on a terminal; elsewhere (a pipe, a log file) one line per check, so a failure and
+    its fix can be grepped and copied whole instead of folded over a dozen 80-column lines."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -112,12 +114,24 @@ def render(report: Report) -> None:
 
     style = {"ok": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
     c = report.counts()
-    t = Table(title=f"check-seat {report.profile}: {c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['n/a']} n/a",
-              box=box.SIMPLE_HEAD, show_lines=False, title_justify="left", expand=False)
+    title = f"check-seat {report.profile}: {c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['n/a']} n/a"
+    sections = [s for s in SECTIONS if report.section(s)] + sorted({r.section for r in report.rows} - set(SECTIONS))
+    if plain if plain is not None else not console.is_terminal:
+        out = [title]
+        for sec in sections:
+            for r in report.section(sec):
+                found, expected, fix = (" ".join(str(x).split()) for x in (r.found, r.expected, r.fix))
+                out.append(f"{r.status:<4}  {sec}/{r.check}: {found}" + (f" | expected: {expected}" if expected else "")
+                           + (f" | fix: {fix}" if fix else ""))
+        if report.failures():
+            out.append(f"{len(report.failures())} failing checks: the seat will not come up as the profile claims (exit 1)")
+        console.print("\n".join(out), markup=False, highlight=False, soft_wrap=True)
+        return
+    t = Table(title=title, box=box.SIMPLE_HEAD, show_lines=False, title_justify="left", expand=False)
     for col, kw in (("check", {"ratio": 2}), ("status", {"no_wrap": True}), ("found", {"ratio": 3}),
                     ("expected", {"ratio": 2}), ("fix", {"ratio": 3})):
         t.add_column(col, overflow="fold", **kw)
-    for sec in [s for s in SECTIONS if report.section(s)] + sorted({r.section for r in report.rows} - set(SECTIONS)):
+    for sec in sections:
         t.add_row(Text(sec, style="bold"), "", "", "", "")
         for r in report.section(sec):
             t.add_row("  " + r.check, Text(r.status, style=style[r.status]), Text(r.found), Text(r.expected),
