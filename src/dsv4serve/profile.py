@@ -568,7 +568,7 @@ def _source(loc: tuple[Any, ...], chain: list[tuple[Path, dict[str, Any]]], over
     writes it, so an error in a parent or a copy does not read as one in the shipped profile."""
     dotted = ".".join(str(p) for p in loc)
     for item in reversed(overrides):
-        key = item.partition("=")[0].strip()
+        key = ".".join(parse_override(item)[0])  # already applied, so it parses
         if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + "."):
             return f" (from --set {key})"
     shipped = {p.resolve() for p in shipped_profiles().values()}
