@@ -262,6 +262,8 @@ def test_bad_seat_name_writes_nothing_outside_home(home, tmp_path):
     (["up"], "Missing option '--profile'"),
     (["logs", "--lines", "-5"], "'--lines'"),
     (["down", "--grace", "-1"], "'--grace'"),
+    (["down", "--grace", "nan"], "nan is not a number of seconds from 0 to 3600"),
+    (["down", "--grace", "inf"], "inf is not a number of seconds from 0 to 3600"),
     (["nonexist"], "No such command 'nonexist'"),
 ])
 def test_usage_errors_are_one_line_with_exit_2(home, argv, needle):

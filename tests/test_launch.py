@@ -152,9 +152,12 @@ def test_dry_run_json_shows_the_patched_file_mounts(tmp_path):
     for rel in PATCHED:
         assert f"{root}/{rel}:{SP}/{rel}:ro" in volumes(plan["argv"]), rel
     assert f"{root}/{PATCHED[0]}:{SP}/{PATCHED[0]}:ro" in plan["command"]
-    # with the image's files copied out, up has no patch refusal (a port 8000 held on this machine
-    # would be listed too, and is not this test's business)
-    assert not [x for x in plan["up_refuses"] if "patch" in x]
+    # with runtime.patch_root set the image's files are checkable: the refusal is no longer "cannot be
+    # verified" but the tree's own state, as up's, and nothing was copied out here (a port 8000 held
+    # on this machine would be listed too, and is not this test's business)
+    refusals = [x for x in plan["up_refuses"] if "patch" in x]
+    assert len(refusals) == 1 and f"install exllamav3==1.4.5 in {root}" in refusals[0], refusals
+    assert "cannot be verified" not in refusals[0]
 
 
 def test_dry_run_names_what_up_would_refuse(tmp_path):

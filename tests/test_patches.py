@@ -264,6 +264,25 @@ def test_profile_plan_and_ensure_patched(trees: Path, tmp_path: Path) -> None:
     assert {r["state"] for r in patches.profile_plan(prof)} == {"patched", "not-applicable"}
 
 
+def test_the_dry_run_lists_the_patch_refusal_up_would_meet(trees: Path, tmp_path: Path) -> None:
+    """A pristine tree: up refuses it, so the dry run says so; `--apply-patches` makes up apply it, so
+    the dry run with that flag has no refusal; a set apply would refuse stays listed either way.
+    The dry run changes nothing."""
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    before = snapshot(root, patches.load_set("vllm-0.32.0"))
+    refusal = patches.launch_refusal(_profile(root), apply=False)
+    assert refusal is not None and "pristine, not patched" in refusal.line()
+    assert patches.launch_refusal(_profile(root), apply=True) is None
+    both = _profile(root, "[vllm-0.32.0, exllamav3-1.4.5]")  # exllamav3 is package-missing here
+    assert "pristine, not patched" in patches.launch_refusal(both, apply=False).line()  # up's first word
+    assert "exl3_gemm.cu is package-missing" in patches.launch_refusal(both, apply=True).line()
+    from dsv4serve import seat
+    assert [x for x in seat.dry_run(_profile(root), validate=False)["up_refuses"] if "patch" in x]
+    plan = seat.dry_run(_profile(root), validate=False, apply_patches=True)
+    assert plan["up_flags"]["apply_patches"] and not [x for x in plan["up_refuses"] if "patch" in x]
+    assert snapshot(root, patches.load_set("vllm-0.32.0")) == before
+
+
 def test_ensure_patched_checks_every_set_first(trees: Path, tmp_path: Path) -> None:
     root = make_tree(trees, "vllm-0.32.0", tmp_path)  # no exllamav3 here: that set is package-missing
     prof = _profile(root, "[vllm-0.32.0, exllamav3-1.4.5]")

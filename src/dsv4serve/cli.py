@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -112,7 +113,8 @@ def up(profile: str = ProfileOpt,
     with handled(json_out and dry_run, event_lines=json_out and not dry_run):
         p = seat.load(profile, overrides)
         if dry_run:
-            plan = seat.dry_run(p, validate=validate)
+            plan = seat.dry_run(p, validate=validate, apply_patches=apply_patches, skip_checks=skip_checks,
+                                foreground=foreground)
             if json_out:
                 emit_json(plan)
             else:
@@ -123,9 +125,17 @@ def up(profile: str = ProfileOpt,
         raise typer.Exit(code)
 
 
+def _grace_seconds(value: Optional[float]) -> Optional[float]:
+    # click's own range check compares, and every comparison with nan is false, so `--grace nan`
+    # was refused as "above 3600"; one check names the real bounds for nan, inf and negatives alike.
+    if value is not None and not (math.isfinite(value) and 0.0 <= value <= 3600.0):
+        raise typer.BadParameter(f"{value:g} is not a number of seconds from 0 to 3600; e.g. --grace 20")
+    return value
+
+
 @app.command()
 def down(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="which seat (default: the only one)"),
-         grace: Optional[float] = typer.Option(None, "--grace", min=0.0, max=3600.0,
+         grace: Optional[float] = typer.Option(None, "--grace", callback=_grace_seconds,
                                                help="seconds between SIGTERM and SIGKILL (at most an hour)"),
          json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Stop a seat: the whole process group, its leftovers, and proof nothing is left."""

@@ -604,6 +604,22 @@ def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     return apply_sets([load_set(n) for n in profile.patches], root, profile=profile.name)
 
 
+def launch_refusal(profile: Any, apply: bool) -> BadInput | PatchRefused | None:
+    """What `ensure_patched(profile, apply)` would refuse, changing nothing: the dry run lists it.
+    With `apply`, up applies what is pristine, so only what apply itself refuses is left."""
+    try:
+        ensure_patched(profile, apply=False)
+        return None
+    except BadInput as e:
+        if not apply or patched_in_image(profile):
+            return e
+    try:
+        check_sets([load_set(n) for n in profile.patches], profile_root(profile), "apply", profile=profile.name)
+    except (BadInput, PatchRefused) as e:
+        return e
+    return None
+
+
 def check_sets(sets: list[PatchSet], root: Path | None, action: str, *, profile: str | None = None) -> None:
     """Refuse, changing nothing, unless every file of every set is pristine or patched: one
     refusal among several sets changes none of them."""

@@ -27,7 +27,9 @@ def patch_plan(profile: Profile) -> list[dict[str, Any]]:
     return plan_fn(profile)
 
 
-def dry_run(profile: Profile, validate: bool = True) -> dict[str, Any]:
+def dry_run(profile: Profile, validate: bool = True, *, apply_patches: bool = False, skip_checks: bool = False,
+            foreground: bool = False) -> dict[str, Any]:
+    """The plan `up` with the same flags would follow; starts and changes nothing."""
     from dsv4serve import home
 
     run_dir = home.runs_dir() / "<run-id>"
@@ -63,11 +65,12 @@ def dry_run(profile: Profile, validate: bool = True) -> dict[str, Any]:
         "patches": patch_plan(profile),
         "gates": launch.describe_gates(profile),
         "vllm_parser": parser,
-        "up_refuses": _up_refusals(profile),
+        "up_flags": {"apply_patches": apply_patches, "skip_checks": skip_checks, "foreground": foreground},
+        "up_refuses": _up_refusals(profile, apply_patches),
     }
 
 
-def _up_refusals(profile: Profile) -> list[str]:
+def _up_refusals(profile: Profile, apply_patches: bool = False) -> list[str]:
     """What `up` refuses before launching whatever its flags. The dry run still prints its plan
     (exit 0: it is the plan, not the launch) with these listed, so it never reads as one that runs."""
     from dsv4serve import patches, state
@@ -78,11 +81,10 @@ def _up_refusals(profile: Profile) -> list[str]:
         state.load(profile.name)  # up refuses to start over a state it cannot read
     except state.UnreadableState as e:
         out.append(e.line())
-    if patches.patched_in_image(profile):
-        try:
-            patches.ensure_patched(profile, apply=False)
-        except BadInput as e:
-            out.append(e.line())
+    if profile.patches:
+        refusal = patches.launch_refusal(profile, apply_patches)
+        if refusal is not None:
+            out.append(refusal.line())
     try:
         _check_port(profile)
     except BadInput as e:
@@ -116,6 +118,13 @@ def render_plan(plan: dict[str, Any]) -> None:
     t = g["timeouts"]
     console.print(f"  stall {t['stall_s']:.0f} s, hard cap {t['total_s']:.0f} s", highlight=False)
     console.print(f"\n[bold]vLLM parser[/]: {plan['vllm_parser']['detail']}", highlight=False)
+    flags = plan.get("up_flags", {})
+    said = [text for key, text in (("apply_patches", "applies the profile's patch sets first (--apply-patches)"),
+                                   ("skip_checks", "skips check-seat's pre-launch checks (--skip-checks)"),
+                                   ("foreground", "stays attached; Ctrl-C tears the seat down (--foreground)"))
+            if flags.get(key)]
+    for text in said:
+        console.print(f"\n[bold]up[/] {text}", highlight=False)
     for line in plan.get("up_refuses", []):
         console.print(f"\n[bold red]up would refuse[/]: {line}", highlight=False)
 
