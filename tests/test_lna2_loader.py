@@ -68,3 +68,21 @@ def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, 
         build.build(**{"out": tmp_path / "out", **kw})
     assert words in e.value.message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_that_does_not_load_is_not_called_unbuilt(monkeypatch, tmp_path):
+    """A truncated or foreign .so where the build goes is there: the error names it and what the
+    loader said, not "not built", which would send the user looking for a build that exists."""
+    so = tmp_path / f"{build.MODULE}.so"
+    so.write_bytes(b"\x7fELF truncated")
+    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(so))
+    monkeypatch.setattr(loader, "default_out", lambda: tmp_path / "none")
+    monkeypatch.setattr(loader, "_loaded", None)
+    with pytest.raises(RuntimeError) as e:
+        loader.load()
+    text = str(e.value)
+    assert text.startswith(f"extension does not load ({so} (") and "\n" not in text
+    assert text.endswith("rebuild it with `dsv4serve kernel build`")
+    so.unlink()
+    with pytest.raises(RuntimeError, match=r"^extension not built \(.*\(missing\); .*\(missing\)\)"):
+        loader.load()

@@ -31,7 +31,7 @@ def load() -> Any:
         return _loaded
     import torch  # noqa: F401 - the extension links against libtorch; load it first
 
-    tried = []
+    tried, broken = [], []
     for path in candidates():
         if not path.is_file():
             tried.append(f"{path} (missing)")
@@ -39,12 +39,14 @@ def load() -> Any:
         spec = importlib.util.spec_from_file_location(MODULE, path)
         if spec is None or spec.loader is None:
             tried.append(f"{path} (not a loadable module)")
+            broken.append(tried[-1])
             continue
         try:
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
         except ImportError as e:
-            tried.append(f"{path} ({e})")
+            tried.append(f"{path} ({_first_line(e)})")
+            broken.append(tried[-1])
             continue
         sys.modules.setdefault(MODULE, mod)
         _loaded = mod
@@ -55,8 +57,18 @@ def load() -> Any:
         return mod
     except ImportError:
         pass
-    _error = "extension not built (" + "; ".join(tried) + "): run `dsv4serve kernel build`"
+    if broken:
+        # a file that is there and does not load (truncated copy, another torch's ABI) is not
+        # "not built": saying so would send the user to look for a build that exists
+        _error = "extension does not load (" + "; ".join(broken) + "): rebuild it with `dsv4serve kernel build`"
+    else:
+        _error = "extension not built (" + "; ".join(tried) + "): run `dsv4serve kernel build`"
     raise RuntimeError(_error)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def describe() -> dict[str, Any]:
