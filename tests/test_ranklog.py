@@ -223,3 +223,55 @@ def test_the_docker_clients_own_error_is_the_fatal_line():
     tr = SeatTracker(8, [], [])
     tr.feed("docker: Error response from daemon: could not select device driver \"\" with capabilities: [[gpu]].")
     assert tr.fatal and tr.fatal[0].kind == "docker" and tr.first_errors()
+
+
+def _view(tr: SeatTracker) -> dict:
+    """Everything status and down read from a tracker."""
+    return {"ranks": {r: (s.phase, sorted(s.markers), s.pid) for r, s in tr.ranks.items()},
+            "markers": {m: sorted(r) for m, r in tr.marker_ranks.items()}, "kv": tr.kv_tokens,
+            "fatal": [(f.kind, f.stream, f.rank, f.line) for f in tr.fatal], "dist": sorted(tr.dist_ids),
+            "paths": sorted(tr.dist_paths), "lines": tr.lines, "pids": tr.rank_pids()}
+
+
+def test_a_checkpointed_read_equals_a_whole_read_as_the_log_grows(tmp_path):
+    """status resumes from its checkpoint; the result must be what reading the whole log gives, at
+    every cut (mid-line, mid-character, \\r\\n and tqdm's \\r), after truncation and replacement."""
+    from dsv4serve.ranklog import read_log
+
+    base = (Path(__file__).parent / "data" / "vllm-cpu-tp2-worker-killed.log").read_bytes()
+    data = base.replace(b"\n", b"\r\n", 40) + "(Worker_TP1 pid=7) ünïcode ✓ déjà\rbar 50%\rbar 100%\n".encode()
+    log, ck = tmp_path / "seat.log", tmp_path / "log-scan.pkl"
+    args = (str(log), 2, ["dsv4serve plugin ready"], [r"Traceback"])
+    log.write_bytes(b"")
+    cuts = sorted({len(data) * k // 13 for k in range(1, 13)} | {len(data) - 3, len(data) - 1, len(data)})
+    for cut in cuts:
+        with open(log, "ab") as f:
+            f.write(data[log.stat().st_size:cut])
+        assert _view(read_log(*args, checkpoint=ck)) == _view(read_log(*args)), cut
+    assert ck.is_file() and _view(read_log(*args))["fatal"]
+    # copytruncate: the same file, shorter, written anew
+    with open(log, "r+b") as f:
+        f.truncate(0)
+        f.write(base[:len(base) // 3])
+    assert _view(read_log(*args, checkpoint=ck)) == _view(read_log(*args))
+    # the same length but other bytes before the offset: rescanned, not resumed
+    log.write_bytes(base[:len(base) // 3].replace(b"rank", b"RANK"))
+    assert _view(read_log(*args, checkpoint=ck)) == _view(read_log(*args))
+    # another file under the name (rotation), a torn checkpoint, another gate set
+    other = tmp_path / "new.log"
+    other.write_bytes(base)
+    other.replace(log)
+    assert _view(read_log(*args, checkpoint=ck)) == _view(read_log(*args))
+    ck.write_bytes(b"\x80\x05torn")
+    assert _view(read_log(*args, checkpoint=ck)) == _view(read_log(*args))
+    assert _view(read_log(str(log), 2, [], [], checkpoint=ck)) == _view(read_log(str(log), 2, [], []))
+
+
+def test_a_checkpoint_that_cannot_be_written_costs_only_time(tmp_path):
+    from dsv4serve.ranklog import read_log
+
+    log = tmp_path / "seat.log"
+    log.write_bytes((Path(__file__).parent / "data" / "vllm-cpu-tp2-mtp.log").read_bytes())
+    ck = tmp_path / "gone" / "log-scan.pkl"
+    assert _view(read_log(str(log), 2, [], [], checkpoint=ck)) == _view(read_log(str(log), 2, [], []))
+    assert not ck.exists()

@@ -16,9 +16,15 @@ because vLLM logs a traceback through its logger, header and prefix on every lin
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import pickle
 import re
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dsv4serve.errors import ProfileError
@@ -430,15 +436,91 @@ class SeatTracker:
         }
 
 
-def read_log(path: str, tp: int, markers: list[str], forbidden: list[str]) -> SeatTracker:
-    """A tracker fed with a whole log file (for `status`, `down` and diagnostics)."""
-    tr = SeatTracker(tp, markers, forbidden, start=0.0)
+# Bump when SeatTracker's fields or what feed() does change: a checkpoint of another version is
+# rescanned from the start rather than resumed.
+SCAN_VERSION = 1
+_TAIL_CHECK = 256  # bytes before a checkpoint's offset that must still be there to resume from it
+
+
+def read_log(path: str, tp: int, markers: list[str], forbidden: list[str],
+             checkpoint: Path | None = None) -> SeatTracker:
+    """A tracker fed with a whole log file (for `status`, `down` and diagnostics).
+
+    With `checkpoint`, the tracker as it stood after the last complete line is kept in that file and
+    the next call feeds only what the log gained since: a seat that has served for days writes
+    hundreds of MB, and reading them all made every `status` take seconds. A log that was replaced
+    or truncated (its inode or the bytes before the offset differ) is read from the start.
+    """
+    key = (SCAN_VERSION, tp, tuple(markers), tuple(forbidden))
+    tr, offset = None, 0
     try:
-        with open(path, errors="replace") as f:
-            for line in f:
-                for part in line.split("\r"):
-                    if part.strip():
-                        tr.feed(part, now=0.0)
+        f = open(path, "rb")
     except OSError:
-        pass
+        return SeatTracker(tp, markers, forbidden, start=0.0)
+    with f:
+        ident = _ident(f)
+        if checkpoint is not None:
+            tr, offset = _resume(checkpoint, key, ident, f)
+        if tr is None:
+            tr, offset = SeatTracker(tp, markers, forbidden, start=0.0), 0
+        f.seek(offset)
+        data = f.read()
+    cut = data.rfind(b"\n") + 1  # a line still being written is fed below, on a copy, never checkpointed
+    _feed_bytes(tr, data[:cut])
+    offset += cut
+    if checkpoint is not None and cut:
+        _save_checkpoint(checkpoint, key, ident, offset, data[max(0, cut - _TAIL_CHECK):cut], path, tr)
+    if cut < len(data):
+        tr = copy.deepcopy(tr)
+        _feed_bytes(tr, data[cut:])
     return tr
+
+
+def _feed_bytes(tr: SeatTracker, data: bytes) -> None:
+    # what reading the file as text with universal newlines did: \n, \r\n and a lone \r (tqdm's
+    # redraws) all end a part; blank parts are skipped. UTF-8 never puts 0x0A or 0x0D inside a
+    # character, so splitting the bytes first cuts no character in two.
+    for line in data.split(b"\n"):
+        for part in line.split(b"\r"):
+            if part.strip():
+                tr.feed(part.decode("utf-8", errors="replace"), now=0.0)
+
+
+def _ident(f: Any) -> tuple[int, int]:
+    st = os.fstat(f.fileno())
+    return st.st_dev, st.st_ino
+
+
+def _resume(checkpoint: Path, key: tuple, ident: tuple[int, int], f: Any) -> tuple[SeatTracker | None, int]:
+    try:
+        # our own file in the seat's run directory, written by _save_checkpoint below; anything that
+        # does not read back as one (another version, a torn or foreign file) means a full rescan
+        with open(checkpoint, "rb") as c:
+            saved = pickle.load(c)
+        if not (isinstance(saved, dict) and saved.get("key") == key and saved.get("ident") == ident
+                and isinstance(saved.get("tracker"), SeatTracker)):
+            return None, 0
+        offset, tail = int(saved["offset"]), bytes(saved["tail"])
+        f.seek(offset - len(tail))
+        if f.read(len(tail)) != tail:
+            return None, 0
+        return saved["tracker"], offset
+    except Exception:  # noqa: BLE001 - a checkpoint is only ever a shortcut
+        return None, 0
+
+
+def _save_checkpoint(checkpoint: Path, key: tuple, ident: tuple[int, int], offset: int, tail: bytes, path: str,
+                     tr: SeatTracker) -> None:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{checkpoint.name}.", dir=checkpoint.parent)
+        try:
+            with os.fdopen(fd, "wb") as c:
+                pickle.dump({"key": key, "ident": ident, "offset": offset, "tail": tail, "log": path,
+                             "tracker": tr}, c, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, checkpoint)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError:
+        pass  # a read-only run dir: status still works, it just reads the whole log next time

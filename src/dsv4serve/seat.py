@@ -534,7 +534,7 @@ def _row(name: str) -> dict[str, Any]:
         last = state.load_last(name)
         return {"seat": name, "phase": "not running", "last_run": last}
     live = state.liveness(st)
-    tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden())
+    tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(), checkpoint=state.log_checkpoint(st))
     phase, problem, stale = st.phase, None, False
     if st.phase == "stopping" and live in ("gone", "reused"):  # a `down` that was interrupted
         phase, stale = "stale", True

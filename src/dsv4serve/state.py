@@ -339,6 +339,11 @@ def find_running(seat: str | None = None) -> SeatState:
     return live[0]
 
 
+def log_checkpoint(st: SeatState) -> Path:
+    """Where status and down keep their place in the run's log (ranklog.read_log's checkpoint)."""
+    return Path(st.run_dir) / "log-scan.pkl"
+
+
 def counters_path(run_dir: str | Path, rank: int) -> Path:
     """Per-rank MoE call counters the vLLM plugin writes (schema: plugin_counters)."""
     return Path(run_dir) / f"counters-rank{rank}.json"

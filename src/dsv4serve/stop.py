@@ -18,7 +18,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from dsv4serve import gpu, leftovers, ports, procs
+from dsv4serve import gpu, leftovers, ports, procs, state
 from dsv4serve.ranklog import read_log
 from dsv4serve.state import SeatState
 
@@ -123,7 +123,8 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
         # True, False, or None when docker could not say: only False counts as stopped
         report["container_left"] = container_exists(st.container_name)
     report.update(procs.stop(st, grace, escalate))
-    tracker = read_log(st.log_path, st.tp, [], [])
+    # status's arguments, so its checkpoint serves here too (the markers change nothing read below)
+    tracker = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(), checkpoint=state.log_checkpoint(st))
     found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
     removed, failed = leftovers.remove(found)
     report["leftovers_removed"] = removed
