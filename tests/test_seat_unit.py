@@ -158,3 +158,22 @@ def test_plain_status_without_counters_says_so(home, tmp_path, capsys):
     state.save(_ready_state(tmp_path))
     seat.render_status(seat.status("cpu-demo"))
     assert "MoE call counters: no file yet" in capsys.readouterr().out
+
+
+def test_a_ready_seat_whose_endpoint_does_not_answer_is_unhealthy(home, tmp_path, capsys):
+    """The state says ready and its main process lives (this test's own), but nothing answers on its
+    port: status must not print "ready" beside "/health no"."""
+    import psutil
+
+    from dsv4serve import ports
+
+    me = psutil.Process()
+    st = _ready_state(tmp_path).model_copy(update={"pid": me.pid, "start_time": me.create_time(),
+                                                   "port": ports.free_port()})
+    state.save(st)
+    row = seat.status("cpu-demo")[0]
+    assert row["process"] == "alive" and row["phase"] == "unhealthy" and row["health"] is False
+    assert f"{st.base_url}/health does not answer 200" in row["problem"]
+    assert "dsv4serve logs --profile cpu-demo --rank api" in row["problem"]
+    seat.render_status([row])
+    assert "unhealthy" in capsys.readouterr().out

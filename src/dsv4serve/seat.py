@@ -562,6 +562,12 @@ def _row(name: str) -> dict[str, Any]:
             phase, problem = "failed", f"{f.stream}: {f.line}"
         elif st.phase in ("starting", "launching") and st.supervisor_pid and not state.pid_alive(st.supervisor_pid):
             problem = "the `up` that started it is gone: nobody is gating it (`dsv4serve down` stops it)"
+    health = readiness.health(st.base_url, timeout=2.0) if live == "alive" and phase != "failed" else False
+    if phase == "ready" and live == "alive" and not problem and not health:
+        # the state says ready and the processes live, but a seat nobody can reach is not serving
+        phase = "unhealthy"
+        problem = (f"{st.base_url}/health does not answer 200 (busy, hung, or its API server is gone): "
+                   f"`dsv4serve logs --profile {name} --rank api` shows why")
     need = {m["text"]: m["ranks"] for m in st.gates.get("markers", [])}
     markers = {t: {"ranks": sorted(tr.marker_ranks.get(t, set())), "need": n,
                    "ok": len(tr.marker_ranks.get(t, set())) >= n} for t, n in need.items()}
@@ -570,14 +576,14 @@ def _row(name: str) -> dict[str, Any]:
     for r in range(st.tp):
         pid = st.rank_pids.get(r) or tr.ranks[r].pid
         ranks.append({"rank": r, "pid": pid, "alive": state.pid_alive(pid) if st.runtime == "native" else None,
-                      "phase": "ready" if phase == "ready" else tr.ranks[r].phase,
+                      "phase": "ready" if phase in ("ready", "unhealthy") else tr.ranks[r].phase,
                       "markers": sorted(tr.ranks[r].markers), "moe_calls": _moe_calls(counters.get(r))})
     now = time.time()
     return {
         "seat": name, "phase": phase, "stale": stale, "problem": problem, "state_phase": st.phase,
         "run_id": st.run_id, "profile": st.profile, "runtime": st.runtime, "process": live,
         "pid": st.pid, "pgid": st.pgid, "port": st.port, "endpoint": f"{st.base_url}/v1", "model": st.served_name,
-        "health": readiness.health(st.base_url, timeout=1.0) if live == "alive" and phase != "failed" else False,
+        "health": health,
         "uptime_s": round(now - st.started_at, 1),
         "ready_in_s": round(st.ready_at - st.started_at, 1) if st.ready_at else None,
         "ranks": ranks, "markers": markers, "kv_cache_tokens": st.kv_cache_tokens or tr.kv_tokens,
@@ -619,7 +625,8 @@ def render_status(rows: list[dict]) -> None:
     if not rows:
         console.print("no seat is known (start one with `dsv4serve up --profile cpu-demo`)", highlight=False)
         return
-    style = {"ready": "green", "failed": "bold red", "stale": "yellow", "starting": "cyan", "stopping": "yellow"}
+    style = {"ready": "green", "failed": "bold red", "stale": "yellow", "starting": "cyan", "stopping": "yellow",
+             "unhealthy": "bold yellow"}
     for r in rows:
         if r["phase"] == "not running":
             last = r.get("last_run") or {}
