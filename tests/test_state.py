@@ -277,3 +277,43 @@ def test_logs_among_several_seats_asks_for_one_even_when_one_state_is_unreadable
     state.state_path("b").write_text("{trunc")
     r = cli("logs", home=home, timeout=60)
     assert r.returncode == 2 and "2 seats are known (a, b)" in r.stderr and "--profile" in r.stderr, r.stderr
+
+
+def test_logs_follow_keeps_a_partial_line_whole_and_survives_truncation(home, tmp_path):
+    """`logs -f`: a line still being written is printed once, whole; after copytruncate the new
+    lines are printed (they used to be lost below the old offset); the run ending stops it."""
+    from .conftest import DSV4SERVE
+
+    log = tmp_path / "vllm.log"
+    log.write_bytes(b"(APIServer pid=1) INFO first line\n(APIServer pid=1) INFO half of a li")
+    st = make(log_path=str(log), run_dir=str(tmp_path))
+    state.save(st)
+
+    def wait_for(needle: str) -> None:
+        deadline = time.time() + 30
+        while needle not in out.read_text():
+            assert time.time() < deadline and p.poll() is None, (needle, out.read_text(), err.read_text())
+            time.sleep(0.1)
+
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        p = subprocess.Popen([*DSV4SERVE, "logs", "-f", "--profile", "cpu-demo"], stdout=fo, stderr=fe,
+                             env={**os.environ, "DSV4SERVE_HOME": str(home), "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for("first line\n")
+        time.sleep(0.5)
+        with open(log, "ab") as f:
+            f.write(b"ne\n")
+        wait_for("half of a line\n")
+        with open(log, "r+b") as f:  # copytruncate, then a line shorter than what was read
+            f.truncate(0)
+            f.write(b"(APIServer pid=1) INFO after\n")
+        wait_for("INFO after\n")
+        state.remove("cpu-demo", st.run_id)
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+    lines = out.read_text().splitlines()
+    assert lines == ["(APIServer pid=1) INFO first line", "(APIServer pid=1) INFO half of a line",
+                     "(APIServer pid=1) INFO after"], lines
+    assert "was truncated or replaced" in err.read_text() and "has ended" in err.read_text()

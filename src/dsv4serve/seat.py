@@ -730,38 +730,66 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     def out(line: str) -> None:
         sys.stdout.write(line if line.endswith("\n") else line + "\n")
 
+    def text(raw: bytes) -> str:
+        return raw.decode("utf-8", errors="replace")
+
     try:
-        f = open(path, errors="replace")
+        f = open(path, "rb")
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}") from None
-    with f:
+    try:
         ring: deque[str] = deque(maxlen=max(0, lines))
-        for line in f:
-            if keep(line):
-                ring.append(line)
+        pending = b""
+        for raw in f:
+            if follow and not raw.endswith(b"\n"):
+                pending = raw  # a line still being written: printed whole once its end arrives
+                break
+            if keep(text(raw)):
+                ring.append(text(raw))
         for line in ring:
             out(line)
         sys.stdout.flush()
         if not follow:
             return
-        pending = ""
         quiet_since = time.time()
-        try:
-            while True:
-                chunk = f.readline()
-                if chunk:
-                    pending += chunk
-                    if pending.endswith("\n"):
-                        if keep(pending):
-                            out(pending)
-                            sys.stdout.flush()
-                        pending = ""
-                    quiet_since = time.time()
-                    continue
-                cur = state.load(name)
-                if (cur is None or cur.run_id != run_id) and time.time() - quiet_since > 1.0:
-                    sys.stderr.write(f"(seat {name}: run {run_id} has ended)\n")
-                    return
-                time.sleep(0.3)
-        except KeyboardInterrupt:
-            return
+        while True:
+            chunk = f.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith(b"\n"):
+                    if keep(text(pending)):
+                        out(text(pending))
+                        sys.stdout.flush()
+                    pending = b""
+                quiet_since = time.time()
+                continue
+            if _log_restarted(path, f):
+                # copytruncate (or a new file under the name): what it holds now is all unread
+                f.close()
+                f = open(path, "rb")
+                pending = b""
+                sys.stderr.write(f"({path} was truncated or replaced: reading it from its start)\n")
+                continue
+            cur = state.load(name)
+            if (cur is None or cur.run_id != run_id) and time.time() - quiet_since > 1.0:
+                if pending and keep(text(pending)):
+                    out(text(pending))
+                sys.stderr.write(f"(seat {name}: run {run_id} has ended)\n")
+                return
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        return
+    finally:
+        f.close()
+
+
+def _log_restarted(path: str, f: Any) -> bool:
+    """Whether the log under `path` is no longer the file `f` reads past its end: truncated below
+    our position, or another file put in its place."""
+    import os
+
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False  # gone for a moment (a rotation between rename and create): keep waiting
+    return now.st_ino != os.fstat(f.fileno()).st_ino or now.st_size < f.tell()
