@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -546,14 +547,26 @@ def test_help_says_what_seat_and_profile_do():
         assert "to choose which running seat to measure, use --seat" in out
 
 
-@pytest.mark.parametrize("before", [["--timeout", "60"], ["--max-tokens", "8"], ["--no-warmup"]])
-def test_table_options_before_a_subcommand_are_refused_not_dropped(before, closed_port):
+@pytest.mark.parametrize("before, advice", [
+    (["--timeout", "60"], "`dsv4serve bench needle` has its own --timeout: put it after the subcommand"),
+    (["--max-tokens", "8"], "`dsv4serve bench needle` has its own --max-tokens: put it after the subcommand"),
+    (["--no-warmup"], "`dsv4serve bench needle` has no --warmup: drop it"),
+])
+def test_table_options_before_a_subcommand_are_refused_not_dropped(before, advice, closed_port):
     """`bench --timeout 60 needle` would have measured with needle's own default timeout, silently;
-    it is refused, naming the flag and where it goes. Nothing is contacted (the port is closed)."""
+    it is refused, naming the flag and where it goes (or that the subcommand has no such option).
+    Nothing is contacted (the port is closed)."""
     res = run(*before, "--base-url", f"http://127.0.0.1:{closed_port}", "needle", "--tokens", "100")
     assert res.exit_code == 2
     err = one_line_error(res)
-    assert f"{before[0]} before `needle` would be ignored" in err and "bench needle" in err
+    assert f"{before[0]} before `needle` would be ignored" in err and advice in err, err
+
+
+def test_a_refused_table_option_honours_the_subcommands_json(closed_port):
+    res = run("--streams", "4", "--base-url", f"http://127.0.0.1:{closed_port}", "ppl", "--json")
+    assert res.exit_code == 2
+    doc = json.loads(res.stdout)
+    assert doc["error"]["type"] == "BadInput" and "`dsv4serve bench ppl` has no --streams" in doc["error"]["hint"]
 
 
 def test_seat_and_base_url_together_are_refused(closed_port):
@@ -572,3 +585,61 @@ def test_a_refused_input_is_one_stderr_line_from_the_real_cli(fake, tmp_path, su
                         str(tmp_path / "absent.txt")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: cannot read --") and r.stderr.count("\n") == 1, repr(r.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# results that must survive a misbehaving server or a bad --out
+
+
+def _strict(text: str):
+    def refuse(word):
+        raise AssertionError(f"{word} in --json output")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_infinite_counter_is_no_figure_and_the_json_stays_strict(fake, tmp_path):
+    """A /metrics counter at +Inf made acceptance inf - inf: the bare word NaN reached --json and
+    bench.json, which strict parsers refuse. Non-finite samples are dropped (no acceptance)."""
+    fake.accepted = math.inf
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json",
+              "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.stderr
+    doc = _strict(res.stdout)
+    _strict((tmp_path / "o" / "bench.json").read_text())
+    assert all(c["acceptance_length"] is None for c in doc["cells"]), doc["cells"]
+
+
+@pytest.mark.parametrize("ident", [5, {"a": 1}, ""])
+def test_a_model_list_with_an_id_that_is_no_name_is_one_line(fake, ident):
+    fake.models = [ident]
+    res = run("--base-url", fake.url, "--runs", "1", "--json")
+    assert res.exit_code == 1
+    assert "/v1/models did not return an OpenAI model list" in one_line_error(res, json_out=True)
+
+
+def test_a_dollar_in_the_model_name_still_gives_the_chart(fake, tmp_path):
+    """matplotlib reads `$...$` as mathtext; a bad one raised after the whole run."""
+    fake.models = ["m$\\frac$"]
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.stderr
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "o" / "bench.png").stat().st_size > 0
+
+
+def test_an_out_that_fails_midway_keeps_the_result_and_leaves_no_part(fake, tmp_path, isolated_home):
+    out = tmp_path / "o"
+    (out / "bench.md").mkdir(parents=True)  # the last file cannot be written
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json", "--out", str(out))
+    assert res.exit_code == 2
+    err = one_line_error(res, json_out=True)
+    assert f"cannot write to --out {out}" in err and "the result is kept in" in err
+    kept = Path(err.split("the result is kept in ")[1].split(";")[0])
+    assert kept.parent == isolated_home / "bench" and _strict(kept.read_text())["cells"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.md"]  # no bench.json / .png, no temp files
+
+
+def test_a_run_that_fails_creates_no_out_dir(closed_port, tmp_path):
+    out = tmp_path / "new" / "a" / "b"
+    res = run("--base-url", f"http://127.0.0.1:{closed_port}", "--runs", "1", "--out", str(out))
+    assert res.exit_code == 1
+    assert not (tmp_path / "new").exists()

@@ -143,16 +143,19 @@ def list_models(client: httpx.Client, base_url: str) -> list[dict[str, Any]]:
         data = resp.json().get("data", [])
     except (ValueError, AttributeError):
         data = None
-    if not isinstance(data, list):
+    models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]] \
+        if isinstance(data, list) else []
+    if not isinstance(data, list) or len(models) < len(data):
+        # an id that is not a non-empty string (a number, an object) is not a model name we can send
         raise JobFailed(f"{base_url}/v1/models did not return an OpenAI model list")
-    return [m for m in data if isinstance(m, dict) and "id" in m]
+    return models
 
 
 def resolve_endpoint(client: httpx.Client, base_url: str, model: str | None,
                      fallback_max_len: int | None = None) -> Endpoint:
     """Check the server answers and serves `model`; learn its max-model-len."""
     models = list_models(client, base_url)
-    served = tuple(str(m["id"]) for m in models)
+    served = tuple(m["id"] for m in models)
     if not served:
         raise JobFailed(f"{base_url} serves no model")
     if model is None:
@@ -285,8 +288,8 @@ def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.per
         result.chunks += 1
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            result.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
-            result.completion_tokens = _int_or_none(usage.get("completion_tokens"))
+            result.prompt_tokens = _count(usage, "prompt_tokens", payload)
+            result.completion_tokens = _count(usage, "completion_tokens", payload)
         choices = chunk["choices"] or []
         if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
             raise StreamError(f"stream chunk's 'choices' is not a list of objects: {payload[:200]}")
@@ -313,6 +316,14 @@ def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.per
         raise StreamError("stream carried no usage chunk, so tokens cannot be counted",
                           hint="the server must honour stream_options.include_usage")
     return result
+
+
+def _count(usage: dict[str, Any], key: str, payload: str) -> int | None:
+    """A usage count, None when absent; a negative one is the server's bug, never a figure to divide by."""
+    n = _int_or_none(usage.get(key))
+    if n is not None and n < 0:
+        raise StreamError(f"stream usage has {key} {n}: {payload[:200]}")
+    return n
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -410,7 +421,7 @@ def parse_metrics(text: str) -> dict[str, float]:
             value = float(parts[0])
         except ValueError:
             continue
-        if math.isnan(value):
+        if not math.isfinite(value):  # a counter at ±Inf would make every difference NaN
             continue
         out[name] = out.get(name, 0.0) + value
     return out

@@ -6,8 +6,11 @@ terminal shows, what --json prints and what --out writes are the same figures.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from rich import box
 from rich.table import Table
 
 from dsv4serve.errors import BadInput
+from dsv4serve.jsonout import strict_json
 
 NA = "n/a"
 
@@ -207,11 +211,16 @@ def write_png(result: dict[str, Any], path: Path) -> str | None:
     ax.set_xticks(xs)
     ax.set_xticklabels(labels)
     ax.set_ylabel("tok/s (aggregate)")
-    ax.set_title(f"dsv4serve bench: {result['endpoint']['model']}")
+    # a `$` pair in a model name would be read as mathtext (and a bad one raises after the run)
+    ax.set_title(f"dsv4serve bench: {result['endpoint']['model']}".replace("$", r"\$"))
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110, format="png")
+    except (ValueError, RuntimeError) as e:  # matplotlib's own failures: the chart is optional
+        return f"bench.png skipped: matplotlib could not draw it ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    finally:
+        plt.close(fig)
     return None
 
 
@@ -220,41 +229,81 @@ def write_png(result: dict[str, Any], path: Path) -> str | None:
 
 
 def prepare_out(out_dir: Path) -> None:
-    """Create --out and check it is writable, so a bad path fails before a long measurement."""
-    if out_dir.exists() and not out_dir.is_dir():
+    """Check --out can be written, so a bad path fails before a long measurement. Nothing is
+    created yet: a run that then fails leaves no empty directory behind."""
+    probe = out_dir
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe == out_dir and not probe.is_dir():
         raise BadInput(f"--out {out_dir} is a file, not a directory", hint="pass a directory (created if absent)")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise BadInput(f"cannot create --out {out_dir}: {e.strerror or e}", hint="pass a writable directory") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise BadInput(f"cannot write to --out {out_dir}", hint="pass a writable directory")
+    if not probe.is_dir():
+        raise BadInput(f"cannot create --out {out_dir}: {probe} is a file", hint="pass a directory (created if absent)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise BadInput(f"cannot write to --out {out_dir}" + ("" if probe == out_dir else f" ({probe} is not writable)"),
+                       hint="pass a writable directory")
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[list[Path], list[str]]:
-    """`stem`.json and `stem`.md (and bench.png for the main table) under out_dir.
-
-    A skipped chart is noted in the returned notes and in the files themselves.
-    """
+    """`stem`.json and `stem`.md (and bench.png for the main table) under out_dir, all or none:
+    each is written under a temporary name and renamed once every one is written. When that
+    fails, the result is kept in the state dir and the error names it: a measurement that took an
+    hour is never lost to a full disk. A skipped chart is noted in the returned notes and the files."""
     prepare_out(out_dir)
+    temps: list[tuple[Path, Path]] = []
     try:
-        return _write_outputs(result, out_dir, stem)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        names, notes = _write_outputs(result, out_dir, stem, temps)
+        for _, final in temps:  # the one rename that fails on a healthy disk: check before any is done
+            if final.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", str(final))
+        for tmp, final in temps:
+            os.replace(tmp, final)
+        temps.clear()
+        return names, notes
     except OSError as e:
-        raise BadInput(f"cannot write to --out {out_dir}: {e.strerror or e}", hint="pass a writable directory") from None
+        kept = _keep_result(result, stem)
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        raise BadInput(f"cannot write to --out {out_dir}: {e.strerror or e}{where}",
+                       hint=(f"the result is kept in {kept}; " if kept else "") + "pass a writable directory") from None
+    finally:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
-def _write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[list[Path], list[str]]:
+def _keep_result(result: dict[str, Any], stem: str) -> Path | None:
+    from dsv4serve import home
+
+    try:
+        d = home.home() / "bench"
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+        path.write_text(strict_json(result, indent=2) + "\n")
+        return path
+    except OSError:
+        return None
+
+
+def _write_outputs(result: dict[str, Any], out_dir: Path, stem: str,
+                   temps: list[tuple[Path, Path]]) -> tuple[list[Path], list[str]]:
+    def temp_for(final: Path) -> Path:
+        # not mkstemp: its 0600 would outlive the rename, where the user's umask is expected
+        tmp = out_dir / f".{final.name}.{os.getpid()}.tmp"
+        temps.append((tmp, final))
+        return tmp
+
     written: list[Path] = []
     notes: list[str] = []
     if stem == "bench":
         png = out_dir / "bench.png"
-        skipped = write_png(result, png)
+        skipped = write_png(result, temp_for(png))
         if skipped:
             notes.append(skipped)
             result = {**result, "notes": [*result.get("notes", []), skipped]}
+            temps.pop()[0].unlink(missing_ok=True)
         else:
             written.append(png)
     md = {"bench": bench_markdown, "needle": needle_markdown, "ppl": ppl_markdown}[stem](result)
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out_dir / f"{stem}.md").write_text(md)
+    temp_for(out_dir / f"{stem}.json").write_text(strict_json(result, indent=2) + "\n")
+    temp_for(out_dir / f"{stem}.md").write_text(md)
     return [out_dir / f"{stem}.json", out_dir / f"{stem}.md", *written], notes

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 import typer
 
 from dsv4serve.cli_common import console, emit_json, err_console, handled
+from dsv4serve.errors import BadInput
 
 if TYPE_CHECKING:  # the bench modules load lazily, so `--help` stays fast
     from dsv4serve.bench import BenchSettings
@@ -30,6 +31,7 @@ class Shared:
     seat: str | None = None
     json_out: bool = False
     out: Path | None = None
+    misplaced: Exception | None = None  # table options given before a subcommand, refused inside it
 
 
 def _opt_base_url():
@@ -62,7 +64,8 @@ def _opt_out():
 
 def _merge(ctx: typer.Context, **given) -> Shared:
     base: Shared = ctx.obj if isinstance(ctx.obj, Shared) else Shared()
-    return Shared(**{k: (v if v not in (None, False) else getattr(base, k)) for k, v in given.items()})
+    return Shared(**{k: (v if v not in (None, False) else getattr(base, k)) for k, v in given.items()},
+                  misplaced=base.misplaced)
 
 
 @contextmanager
@@ -143,8 +146,16 @@ def _refuse_table_options(ctx: typer.Context, sub: str) -> None:
              and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") != "DEFAULT"]
     if given:
         flags = ", ".join("/".join(p.opts[:1] + list(getattr(p, "secondary_opts", []))[:1]) for p in given)
-        raise BadInput(f"{flags} before `{sub}` would be ignored: they are the table bench's options",
-                       hint=f"put the {sub} options after the subcommand: `dsv4serve bench {sub} {given[0].opts[0]} ...`")
+        get = getattr(ctx.command, "get_command", None)  # typer's group (its click may be its own copy)
+        sub_cmd = get(ctx, sub) if get else None
+        theirs = {p.name for p in getattr(sub_cmd, "params", [])}
+        moved = [p.opts[0] for p in given if p.name in theirs]
+        foreign = [p.opts[0] for p in given if p.name not in theirs]
+        hint = "; ".join(
+            ([f"`dsv4serve bench {sub}` has its own {', '.join(moved)}: put it after the subcommand "
+              f"(`dsv4serve bench {sub} {moved[0]} ...`)"] if moved else [])
+            + ([f"`dsv4serve bench {sub}` has no {', '.join(foreign)}: drop it"] if foreign else []))
+        raise BadInput(f"{flags} before `{sub}` would be ignored: they are the table bench's options", hint=hint)
 
 
 @app.callback()
@@ -166,8 +177,11 @@ def bench(ctx: typer.Context,
     sh = Shared(base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
     ctx.obj = sh
     if ctx.invoked_subcommand is not None:
-        with handled(json_out):
+        # refused by the subcommand, once its own --json is parsed (it is not yet, here)
+        try:
             _refuse_table_options(ctx, ctx.invoked_subcommand)
+        except BadInput as e:
+            sh.misplaced = e
         return
     from dsv4serve.bench import BenchSettings, parse_streams, parse_suites, run_bench
     from dsv4serve.bench_report import bench_tables
@@ -207,6 +221,8 @@ def needle(ctx: typer.Context,
 
     sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
     with handled(sh.json_out):
+        if sh.misplaced is not None:
+            raise sh.misplaced
         settings = NeedleSettings(tokens=tokens, depth=depth, max_tokens=max_tokens, thinking=thinking,
                                   read_timeout_s=timeout, haystack=haystack, seed=seed)
         _check_inputs(sh, settings)
@@ -235,6 +251,8 @@ def ppl(ctx: typer.Context,
 
     sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
     with handled(sh.json_out):
+        if sh.misplaced is not None:
+            raise sh.misplaced
         settings = PplSettings(ctx=ctx_len, chunks=chunks, text=text, read_timeout_s=timeout)
         _check_inputs(sh, settings)
         with _session(sh) as (client, target):

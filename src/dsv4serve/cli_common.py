@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ import typer
 from rich.console import Console
 
 from dsv4serve.errors import EXIT_BAD_INPUT, DsvError
+from dsv4serve.jsonout import strict_json
 
 console = Console()
 err_console = Console(stderr=True)
@@ -46,6 +46,11 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
     except FileNotFoundError as e:
         report_error("FileNotFoundError", str(e), None, EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except KeyboardInterrupt:
+        # typer turns an escaping Ctrl-C into a silent exit 130: say it, and give a --json caller
+        # its one document (a bench interrupted mid-run has no result to print)
+        report_error("Interrupted", "interrupted", None, 130, json_out=json_out, event_lines=event_lines)
+        raise typer.Exit(130) from None
     except (PermissionError, NotADirectoryError, IsADirectoryError) as e:
         # a path of the user's (the state dir, a patch tree) that the code met before any check
         # could: one line naming it, never a traceback
@@ -57,10 +62,10 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
 
 def emit_json(obj: Any) -> None:
     """One JSON document on stdout, nothing else, for machines."""
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.write(strict_json(obj, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
 
 def emit_json_line(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
+    sys.stdout.write(strict_json(obj, separators=(",", ":")) + "\n")
     sys.stdout.flush()
