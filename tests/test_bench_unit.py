@@ -522,3 +522,47 @@ def test_ppl_non_numeric_logprob_and_overflow():
     with pytest.raises(JobFailed, match="non-numeric logprob None"):
         window_nll([1, 2], [None, {"2": {"logprob": None}}])
     assert _exp(1000.0) is None and _exp(math.nan) is None and _exp(0.0) == 1.0
+
+
+@pytest.mark.parametrize("logprob", [math.nan, 5.0, 0.01])
+def test_a_logprob_no_probability_has_is_refused(logprob):
+    """NaN gave "perplexity is infinite" and +5 a perplexity below 1: both are the server's bug."""
+    with pytest.raises(JobFailed, match=r"position 1 has logprob .*, which no probability has"):
+        window_nll([1, 2], [None, {"2": {"logprob": logprob}}])
+
+
+def test_a_minus_infinite_logprob_is_a_ruled_out_token_and_rounding_is_tolerated():
+    assert window_nll([1, 2], [None, {"2": {"logprob": -math.inf}}])[0] == math.inf
+    assert window_nll([1, 2], [None, {"2": {"logprob": 1e-6}}]) == (-1e-6, 1)
+
+
+def test_needle_with_an_answer_budget_that_fills_the_context_says_to_lower_it():
+    with pytest.raises(BadInput) as ei:
+        NeedleSettings(tokens=2000, depth=0.5, max_tokens=5000).validate(4096)
+    assert ei.value.line().endswith("--max-tokens 5000 alone fills it: lower --max-tokens (e.g. 32)")
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: Path("/dev/zero"), "is not a regular file"),
+    (lambda d: d, "is not a regular file"),
+    (lambda d: d / "missing.txt", "cannot read"),
+])
+def test_texts_must_be_regular_files_and_are_checked_before_the_endpoint(tmp_path, make, words):
+    """/dev/zero was read until memory ran out; a missing file was found only after the endpoint."""
+    path = make(tmp_path)
+    for settings, flag in ((NeedleSettings(tokens=100, depth=0.5, haystack=path), "--haystack"),
+                           (PplSettings(text=path), "--text")):
+        with pytest.raises(BadInput) as ei:
+            settings.check_inputs()
+        assert ei.value.message.startswith(f"{flag}" if words != "cannot read" else f"cannot read {flag}")
+        assert words in ei.value.message
+
+
+def test_a_huge_text_is_refused_by_its_size(tmp_path, monkeypatch):
+    import dsv4serve.bench as bench
+
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 1000)
+    monkeypatch.setattr(bench, "MAX_TEXT_BYTES", 1024)
+    with pytest.raises(BadInput, match="more than the 0 MiB read"):
+        bench.check_text_file(big, "--text")

@@ -10,9 +10,11 @@ around each measurement.
 from __future__ import annotations
 
 import math
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -71,6 +73,33 @@ def check_timeout(seconds: float) -> None:
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
         raise BadInput(f"--timeout {seconds:g} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}",
                        hint="e.g. --timeout 300")
+
+
+MAX_TEXT_BYTES = 256 << 20  # wikitext-2's test split is 1.3 MB; a 380K-token haystack about 1.5 MB
+
+
+def check_text_file(path: Path, flag: str) -> None:
+    """A text the user names (--haystack, --text) must be a regular file of sane size: /dev/zero
+    would be read until memory runs out, a FIFO would block for ever."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise BadInput(f"cannot read {flag} {path}: {e.strerror or e}", hint="pass a UTF-8 text file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"{flag} {path} is not a regular file", hint="pass a UTF-8 text file")
+    if st.st_size > MAX_TEXT_BYTES:
+        raise BadInput(f"{flag} {path} is {st.st_size >> 20} MiB, more than the {MAX_TEXT_BYTES >> 20} MiB read",
+                       hint="pass a smaller text (a few MB covers any context)")
+
+
+def read_text_file(path: Path, flag: str) -> str:
+    check_text_file(path, flag)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"cannot read {flag} {path}: {e.strerror or e}", hint="pass a UTF-8 text file") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{flag} {path} is not UTF-8 text", hint="pass a UTF-8 text file") from None
 
 
 def parse_suites(text: str) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import httpx
 
-from dsv4serve.bench import Target, check_timeout
+from dsv4serve.bench import Target, check_text_file, check_timeout, read_text_file
 from dsv4serve.bench_client import Tokenizer, chat_body, stream_chat
 from dsv4serve.errors import BadInput, DsvError, JobFailed
 
@@ -121,13 +121,17 @@ class NeedleSettings:
         if self.max_tokens < 1:
             raise BadInput(f"--max-tokens {self.max_tokens} must be at least 1", hint="e.g. --max-tokens 32")
         check_timeout(self.read_timeout_s)
+        if self.haystack is not None:
+            check_text_file(self.haystack, "--haystack")
 
     def validate(self, max_model_len: int | None) -> None:
         self.check_inputs()
         if max_model_len is not None and self.tokens + self.max_tokens > max_model_len:
             room = max_model_len - self.max_tokens
             raise BadInput(f"needle of {self.tokens} tokens (+{self.max_tokens} answer tokens) exceeds the seat's "
-                           f"max-model-len {max_model_len}", hint=f"use --tokens {room} or less")
+                           f"max-model-len {max_model_len}",
+                           hint=f"use --tokens {room} or less" if room >= 1 else
+                           f"--max-tokens {self.max_tokens} alone fills it: lower --max-tokens (e.g. 32)")
 
 
 def _filler(path: Path | None) -> str:
@@ -135,12 +139,7 @@ def _filler(path: Path | None) -> str:
         from dsv4serve.bench_ppl import sample_text
 
         return sample_text()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise BadInput(f"cannot read --haystack {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise BadInput(f"--haystack {path} is not UTF-8 text") from None
+    text = read_text_file(path, "--haystack")
     if len(text.split()) < 20:
         raise BadInput(f"--haystack {path} is too short to build a haystack from")
     return text

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import httpx
 
-from dsv4serve.bench import Target, check_timeout
+from dsv4serve.bench import Target, check_text_file, check_timeout, read_text_file
 from dsv4serve.bench_client import REQUEST_ERRORS, Endpoint, Tokenizer, check_status, http_failure, timeout
 from dsv4serve.errors import BadInput, JobFailed
 
@@ -48,6 +48,8 @@ class PplSettings:
         if self.chunks < 1:
             raise BadInput(f"--chunks {self.chunks} must be at least 1", hint="e.g. --chunks 16")
         check_timeout(self.read_timeout_s)
+        if self.text is not None:
+            check_text_file(self.text, "--text")
 
     def validate(self, max_model_len: int | None) -> None:
         self.check_inputs()
@@ -60,12 +62,7 @@ class PplSettings:
 def _read_text(settings: PplSettings) -> tuple[str, str]:
     if settings.text is None:
         return sample_text(), f"dsv4serve sample ({SAMPLE_NAME})"
-    try:
-        return settings.text.read_text(encoding="utf-8"), str(settings.text)
-    except OSError as e:
-        raise BadInput(f"cannot read --text {settings.text}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise BadInput(f"--text {settings.text} is not UTF-8 text") from None
+    return read_text_file(settings.text, "--text"), str(settings.text)
 
 
 def detect_bos(tok: Tokenizer) -> int | None:
@@ -89,6 +86,9 @@ def windows(ids: list[int], ctx: int, chunks: int, bos: int | None) -> list[list
     return out
 
 
+LOGPROB_SLACK = 1e-4  # float rounding of a log-softmax at a near-certain token, never more
+
+
 def window_nll(prompt: list[int], prompt_logprobs: Any) -> tuple[float, int]:
     """Summed negative log-likelihood of prompt[1:] and the count scored."""
     if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(prompt):
@@ -104,6 +104,11 @@ def window_nll(prompt: list[int], prompt_logprobs: Any) -> tuple[float, int]:
         logprob = item["logprob"]
         if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
             raise JobFailed(f"prompt_logprobs at position {pos} has a non-numeric logprob {logprob!r}")
+        # -inf is a token the model ruled out (the perplexity is then infinite, and said so); NaN
+        # or a positive value is no probability at all, and would give a perplexity below 1 or none
+        if math.isnan(logprob) or logprob > LOGPROB_SLACK:
+            raise JobFailed(f"prompt_logprobs at position {pos} has logprob {logprob!r}, which no probability has",
+                            hint="a log-probability is at most 0: the server's scores are broken")
         total -= float(logprob)
     return total, len(prompt) - 1
 
