@@ -643,3 +643,13 @@ def test_a_run_that_fails_creates_no_out_dir(closed_port, tmp_path):
     res = run("--base-url", f"http://127.0.0.1:{closed_port}", "--runs", "1", "--out", str(out))
     assert res.exit_code == 1
     assert not (tmp_path / "new").exists()
+
+
+def test_connect_failures_say_which(fake, closed_port):
+    """Every connect failure used to read "connection refused or no route"."""
+    res = run("--base-url", fake.url.replace("http://", "https://"), "--runs", "1")
+    assert res.exit_code == 1 and "TLS handshake failed" in one_line_error(res) and "use http://" in res.stderr
+    res = run("--base-url", "http://nonexistent-host.invalid:8000", "--runs", "1")
+    assert res.exit_code == 1 and "(its host name does not resolve)" in one_line_error(res)
+    res = run("--base-url", f"http://127.0.0.1:{closed_port}", "--runs", "1")
+    assert res.exit_code == 1 and "Connection refused" in one_line_error(res)

@@ -86,3 +86,22 @@ def test_a_file_that_does_not_load_is_not_called_unbuilt(monkeypatch, tmp_path):
     so.unlink()
     with pytest.raises(RuntimeError, match=r"^extension not built \(.*\(missing\); .*\(missing\)\)"):
         loader.load()
+
+
+def test_a_build_without_a_function_these_sources_call_is_not_loadable(monkeypatch):
+    """An older build lacking lna2_moe_scratch_bytes crashed `kernel info` with an AttributeError."""
+    old = SimpleNamespace(__file__="/x/dsv4serve_lna2.so", lna2_build_id=lambda: "b0123456789ab",
+                          lna2_moe_max_rows=lambda: 32)
+    monkeypatch.setattr(loader, "load", lambda: old)
+    info = loader.describe()
+    assert info["loadable"] is False
+    assert info["error"] == ("/x/dsv4serve_lna2.so lacks lna2_moe_scratch_bytes: a build of other sources; "
+                             "rebuild it with `dsv4serve kernel build`")
+
+
+def test_a_directory_where_the_build_goes_is_not_called_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(tmp_path))
+    monkeypatch.setattr(loader, "default_out", lambda: tmp_path / "none")
+    monkeypatch.setattr(loader, "_loaded", None)
+    with pytest.raises(RuntimeError, match=rf"^extension does not load \({tmp_path} \(not a file\)\)"):
+        loader.load()

@@ -111,14 +111,31 @@ def _server_words(resp: httpx.Response) -> str:
     return json.dumps(body)
 
 
-def http_failure(base_url: str, e: Exception) -> JobFailed:
+def http_failure(base_url: str, e: Exception, what: str | None = None) -> JobFailed:
+    """One line for a request that got no HTTP answer. `what` names a request with its own fixed
+    timeout (not --timeout), so the hint does not send the user to a flag that would not help."""
     if isinstance(e, httpx.ConnectError):
-        return JobFailed(f"cannot reach {base_url} (connection refused or no route)",
+        text = str(e).lower()
+        if any(w in text for w in ("name or service not known", "nodename nor servname", "name resolution",
+                                   "no address associated")):
+            return JobFailed(f"cannot reach {base_url} (its host name does not resolve)", hint="check the --base-url")
+        if any(w in text for w in ("ssl", "tls", "certificate", "wrong version number")):
+            return JobFailed(f"cannot reach {base_url} (TLS handshake failed: {_first_line(e)})",
+                             hint="a vLLM seat speaks plain HTTP: use http://, or check the server's certificate")
+        return JobFailed(f"cannot reach {base_url} ({_first_line(e) or 'connection refused or no route'})",
                          hint="is the seat up? check `dsv4serve status`, or the --base-url")
     if isinstance(e, httpx.TimeoutException):
+        if what is not None:
+            return JobFailed(f"{base_url} did not answer {what} in time ({e.__class__.__name__})",
+                             hint="the server is overloaded or stuck: check its log")
         return JobFailed(f"{base_url} did not answer in time ({e.__class__.__name__})",
                          hint="raise --timeout if the seat is just slow (long prefill), else check its log")
-    return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {e}")
+    return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {_first_line(e)}")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def check_status(resp: httpx.Response, what: str) -> None:
@@ -134,7 +151,7 @@ def list_models(client: httpx.Client, base_url: str) -> list[dict[str, Any]]:
     try:
         resp = client.get(base_url.rstrip("/") + "/v1/models", timeout=timeout(SHORT_TIMEOUT_S))
     except REQUEST_ERRORS as e:
-        raise http_failure(base_url, e) from None
+        raise http_failure(base_url, e, what=f"GET /v1/models within {SHORT_TIMEOUT_S:g} s") from None
     if resp.status_code == 404 and httpx.URL(base_url).path.rstrip("/").endswith("/v1"):
         raise JobFailed(f"GET {base_url}/v1/models: HTTP 404",
                         hint="drop the trailing /v1 from --base-url: bench appends /v1/... itself")
@@ -496,7 +513,8 @@ class Tokenizer:
         try:
             resp = self.client.post(self.endpoint.url("/tokenize"), json=body, timeout=timeout(self.read_timeout_s))
         except REQUEST_ERRORS as e:
-            raise http_failure(self.endpoint.base_url, e) from None
+            raise http_failure(self.endpoint.base_url, e,
+                               what=f"POST /tokenize within {self.read_timeout_s:g} s") from None
         if resp.status_code in (404, 405, 501):
             self.available = False
             return None

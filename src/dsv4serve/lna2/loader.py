@@ -34,7 +34,9 @@ def load() -> Any:
     tried, broken = [], []
     for path in candidates():
         if not path.is_file():
-            tried.append(f"{path} (missing)")
+            tried.append(f"{path} ({'not a file' if path.exists() else 'missing'})")
+            if path.exists():
+                broken.append(tried[-1])
             continue
         spec = importlib.util.spec_from_file_location(MODULE, path)
         if spec is None or spec.loader is None:
@@ -81,8 +83,16 @@ def describe() -> dict[str, Any]:
         _read_meta(info, default_out() / f"{MODULE}.json", None)
         return info
     path = getattr(mod, "__file__", None)
-    info.update(loadable=True, path=path, build_id=mod.lna2_build_id(),
-                max_rows=mod.lna2_moe_max_rows(), scratch_bytes_seat=mod.lna2_moe_scratch_bytes(4096, 256))
+    try:
+        info.update(loadable=True, path=path, build_id=mod.lna2_build_id(),
+                    max_rows=mod.lna2_moe_max_rows(), scratch_bytes_seat=mod.lna2_moe_scratch_bytes(4096, 256))
+    except AttributeError as e:
+        # a build of older sources, without a function these sources call: not this API
+        missing = getattr(e, "name", None) or str(e)
+        info.update(loadable=False, path=path,
+                    error=f"{path or MODULE} lacks {missing}: a build of other sources; "
+                          "rebuild it with `dsv4serve kernel build`")
+        return info
     # The metadata beside the module that loaded (DSV4SERVE_LNA2_EXT may point elsewhere than the
     # default build), and only if it describes that build: check-seat's arch row reads it.
     _read_meta(info, Path(path).with_suffix(".json") if path else default_out() / f"{MODULE}.json", info["build_id"])
