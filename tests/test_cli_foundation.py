@@ -353,3 +353,30 @@ def test_an_option_missing_its_value_points_at_its_own_commands_help(home):
     r = run("--bogus", "up", "--json", "-p", "cpu-demo")  # the root's own option: the root's help, no up event
     assert re.fullmatch(r"error: No such option: --bogus \(see `(python -m )?dsv4serve --help`\)", r.stderr.strip())
     assert json.loads(r.stdout)["error"]["type"] == "UsageError"
+
+
+def test_a_damaged_demo_model_is_rebuilt_not_called_ready(tmp_path, monkeypatch):
+    """`demo-model` said "ready" for a directory whose weights were emptied and config deleted,
+    because only the stamp and the weights' name were looked at; and a torn stamp made even
+    --force refuse the directory as someone else's."""
+    from dsv4serve import demo_model
+
+    def tiny(out: Path, seed: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model.safetensors").write_text(f"weights {seed}")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(demo_model, "_write", tiny)
+    out = tmp_path / "m"
+    demo_model.ensure_demo_model(out, seed=1)
+    assert demo_model.is_complete(out, 1)
+    (out / "model.safetensors").write_text("")
+    assert not demo_model.is_complete(out, 1)
+    demo_model.ensure_demo_model(out, seed=1)
+    assert demo_model.is_complete(out, 1) and (out / "model.safetensors").read_text() == "weights 1"
+    (out / "config.json").unlink()
+    assert not demo_model.is_complete(out, 1)
+    demo_model.ensure_demo_model(out, seed=1)
+    assert (out / "config.json").is_file() and demo_model.is_complete(out, 1)
+    (out / demo_model.STAMP).write_text('{"format": 1, "se')  # torn
+    assert demo_model.ensure_demo_model(out, seed=1) == out and demo_model.is_complete(out, 1)

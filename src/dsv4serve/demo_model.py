@@ -184,11 +184,26 @@ def default_dir(seed: int) -> Path:
 
 
 def is_complete(path: Path, seed: int) -> bool:
-    stamp = path / STAMP
+    """The stamp of this seed, and every file it lists with the content it was written with: a
+    model whose weights were emptied or whose config was deleted is rebuilt, never served."""
     try:
-        return json.loads(stamp.read_text()) == _stamp(seed) and (path / "model.safetensors").is_file()
+        stamp = json.loads((path / STAMP).read_text())
+        if not isinstance(stamp, dict) or {k: stamp.get(k) for k in _stamp(seed)} != _stamp(seed):
+            return False
+        files = stamp.get("files")
+        if not isinstance(files, dict) or "model.safetensors" not in files:
+            return False
+        return all(isinstance(want, str) and _sha256(path / name) == want for name, want in files.items())
     except (OSError, ValueError):
         return False
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _is_demo_dir(path: Path) -> bool:
@@ -204,7 +219,9 @@ def _is_demo_dir(path: Path) -> bool:
         pass
     entries = list(path.iterdir())
     build = [e for e in entries if e.name.startswith(".demo-") and e.is_dir()]
-    return bool(build) and all(e in build or e.name in DEMO_FILES for e in entries)
+    # our stamp's name, even unreadable (a torn write), is proof enough where nothing else is there
+    stamped = any(e.name == STAMP for e in entries)
+    return (bool(build) or stamped) and all(e in build or e.name in DEMO_FILES for e in entries)
 
 
 def _check_out(out: Path) -> None:
@@ -260,7 +277,8 @@ def ensure_demo_model(out: Path | None = None, seed: int = 0, force: bool = Fals
                        hint="pick a directory you can write to (demo-model --out DIR)") from None
     try:
         _write(tmp, seed)
-        (tmp / STAMP).write_text(json.dumps(_stamp(seed)))
+        files = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        (tmp / STAMP).write_text(json.dumps({**_stamp(seed), "files": files}))
         _install(tmp, out)
     except OSError as e:
         raise JobFailed(f"writing the demo model to {out} failed ({e.strerror or e})",
