@@ -285,3 +285,36 @@ def test_an_error_names_the_file_or_flag_the_bad_value_came_from(tmp_path):
     with pytest.raises(ProfileError) as e:
         load_profile("cpu-demo", ["gates.markers=[{text: x, ranks: 0}]"])
     assert e.value.message.endswith('"all" (got 0) (from --set gates.markers)')
+
+
+@pytest.mark.parametrize("ref, words", [
+    ("", "the profile name is empty"),
+    ("/dev/null", "profile file '/dev/null' is not a regular file"),
+])
+def test_an_empty_name_and_a_device_are_named_for_what_they_are(ref, words):
+    """'' read as "is a directory" (Path('') is '.'), /dev/null as "does not exist"."""
+    with pytest.raises(ProfileError) as e:
+        load_profile(ref)
+    assert e.value.message == words
+
+
+def test_a_control_character_is_one_line(tmp_path):
+    f = tmp_path / "bin.yaml"
+    f.write_bytes(b"name: x\n\x00\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(f))
+    assert "\n" not in e.value.line() and "character #x0000 at offset 8 is not allowed" in e.value.message
+
+
+def test_nested_aliases_are_refused_before_they_expand(tmp_path):
+    """Nine levels of nine aliases are 9**9 values once expanded: `profiles show` hung on it."""
+    lines, prev = ["a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]"], "a"
+    for i in range(8):
+        name = chr(ord("b") + i)
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+        prev = name
+    f = tmp_path / "bomb.yaml"
+    f.write_text("name: bomb\nextends: cpu-demo\nvllm:\n  compilation_config:\n"
+                 + "".join(f"    {ln}\n" for ln in lines))
+    with pytest.raises(ProfileError, match="expands to more than 100,000 values"):
+        load_profile(str(f))

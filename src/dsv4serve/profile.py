@@ -354,6 +354,8 @@ def _resolve_ref(ref: str, relative_to: Path | None) -> Path:
     shipped = shipped_profiles()
     if ref in shipped:
         return shipped[ref]
+    if not ref.strip():  # Path('') is '.', which would be "a directory"
+        raise ProfileError("the profile name is empty", hint=f"shipped profiles: {', '.join(shipped) or 'none'}")
     path = Path(ref).expanduser()
     if not path.is_absolute() and relative_to is not None:
         # an extends is read beside the file that names it, wherever dsv4serve runs from: the same
@@ -365,7 +367,7 @@ def _resolve_ref(ref: str, relative_to: Path | None) -> Path:
                                hint=f"pass a .yaml file or a shipped profile: {', '.join(shipped) or 'none'}")
         if not path.is_file():
             shown = f"'{ref}'" if str(path) == ref else f"'{ref}' ({path})"
-            raise ProfileError(f"profile file {shown} does not exist",
+            raise ProfileError(f"profile file {shown} " + ("is not a regular file" if path.exists() else "does not exist"),
                                hint=f"shipped profiles: {', '.join(shipped) or 'none'}")
         return path
     close = difflib.get_close_matches(ref, list(shipped), n=1)
@@ -434,15 +436,44 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         lines = f"lines {e.first_line} and {e.line}" if e.first_line != e.line else f"line {e.line}"
         raise ProfileError(f"profile {path}: key '{e.key}' is given twice ({lines})",
                            hint="keep one of them") from None
+    except yaml.reader.ReaderError as e:  # a control character: PyYAML's text runs over two lines
+        code = ord(e.character) if isinstance(e.character, str) else int(e.character)
+        raise ProfileError(f"profile {path} is not valid YAML (character #x{code:04x} at offset {e.position} "
+                           "is not allowed)", hint="remove it; profiles are plain text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ProfileError(f"profile {path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ProfileError(f"profile {path}:{where} is not valid YAML ({problem})") from None
     except OSError as e:
         raise ProfileError(f"cannot read profile {path}: {e.strerror}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"profile {path} must be a YAML mapping at the top level")
+    if _too_big(data, MAX_NODES):
+        # aliases of aliases (a "billion laughs") load as shared references and explode later, in
+        # the merge, the validation and every dump: refuse them here while they are still cheap
+        raise ProfileError(f"profile {path} expands to more than {MAX_NODES:,} values (nested YAML aliases)",
+                           hint="write the settings out; a seat profile has a few hundred values")
     return data
+
+
+MAX_NODES = 100_000
+
+
+def _too_big(data: Any, cap: int) -> bool:
+    seen = 0
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > cap:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+            stack.extend(node.keys())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
