@@ -174,6 +174,9 @@ def test_cli_without_a_gpu_says_so_and_fails():
     (["--bits", "4"], "--bits 4: lna2 decodes K 2 and 3"),
     (["--rows", "0,1"], "--rows 0,1: each must be >= 1"),
     (["--rows", "x"], "--rows 'x' is not a comma-separated list of integers"),
+    (["--rows", "\u0663"], "is not a comma-separated list of integers"),  # an Arabic-Indic 3: int() takes it
+    (["--rows", ""], "--rows '' is not a comma-separated list of integers"),
+    (["--seed", "18446744073709552"], "--seed 18446744073709552: Input should be less than or equal to 4294967295"),
     (["--inter", "100"], "--inter 100: must be a positive multiple of 128"),
     (["--codebook", "foo"], "--codebook foo: lna2 takes mcg, mul1"),
     (["--top-k", "6", "--experts", "4"], "--experts 4 is below --top-k 6"),

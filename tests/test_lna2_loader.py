@@ -55,6 +55,11 @@ def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
     ({"arch": "x"}, "--arch: 'x' is not a compute capability like 9.0 or 12.0"),
     ({"arch": " ; "}, "--arch ' ; ' names no architecture"),
     ({"out": "FILE"}, "is a file, not a directory"),
+    ({"arch": "-1.0"}, "--arch: '-1.0' is not a compute capability"),
+    ({"arch": "99999.0"}, "--arch: '99999.0' is not a compute capability"),
+    ({"arch": "\uff19.\uff10"}, "is not a compute capability"),  # full-width digits: int() reads them, nvcc not
+    ({"arch": "9.0aa"}, "--arch: '9.0aa' is not a compute capability"),
+    ({"jobs": -5}, "--jobs -5 must be 0 (all cores) or more"),
 ])
 def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, words):
     """On this CPU machine the build would refuse torch; a bad --arch or --out must be said first

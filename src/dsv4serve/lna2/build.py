@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +35,9 @@ def build_tag(digest: str) -> str:
     return f"b{digest}"
 
 
+_ARCH = re.compile(r"(?P<major>[0-9]{1,2})\.(?P<minor>[0-9])(?P<a>a)?(?:\+PTX)?", re.ASCII)
+
+
 def arch_flags(arch: str) -> list[str]:
     """'9.0;12.0' -> nvcc -gencode flags (SASS for each; PTX of the last for newer GPUs)."""
     flags = []
@@ -42,12 +46,11 @@ def arch_flags(arch: str) -> list[str]:
         raise BadInput(f"--arch '{arch}' names no architecture", hint='e.g. --arch "9.0;12.0"')
     last = ""
     for a in archs:
-        try:
-            major, minor = a.replace("+PTX", "").split(".")
-            suffix = "a" if minor.endswith("a") else ""   # 9.0a: arch-specific features
-            cc = f"{int(major)}{int(minor.rstrip('a'))}{suffix}"
-        except ValueError:
+        # ASCII digits only: int() also reads '９' and '٣', which nvcc would not
+        m = _ARCH.fullmatch(a)
+        if m is None or not 3 <= int(m["major"]) <= 15:
             raise BadInput(f"--arch: '{a}' is not a compute capability like 9.0 or 12.0") from None
+        cc = f"{int(m['major'])}{m['minor']}{m['a'] or ''}"  # 9.0a: arch-specific features
         flags += ["-gencode", f"arch=compute_{cc},code=sm_{cc}"]
         last = cc
     flags += ["-gencode", f"arch=compute_{last},code=compute_{last}"]
@@ -61,6 +64,8 @@ def default_out() -> Path:
 def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = None, verbose: bool = False) -> Path:
     # the user's own arguments first: a bad --arch or --out is said before any environment problem
     gencode = arch_flags(arch)
+    if jobs is not None and jobs < 0:
+        raise BadInput(f"--jobs {jobs} must be 0 (all cores) or more", hint="e.g. --jobs 8")
     out = Path(out or default_out())
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out} is a file, not a directory", hint="pass a directory (created if absent)")

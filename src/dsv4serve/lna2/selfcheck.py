@@ -20,6 +20,8 @@ are tested on a machine with no GPU; `run` supplies the real ones.
 
 from __future__ import annotations
 
+import re
+
 import statistics
 from typing import Any, Callable, Optional, Sequence
 
@@ -49,7 +51,7 @@ class CheckSpec(BaseModel):
     codebooks: list[str] = ["mcg"]
     rows: list[int] = [1, 2, 4, 8, 16, 24]
     swiglu_limit: float = 10.0
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds torch generators (seed * 1000 + ...): 32 bits")
     bench: bool = False
     reps: int = 30
 
@@ -150,13 +152,14 @@ def parse_spec(hidden: int, inter: int, experts: int, top_k: int, bits: str, cod
                seed: int, bench: bool, reps: int) -> CheckSpec:
     """The CLI's flags as a CheckSpec, or BadInput naming the flag."""
     def ints(flag: str, text: str) -> list[int]:
-        try:
-            return [int(t) for t in text.split(",") if t.strip()]
-        except ValueError:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        # ASCII digits only: int() also reads '٣' as 3, which nobody means on a command line
+        if not parts or not all(re.fullmatch(r"[+-]?[0-9]+", t, re.ASCII) for t in parts):
             raise BadInput(f"--{flag} {text!r} is not a comma-separated list of integers",
-                           hint=f"e.g. --{flag} {'2,3' if flag == 'bits' else '1,4,16'}") from None
+                           hint=f"e.g. --{flag} {'2,3' if flag == 'bits' else '1,4,16'}")
+        return [int(t) for t in parts]
 
-    given = {"hidden": ("--hidden", hidden), "inter": ("--inter", inter), "bits": ("--bits", bits),
+    given = {"seed": ("--seed", seed), "hidden": ("--hidden", hidden), "inter": ("--inter", inter), "bits": ("--bits", bits),
              "codebooks": ("--codebook", codebooks), "rows": ("--rows", rows), "reps": ("--reps", reps)}
     try:
         return CheckSpec(hidden=hidden, inter=inter, experts=experts, top_k=top_k, bits=ints("bits", bits),
