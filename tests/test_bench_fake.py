@@ -653,3 +653,10 @@ def test_connect_failures_say_which(fake, closed_port):
     assert res.exit_code == 1 and "(its host name does not resolve)" in one_line_error(res)
     res = run("--base-url", f"http://127.0.0.1:{closed_port}", "--runs", "1")
     assert res.exit_code == 1 and "Connection refused" in one_line_error(res)
+
+
+@pytest.mark.parametrize("flag", ["--model", "--profile", "--seat", "--base-url"])
+def test_an_empty_option_is_refused_not_read_as_absent(flag, closed_port):
+    args = ["--base-url", f"http://127.0.0.1:{closed_port}"] if flag not in ("--base-url", "--seat") else []
+    res = run(*args, flag, "", "--runs", "1")
+    assert res.exit_code == 2 and f"{flag} is empty" in one_line_error(res)

@@ -453,14 +453,15 @@ def test_burst_delivery_gives_no_decode_rate():
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://seat.example/prefix/", " http://[::1]:8000 ",
-                                 "HTTP://localhost"])
+                                 "HTTP://localhost", "http://bücher.example:8000", "http://seat_1.lan:8000"])
 def test_good_base_urls_pass_without_trailing_slash(url):
     out = check_base_url(url)
     assert out == url.strip().rstrip("/")
 
 
 @pytest.mark.parametrize("url", ["http://[::1", "notaurl", "localhost:8000", "ftp://h", "http://", "http://:80",
-                                 "http://a..b", "http://h:0", "http://h:70000", "http://h/#x", "https://h:abc"])
+                                 "http://a..b", "http://h:0", "http://h:70000", "http://h/#x", "https://h:abc",
+                                 "http://a b", "https://http://127.0.0.1:1_NOPE", "http://h//v1"])
 def test_bad_base_urls_are_bad_input(url):
     with pytest.raises(BadInput, match="--base-url") as ei:
         check_base_url(url)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -34,6 +35,11 @@ def timeout(read_s: float) -> httpx.Timeout:
     return httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_s, write=60.0, pool=CONNECT_TIMEOUT_S)
 
 
+# httpx's raw host: a DNS name (IDNA-encoded) or IPv4 address, or an IPv6 one without its brackets
+# (a zone id percent-encoded); 'http://a b' gives 'a%20b', which is neither
+_HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(%25[A-Za-z0-9._-]+)?", re.ASCII)
+
+
 def check_base_url(url: str) -> str:
     """`url` as the bench will use it (no trailing slash), or BadInput naming what is wrong.
 
@@ -57,6 +63,10 @@ def check_base_url(url: str) -> str:
         parsed.host.encode("idna")
     except UnicodeError:
         raise BadInput(f"--base-url '{url}' has an invalid host name '{parsed.host}'", hint=hint) from None
+    if not _HOST.fullmatch(parsed.raw_host.decode("ascii", errors="replace")):
+        raise BadInput(f"--base-url '{url}' has an invalid host name '{parsed.host}'", hint=hint)
+    if "//" in parsed.path:  # 'https://http://host:1' parses as host 'http' and path '//host:1'
+        raise BadInput(f"--base-url '{url}' has '//' in its path: two URLs run together?", hint=hint)
     if parsed.query or parsed.fragment:
         raise BadInput(f"--base-url '{url}' must not carry a query or fragment", hint=hint)
     return text.rstrip("/")

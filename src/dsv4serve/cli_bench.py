@@ -108,6 +108,10 @@ def _session(sh: Shared):
     from dsv4serve.bench import make_client, resolve_target
     from dsv4serve.errors import BadInput
 
+    for flag, value in (("--base-url", sh.base_url), ("--model", sh.model), ("--profile", sh.profile),
+                        ("--seat", sh.seat)):
+        if value is not None and not value.strip():  # '' would be read as "not given" further down
+            raise BadInput(f"{flag} is empty", hint="give it a value, or leave it out")
     if sh.base_url is not None and sh.seat is not None:
         raise BadInput("--seat and --base-url both name what to measure", hint="give one of them")
     client = make_client()
