@@ -660,3 +660,11 @@ def test_an_empty_option_is_refused_not_read_as_absent(flag, closed_port):
     args = ["--base-url", f"http://127.0.0.1:{closed_port}"] if flag not in ("--base-url", "--seat") else []
     res = run(*args, flag, "", "--runs", "1")
     assert res.exit_code == 2 and f"{flag} is empty" in one_line_error(res)
+
+
+def test_a_failed_warm_up_says_it_was_the_warm_up(fake):
+    fake.chat = "http_500"
+    res = run("--base-url", fake.url, "--streams", "2", "--suite", "en", "--runs", "1")
+    assert res.exit_code == 1
+    err = one_line_error(res)
+    assert "warm-up request (before any measurement): stream 1/2" in err and "HTTP 500" in err

@@ -389,8 +389,12 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
         if progress:
             progress("warm-up")
         # As many at once as the widest cell, so a first batch of that size is not measured either.
-        run_streams(ep, chat_body(ep, "Say hello.", 2, settings.thinking), max(settings.streams),
-                    settings.read_timeout_s, client_factory)
+        try:
+            run_streams(ep, chat_body(ep, "Say hello.", 2, settings.thinking), max(settings.streams),
+                        settings.read_timeout_s, client_factory)
+        except DsvError as e:
+            e.message = f"warm-up request (before any measurement): {e.message}"
+            raise
     cells: dict[tuple[int, str], list[RunResult]] = {}
     # Runs are the outer loop so slow drift (clocks, thermals, other tenants) spreads over
     # all cells instead of biasing whichever cell ran last.
