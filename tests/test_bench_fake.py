@@ -668,3 +668,11 @@ def test_a_failed_warm_up_says_it_was_the_warm_up(fake):
     assert res.exit_code == 1
     err = one_line_error(res)
     assert "warm-up request (before any measurement): stream 1/2" in err and "HTTP 500" in err
+
+
+def test_a_model_list_entry_without_a_name_is_skipped_beside_real_ones(fake):
+    """A proxy may add entries of its own; only a list with no model at all is refused."""
+    fake.models = [5, "fake-model"]
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["endpoint"]["model"] == "fake-model"

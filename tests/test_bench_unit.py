@@ -453,7 +453,8 @@ def test_burst_delivery_gives_no_decode_rate():
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://seat.example/prefix/", " http://[::1]:8000 ",
-                                 "HTTP://localhost", "http://bücher.example:8000", "http://seat_1.lan:8000"])
+                                 "HTTP://localhost", "http://bücher.example:8000", "http://seat_1.lan:8000",
+                                 "http://[fe80::1%eth0]:8000", "http://seat:8000//"])
 def test_good_base_urls_pass_without_trailing_slash(url):
     out = check_base_url(url)
     assert out == url.strip().rstrip("/")
@@ -567,3 +568,34 @@ def test_a_huge_text_is_refused_by_its_size(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "MAX_TEXT_BYTES", 1024)
     with pytest.raises(BadInput, match="more than the 0 MiB read"):
         bench.check_text_file(big, "--text")
+
+
+def test_a_pipe_is_read_as_a_text(tmp_path):
+    """`--text <(zcat wiki.gz)`: a FIFO with a writer is a text, read up to the cap."""
+    import os
+    import threading
+
+    from dsv4serve.bench import read_text_file
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with open(fifo, "wb") as f:
+            f.write(b"line one\r\nline two\n")
+
+    t = threading.Thread(target=write)
+    t.start()
+    assert read_text_file(fifo, "--text") == "line one\nline two\n"
+    t.join(10)
+
+
+def test_an_out_that_became_a_file_during_the_run_keeps_the_result(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BadInput) as ei:
+        write_outputs({"endpoint": {"base_url": "u", "model": "m"}, "text": "t", "chunks": 1, "ctx": 8,
+                       "tokens_scored": 7, "ppl": 2.0, "ratio": None, "notes": []}, tmp_path / "afile" / "out", "ppl")
+    assert "the result is kept in" in ei.value.line()
+    kept = list((tmp_path / "home" / "bench").iterdir())
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["ppl"] == 2.0

@@ -275,3 +275,24 @@ def test_a_checkpoint_that_cannot_be_written_costs_only_time(tmp_path):
     ck = tmp_path / "gone" / "log-scan.pkl"
     assert _view(read_log(str(log), 2, [], [], checkpoint=ck)) == _view(read_log(str(log), 2, [], []))
     assert not ck.exists()
+
+
+def test_a_checkpoint_is_resumed_from_not_rescanned(tmp_path, monkeypatch):
+    """The point of the checkpoint: the second read feeds only the appended lines, and one
+    pickled by a tracker of other fields is not trusted."""
+    from dsv4serve import ranklog
+
+    log, ck = tmp_path / "seat.log", tmp_path / "log-scan.pkl"
+    log.write_bytes((Path(__file__).parent / "data" / "vllm-cpu-tp2-mtp.log").read_bytes())
+    ranklog.read_log(str(log), 2, [], [], checkpoint=ck)
+    fed: list[str] = []
+    real = ranklog.SeatTracker.feed
+    monkeypatch.setattr(ranklog.SeatTracker, "feed", lambda self, raw, now=None: (fed.append(raw), real(self, raw, now))[1])
+    with open(log, "ab") as f:
+        f.write(b"(APIServer pid=9) INFO one more\n")
+    ranklog.read_log(str(log), 2, [], [], checkpoint=ck)
+    assert fed == ["(APIServer pid=9) INFO one more"]
+    monkeypatch.setattr(ranklog, "_TRACKER_FIELDS", ranklog._TRACKER_FIELDS | {"a_new_field"})
+    fed.clear()
+    ranklog.read_log(str(log), 2, [], [], checkpoint=ck)
+    assert len(fed) > 100  # rescanned whole

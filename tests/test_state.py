@@ -305,6 +305,9 @@ def test_logs_follow_keeps_a_partial_line_whole_and_survives_truncation(home, tm
         with open(log, "ab") as f:
             f.write(b"ne\n")
         wait_for("half of a line\n")
+        with open(log, "ab") as f:  # a progress bar: redraws end in \r only, shown as they come
+            f.write(b"Loading shards: 50%\rLoading shards: 100%\r")
+        wait_for("Loading shards: 100%\n")
         with open(log, "r+b") as f:  # copytruncate, then a line shorter than what was read
             f.truncate(0)
             f.write(b"(APIServer pid=1) INFO after\n")
@@ -315,5 +318,13 @@ def test_logs_follow_keeps_a_partial_line_whole_and_survives_truncation(home, tm
         p.kill()
     lines = out.read_text().splitlines()
     assert lines == ["(APIServer pid=1) INFO first line", "(APIServer pid=1) INFO half of a line",
-                     "(APIServer pid=1) INFO after"], lines
-    assert "was truncated or replaced" in err.read_text() and "has ended" in err.read_text()
+                     "Loading shards: 50%", "Loading shards: 100%", "(APIServer pid=1) INFO after"], lines
+    assert "was truncated" in err.read_text() and "has ended" in err.read_text()
+
+
+def test_the_log_checkpoint_is_never_in_the_run_dir(home, tmp_path):
+    """A docker seat mounts its run dir into the container: a pickle there could be written by
+    whatever runs inside and loaded by the host's status."""
+    st = make(run_dir=str(tmp_path / "run"))
+    ck = state.log_checkpoint(st)
+    assert ck.parent == state.seat_dir("cpu-demo") and tmp_path / "run" not in ck.parents

@@ -79,14 +79,14 @@ MAX_TEXT_BYTES = 256 << 20  # wikitext-2's test split is 1.3 MB; a 380K-token ha
 
 
 def check_text_file(path: Path, flag: str) -> None:
-    """A text the user names (--haystack, --text) must be a regular file of sane size: /dev/zero
-    would be read until memory runs out, a FIFO would block for ever."""
+    """A text the user names (--haystack, --text) must be a regular file of sane size, or a pipe
+    (`--text <(zcat wiki.gz)`), read up to that size: /dev/zero would be read until memory ran out."""
     try:
         st = path.stat()
     except OSError as e:
         raise BadInput(f"cannot read {flag} {path}: {e.strerror or e}", hint="pass a UTF-8 text file") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"{flag} {path} is not a regular file", hint="pass a UTF-8 text file")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+        raise BadInput(f"{flag} {path} is not a regular file or a pipe", hint="pass a UTF-8 text file")
     if st.st_size > MAX_TEXT_BYTES:
         raise BadInput(f"{flag} {path} is {st.st_size >> 20} MiB, more than the {MAX_TEXT_BYTES >> 20} MiB read",
                        hint="pass a smaller text (a few MB covers any context)")
@@ -95,7 +95,13 @@ def check_text_file(path: Path, flag: str) -> None:
 def read_text_file(path: Path, flag: str) -> str:
     check_text_file(path, flag)
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TEXT_BYTES + 1)
+        if len(raw) > MAX_TEXT_BYTES:  # a pipe has no size to check beforehand
+            raise BadInput(f"{flag} {path} holds more than the {MAX_TEXT_BYTES >> 20} MiB read",
+                           hint="pass a smaller text (a few MB covers any context)")
+        # newlines as reading in text mode gave them (the perplexity of a CRLF file stays the same)
+        return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except OSError as e:
         raise BadInput(f"cannot read {flag} {path}: {e.strerror or e}", hint="pass a UTF-8 text file") from None
     except UnicodeDecodeError:

@@ -36,8 +36,9 @@ def timeout(read_s: float) -> httpx.Timeout:
 
 
 # httpx's raw host: a DNS name (IDNA-encoded) or IPv4 address, or an IPv6 one without its brackets
-# (a zone id percent-encoded); 'http://a b' gives 'a%20b', which is neither
-_HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(%25[A-Za-z0-9._-]+)?", re.ASCII)
+# (a link-local zone as typed, fe80::1%eth0, which httpx connects to); 'http://a b' gives 'a%20b',
+# which is neither
+_HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?", re.ASCII)
 
 
 def check_base_url(url: str) -> str:
@@ -65,7 +66,7 @@ def check_base_url(url: str) -> str:
         raise BadInput(f"--base-url '{url}' has an invalid host name '{parsed.host}'", hint=hint) from None
     if not _HOST.fullmatch(parsed.raw_host.decode("ascii", errors="replace")):
         raise BadInput(f"--base-url '{url}' has an invalid host name '{parsed.host}'", hint=hint)
-    if "//" in parsed.path:  # 'https://http://host:1' parses as host 'http' and path '//host:1'
+    if "//" in parsed.path.rstrip("/"):  # 'https://http://host:1' parses as host 'http' and path '//host:1'
         raise BadInput(f"--base-url '{url}' has '//' in its path: two URLs run together?", hint=hint)
     if parsed.query or parsed.fragment:
         raise BadInput(f"--base-url '{url}' must not carry a query or fragment", hint=hint)
@@ -170,10 +171,12 @@ def list_models(client: httpx.Client, base_url: str) -> list[dict[str, Any]]:
         data = resp.json().get("data", [])
     except (ValueError, AttributeError):
         data = None
-    models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]] \
-        if isinstance(data, list) else []
-    if not isinstance(data, list) or len(models) < len(data):
-        # an id that is not a non-empty string (a number, an object) is not a model name we can send
+    if not isinstance(data, list):
+        raise JobFailed(f"{base_url}/v1/models did not return an OpenAI model list")
+    # an entry whose id is not a non-empty string (a proxy's extra entry) names no model we could
+    # send; a list of nothing else is no model list at all
+    models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
+    if data and not models:
         raise JobFailed(f"{base_url}/v1/models did not return an OpenAI model list")
     return models
 
@@ -516,6 +519,7 @@ class Tokenizer:
     client: httpx.Client
     endpoint: Endpoint
     read_timeout_s: float = 120.0
+    timeout_is_flag: bool = False  # read_timeout_s came from --timeout (ppl), so the hint may name it
     available: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -523,8 +527,8 @@ class Tokenizer:
         try:
             resp = self.client.post(self.endpoint.url("/tokenize"), json=body, timeout=timeout(self.read_timeout_s))
         except REQUEST_ERRORS as e:
-            raise http_failure(self.endpoint.base_url, e,
-                               what=f"POST /tokenize within {self.read_timeout_s:g} s") from None
+            raise http_failure(self.endpoint.base_url, e, what=None if self.timeout_is_flag
+                               else f"POST /tokenize within {self.read_timeout_s:g} s") from None
         if resp.status_code in (404, 405, 501):
             self.available = False
             return None

@@ -143,7 +143,7 @@ def run_ppl(client: httpx.Client, target: Target, settings: PplSettings,
     ep = target.endpoint
     settings.validate(ep.max_model_len)
     text, label = _read_text(settings)
-    tok = Tokenizer(client, ep, read_timeout_s=settings.read_timeout_s)
+    tok = Tokenizer(client, ep, read_timeout_s=settings.read_timeout_s, timeout_is_flag=True)
     ids = tok.encode(text, add_special_tokens=False)
     if ids is None:
         raise JobFailed(f"{ep.base_url} has no /tokenize: ppl needs the seat's tokenizer to cut token windows")

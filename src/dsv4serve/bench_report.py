@@ -244,13 +244,14 @@ def prepare_out(out_dir: Path) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[list[Path], list[str]]:
-    """`stem`.json and `stem`.md (and bench.png for the main table) under out_dir, all or none:
-    each is written under a temporary name and renamed once every one is written. When that
-    fails, the result is kept in the state dir and the error names it: a measurement that took an
-    hour is never lost to a full disk. A skipped chart is noted in the returned notes and the files."""
-    prepare_out(out_dir)
+    """`stem`.json and `stem`.md (and bench.png for the main table) under out_dir. Each is written
+    under a temporary name and renamed once every one is written, so a full disk leaves no half
+    file. When writing fails, the result is kept in the state dir and the error names it: a
+    measurement that took an hour is never lost to a bad --out. A skipped chart is noted in the
+    returned notes and the files."""
     temps: list[tuple[Path, Path]] = []
     try:
+        prepare_out(out_dir)  # checked before the run too; the directory may have changed since
         out_dir.mkdir(parents=True, exist_ok=True)
         names, notes = _write_outputs(result, out_dir, stem, temps)
         for _, final in temps:  # the one rename that fails on a healthy disk: check before any is done
@@ -260,6 +261,9 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
             os.replace(tmp, final)
         temps.clear()
         return names, notes
+    except BadInput as e:
+        kept = _keep_result(result, stem)
+        raise BadInput(e.message, hint=(f"the result is kept in {kept}; " if kept else "") + (e.hint or "")) from None
     except OSError as e:
         kept = _keep_result(result, stem)
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
@@ -280,7 +284,7 @@ def _keep_result(result: dict[str, Any], stem: str) -> Path | None:
         path = d / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
         path.write_text(strict_json(result, indent=2) + "\n")
         return path
-    except OSError:
+    except (OSError, BadInput):  # the state dir is unusable too: the error still names --out
         return None
 
 

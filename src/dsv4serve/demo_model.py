@@ -219,9 +219,7 @@ def _is_demo_dir(path: Path) -> bool:
         pass
     entries = list(path.iterdir())
     build = [e for e in entries if e.name.startswith(".demo-") and e.is_dir()]
-    # our stamp's name, even unreadable (a torn write), is proof enough where nothing else is there
-    stamped = any(e.name == STAMP for e in entries)
-    return (bool(build) or stamped) and all(e in build or e.name in DEMO_FILES for e in entries)
+    return bool(build) and all(e in build or e.name in DEMO_FILES for e in entries)
 
 
 def _check_out(out: Path) -> None:

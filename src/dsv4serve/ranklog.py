@@ -440,6 +440,7 @@ class SeatTracker:
 # rescanned from the start rather than resumed.
 SCAN_VERSION = 1
 _TAIL_CHECK = 256  # bytes before a checkpoint's offset that must still be there to resume from it
+_BLOCK = 8 << 20
 
 
 def read_log(path: str, tp: int, markers: list[str], forbidden: list[str],
@@ -464,15 +465,21 @@ def read_log(path: str, tp: int, markers: list[str], forbidden: list[str],
         if tr is None:
             tr, offset = SeatTracker(tp, markers, forbidden, start=0.0), 0
         f.seek(offset)
-        data = f.read()
-    cut = data.rfind(b"\n") + 1  # a line still being written is fed below, on a copy, never checkpointed
-    _feed_bytes(tr, data[:cut])
-    offset += cut
-    if checkpoint is not None and cut:
-        _save_checkpoint(checkpoint, key, ident, offset, data[max(0, cut - _TAIL_CHECK):cut], path, tr)
-    if cut < len(data):
+        carry, tail = b"", b""
+        # in blocks, so a first read of a log of hundreds of MB never holds it all in memory
+        while block := f.read(_BLOCK):
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            _feed_bytes(tr, data[:cut])
+            if cut:
+                offset += cut
+                tail = (tail + data[:cut])[-_TAIL_CHECK:]
+            carry = data[cut:]
+    if checkpoint is not None and tail:
+        _save_checkpoint(checkpoint, key, ident, offset, tail, path, tr)
+    if carry:  # a line still being written: fed on a copy, never checkpointed
         tr = copy.deepcopy(tr)
-        _feed_bytes(tr, data[cut:])
+        _feed_bytes(tr, carry)
     return tr
 
 
@@ -491,6 +498,9 @@ def _ident(f: Any) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+_TRACKER_FIELDS = set(vars(SeatTracker(1, [], [], start=0.0)))
+
+
 def _resume(checkpoint: Path, key: tuple, ident: tuple[int, int], f: Any) -> tuple[SeatTracker | None, int]:
     try:
         # our own file in the seat's run directory, written by _save_checkpoint below; anything that
@@ -499,6 +509,8 @@ def _resume(checkpoint: Path, key: tuple, ident: tuple[int, int], f: Any) -> tup
             saved = pickle.load(c)
         if not (isinstance(saved, dict) and saved.get("key") == key and saved.get("ident") == ident
                 and isinstance(saved.get("tracker"), SeatTracker)):
+            return None, 0
+        if set(vars(saved["tracker"])) != _TRACKER_FIELDS:  # pickled by a SeatTracker of other fields
             return None, 0
         offset, tail = int(saved["offset"]), bytes(saved["tail"])
         f.seek(offset - len(tail))

@@ -5,6 +5,8 @@ Each step lives in its own module; this one only sequences them.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from dsv4serve import launch
@@ -740,12 +742,13 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     try:
         ring: deque[str] = deque(maxlen=max(0, lines))
         pending = b""
-        for raw in f:
-            if follow and not raw.endswith(b"\n"):
-                pending = raw  # a line still being written: printed whole once its end arrives
-                break
-            if keep(text(raw)):
-                ring.append(text(raw))
+        while block := f.read(1 << 20):
+            done, pending = _log_segments(pending + block)
+            for seg in done:
+                if keep(text(seg)):
+                    ring.append(text(seg))
+        if not follow and pending.strip() and keep(text(pending)):
+            ring.append(text(pending))  # the last line, still being written
         for line in ring:
             out(line)
         sys.stdout.flush()
@@ -753,26 +756,27 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
             return
         quiet_since = time.time()
         while True:
-            chunk = f.readline()
+            chunk = f.read(1 << 16)
             if chunk:
-                pending += chunk
-                if pending.endswith(b"\n"):
-                    if keep(text(pending)):
-                        out(text(pending))
-                        sys.stdout.flush()
-                    pending = b""
+                done, pending = _log_segments(pending + chunk)
+                if len(pending) > _MAX_PENDING:  # a line that never ends: print what there is
+                    done, pending = done + [pending], b""
+                for seg in done:
+                    if keep(text(seg)):
+                        out(text(seg))
+                sys.stdout.flush()
                 quiet_since = time.time()
                 continue
-            if _log_restarted(path, f):
-                # copytruncate (or a new file under the name): what it holds now is all unread
-                f.close()
-                f = open(path, "rb")
+            if os.fstat(f.fileno()).st_size < f.tell():
+                # copytruncate: what the file holds now is all unread. (A log renamed away is not
+                # followed to the new name: the seat keeps writing the file it opened, as we read.)
+                f.seek(0)
                 pending = b""
-                sys.stderr.write(f"({path} was truncated or replaced: reading it from its start)\n")
+                sys.stderr.write(f"({path} was truncated: reading it from its start)\n")
                 continue
             cur = state.load(name)
             if (cur is None or cur.run_id != run_id) and time.time() - quiet_since > 1.0:
-                if pending and keep(text(pending)):
+                if pending.strip() and keep(text(pending)):
                     out(text(pending))
                 sys.stderr.write(f"(seat {name}: run {run_id} has ended)\n")
                 return
@@ -783,13 +787,13 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
         f.close()
 
 
-def _log_restarted(path: str, f: Any) -> bool:
-    """Whether the log under `path` is no longer the file `f` reads past its end: truncated below
-    our position, or another file put in its place."""
-    import os
+_MAX_PENDING = 1 << 20
 
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False  # gone for a moment (a rotation between rename and create): keep waiting
-    return now.st_ino != os.fstat(f.fileno()).st_ino or now.st_size < f.tell()
+
+def _log_segments(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines in `buf` and what is left of a line still being written. A lone \r ends a
+    line as \n does: each redraw of a progress bar (weight loading, minutes long) is shown as it
+    comes, not once it ends. Blank segments (the \n of a \r\n) are dropped."""
+    parts = re.split(rb"[\r\n]", buf)
+    rest = parts.pop()
+    return [p for p in parts if p.strip()], rest

@@ -340,8 +340,11 @@ def find_running(seat: str | None = None) -> SeatState:
 
 
 def log_checkpoint(st: SeatState) -> Path:
-    """Where status and down keep their place in the run's log (ranklog.read_log's checkpoint)."""
-    return Path(st.run_dir) / "log-scan.pkl"
+    """Where status and down keep their place in the run's log (ranklog.read_log's checkpoint). In
+    the seat's state dir, never the run dir: a docker seat mounts that one into its container, and
+    whatever runs there must not be able to hand the host a pickle to load. One file per seat: it
+    names the log it belongs to (device and inode), so a new run's log is read afresh."""
+    return seat_dir(st.seat) / "log-scan.pkl"
 
 
 def counters_path(run_dir: str | Path, rank: int) -> Path:

@@ -13,12 +13,14 @@ sends SIGKILL early.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
 from typing import Any, Callable
 
 from dsv4serve import gpu, leftovers, ports, procs, state
+from dsv4serve.errors import DsvError
 from dsv4serve.ranklog import read_log
 from dsv4serve.state import SeatState
 
@@ -123,8 +125,14 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
         # True, False, or None when docker could not say: only False counts as stopped
         report["container_left"] = container_exists(st.container_name)
     report.update(procs.stop(st, grace, escalate))
-    # status's arguments, so its checkpoint serves here too (the markers change nothing read below)
-    tracker = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(), checkpoint=state.log_checkpoint(st))
+    try:
+        # status's arguments, so its checkpoint serves here too (the markers change nothing read below)
+        tracker = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(),
+                           checkpoint=state.log_checkpoint(st))
+    except (DsvError, TypeError, re.error):
+        # gates of a hand-edited or other-version state (a pattern that does not compile): the
+        # processes are already stopped, so the cleanup below must still run
+        tracker = read_log(st.log_path, st.tp, [], [])
     found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
     removed, failed = leftovers.remove(found)
     report["leftovers_removed"] = removed
