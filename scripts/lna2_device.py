@@ -1184,7 +1184,7 @@ def cmd_trace(args):
     finally:
         if args.stop:
             lna.lna2_set_stop(0)
-    if cluster and args.stop in (0, 3):  # a launch stopped early has no phases to summarize
+    if cluster and args.stop in (0, 3, 4):  # a launch stopped early has no phases to summarize
         summary = summarize_trace_v7({"runs": [r for r in res if not r.get("empty")]})
         for row in summary:
             log(row["shape"], "m=%d" % row["m"], "rep", row["rep"], " ".join(
@@ -1574,9 +1574,9 @@ def main():
     tr.add_argument("--bits", type=int, default=2, choices=(2, 3))
     tr.add_argument("--ms", default="", help="TP8 row counts, comma list (default 1,2,8)")
     tr.add_argument("--empty", action="store_true", help="also trace each case with nothing routed")
-    tr.add_argument("--stop", type=int, default=0, choices=(0, 1, 2, 3),
+    tr.add_argument("--stop", type=int, default=0, choices=(0, 1, 2, 3, 4),
                     help="v26 K2 only: trace its stop build returning after its prologue (1) or route plan (2), "
-                         "or run to the end (3, the control)")
+                         "or run to the end (3, the control; 4: with nothing routed, zeros by an inline loop)")
     ts = sub.add_parser("trace-summary")
     ts.add_argument("--trace", required=True)
     ts.add_argument("--out", required=True)

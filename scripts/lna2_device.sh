@@ -22,8 +22,8 @@
 # Environment: LNA2_VARIANTS (smoke, parity; the first two also get CUDA-graph cases),
 # BENCH_VARIANTS, BENCH_MS, BENCH_SHAPES, SAN_VARIANTS (compute-sanitizer), TRACE_VARIANT (TRACE_BITS,
 # TRACE_MS: its K and TP8 row counts; TRACE_EMPTY=1 also traces each case with nothing routed;
-# TRACE_STOP=1,2,3 with variant 26 also traces its stop build stopping after the prologue / the
-# route plan / not at all),
+# TRACE_STOP=1,2,3,4 with variant 26 also traces its stop build stopping after the prologue / the
+# route plan / not at all (3) / not at all with an inline zero store when nothing is routed (4)),
 # SAN_TIMEOUT (per sanitizer tool; racecheck beside a JIT build needed more than 120 s on 2026-12-04),
 # SWEEP_ITEMS / SWEEP_PAIR / SWEEP_CTAS / SWEEP_VARIANT / SWEEP_BITS (2, 3 or 2,3) / SWEEP_SHAPES /
 # SWEEP_MS / SWEEP_TIMEOUT, BENCH_AFTER (gemm: a GEMM before each cold launch), ORDER_VARIANTS / ORDER_MS / ORDER_KS / ORDER_BEFORE / ORDER_TIMEOUT, PARITY=quick|full, PARITY_INTERS (default 256,2048), DEADLINE.

@@ -249,12 +249,14 @@ void lna2_set_tuning(int64_t ctas_per_sm, int64_t items_x8, int64_t pair_down) {
 }
 
 // Benchmarks only: v26's K2 MCG launches run its stop build, stopping after their prologue (1) or
-// route plan (2), or not (3, the control); 0 = off (the launch split of NOTES.md's session 29 next
-// step 1). What a launch stopped early writes is not the op.
+// route plan (2), or not (3, the control); 4 runs it to the end too, but a launch with nothing
+// routed writes its zeros by a short inline loop instead of the gather; 0 = off (the launch split
+// of NOTES.md's session 29 next step 1). What a launch stopped early writes is not the op.
 void lna2_set_stop(int64_t stage) {
-    TORCH_CHECK_VALUE(stage >= 0 && stage <= 3,
-                      "lna2_set_stop: stage must be 0 (off), 1 (after the prologue), 2 (after the route plan) or 3 "
-                      "(the stop build run to the end), got ", stage);
+    TORCH_CHECK_VALUE(stage >= 0 && stage <= 4,
+                      "lna2_set_stop: stage must be 0 (off), 1 (after the prologue), 2 (after the route plan), 3 "
+                      "(the stop build run to the end) or 4 (3, with an inline zero store when nothing is routed), "
+                      "got ", stage);
     std::lock_guard<std::mutex> lk(g_mu);
     lna2::v7_set_stop(static_cast<int>(stage));
     g_grid.clear();
@@ -280,6 +282,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("lna2_build_id", &lna2_build_id);
     m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep; for v7 0 = auto, 1 = one CTA per SM, 2 = as many as fit), item target x8 (0 = keep), paired down items (-1 = keep)",
           py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0, py::arg("pair_down") = -1);
-    m.def("lna2_set_stop", &lna2_set_stop, "benchmarks: v26 K2 MCG launches stop after the prologue (1) or the route plan (2), or run its stop build to the end (3); 0 = off",
+    m.def("lna2_set_stop", &lna2_set_stop, "benchmarks: v26 K2 MCG launches stop after the prologue (1) or the route plan (2), or run its stop build to the end (3; 4: empty launches zero inline); 0 = off",
           py::arg("stage"));
 }
