@@ -503,8 +503,9 @@ _TRACKER_FIELDS = set(vars(SeatTracker(1, [], [], start=0.0)))
 
 def _resume(checkpoint: Path, key: tuple, ident: tuple[int, int], f: Any) -> tuple[SeatTracker | None, int]:
     try:
-        # our own file in the seat's run directory, written by _save_checkpoint below; anything that
-        # does not read back as one (another version, a torn or foreign file) means a full rescan
+        # our own file in the seat's state dir (state.log_checkpoint: never a dir a container can
+        # write), written by _save_checkpoint below; anything that does not read back as one
+        # (another version, a torn or foreign file) means a full rescan
         with open(checkpoint, "rb") as c:
             saved = pickle.load(c)
         if not (isinstance(saved, dict) and saved.get("key") == key and saved.get("ident") == ident
@@ -535,4 +536,4 @@ def _save_checkpoint(checkpoint: Path, key: tuple, ident: tuple[int, int], offse
                 os.unlink(tmp)
             raise
     except OSError:
-        pass  # a read-only run dir: status still works, it just reads the whole log next time
+        pass  # a read-only state dir: status still works, it just reads the whole log next time
