@@ -328,3 +328,30 @@ def test_the_log_checkpoint_is_never_in_the_run_dir(home, tmp_path):
     st = make(run_dir=str(tmp_path / "run"))
     ck = state.log_checkpoint(st)
     assert ck.parent == state.seat_dir("cpu-demo") and tmp_path / "run" not in ck.parents
+
+
+def test_down_stops_a_live_main_pid_even_without_a_process_group(home):
+    """A state with no pgid (hand-made, or of another version) whose main pid is provably ours
+    (pid and start time): down used to report it clean and leave it running."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        proc = psutil.Process(child.pid)
+        state.save(make(pid=child.pid, pgid=None, start_time=proc.create_time()))
+        r = cli("down", "--json", "--grace", "5", home=home, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        seat = json.loads(r.stdout)["seats"][0]
+        assert child.pid in [p["pid"] for p in seat["signalled"]]
+        assert child.wait(timeout=10) is not None and state.load("cpu-demo") is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_down_never_signals_itself_or_its_parents_whatever_the_state_says(home):
+    """This test process is the CLI's parent: a state naming it (pid and start time right) must
+    not make `down` signal it."""
+    me = psutil.Process()
+    state.save(make(pid=me.pid, pgid=None, start_time=me.create_time()))
+    r = cli("down", "--json", "--grace", "1", home=home, timeout=60)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    assert me.pid not in [p["pid"] for p in json.loads(r.stdout)["seats"][0]["signalled"]]

@@ -99,9 +99,27 @@ def run_processes(st: SeatState, include_zombies: bool = False) -> list[psutil.P
                 found[p.pid] = p
     for p in tagged(st.run_id):
         found.setdefault(p.pid, p)
+    main = _main_process(st)
+    if main is not None:
+        found.setdefault(main.pid, main)
     if include_zombies:
         return [p for p in found.values() if p.is_running()]
     return [p for p in found.values() if _running(p)]
+
+
+def _main_process(st: SeatState) -> psutil.Process | None:
+    """The recorded main pid itself, when it is provably ours (pid and start time): a state with no
+    pgid (written by hand or by another version) and no run tag in reach must still not leave it
+    running. Never this process or one of its ancestors, whatever a state file says."""
+    if st.pid is None or liveness(st) != "alive":
+        return None
+    me = psutil.Process()
+    try:
+        if st.pid == me.pid or st.pid in {p.pid for p in me.parents()}:
+            return None
+        return psutil.Process(st.pid)
+    except psutil.Error:
+        return None
 
 
 def describe(p: psutil.Process) -> dict[str, Any]:
