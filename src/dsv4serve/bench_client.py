@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import httpx
 
-from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.errors import BadInput, JobFailed, first_line
 
 # Short calls (models, metrics, tokenize of a short text) must never hang a bench.
 SHORT_TIMEOUT_S = 15.0
@@ -131,9 +131,9 @@ def http_failure(base_url: str, e: Exception, what: str | None = None) -> JobFai
                                    "no address associated")):
             return JobFailed(f"cannot reach {base_url} (its host name does not resolve)", hint="check the --base-url")
         if any(w in text for w in ("ssl", "tls", "certificate", "wrong version number")):
-            return JobFailed(f"cannot reach {base_url} (TLS handshake failed: {_first_line(e)})",
+            return JobFailed(f"cannot reach {base_url} (TLS handshake failed: {first_line(e, '')})",
                              hint="a vLLM seat speaks plain HTTP: use http://, or check the server's certificate")
-        return JobFailed(f"cannot reach {base_url} ({_first_line(e) or 'connection refused or no route'})",
+        return JobFailed(f"cannot reach {base_url} ({first_line(e, '') or 'connection refused or no route'})",
                          hint="is the seat up? check `dsv4serve status`, or the --base-url")
     if isinstance(e, httpx.TimeoutException):
         if what is not None:
@@ -141,12 +141,7 @@ def http_failure(base_url: str, e: Exception, what: str | None = None) -> JobFai
                              hint="the server is overloaded or stuck: check its log")
         return JobFailed(f"{base_url} did not answer in time ({e.__class__.__name__})",
                          hint="raise --timeout if the seat is just slow (long prefill), else check its log")
-    return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {_first_line(e)}")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {first_line(e, '')}")
 
 
 def check_status(resp: httpx.Response, what: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from dsv4serve.errors import BadInput
+from dsv4serve.errors import BadInput, first_line
 from dsv4serve.jsonout import strict_json
 
 NA = "n/a"
@@ -217,7 +217,7 @@ def write_png(result: dict[str, Any], path: Path) -> str | None:
         fig.tight_layout()
         fig.savefig(path, dpi=110, format="png")
     except (ValueError, RuntimeError) as e:  # matplotlib's own failures: the chart is optional
-        return f"bench.png skipped: matplotlib could not draw it ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        return f"bench.png skipped: matplotlib could not draw it ({first_line(e)})"
     finally:
         plt.close(fig)
     return None

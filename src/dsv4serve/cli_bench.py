@@ -106,7 +106,6 @@ def _check_inputs(sh: Shared, settings: Union["BenchSettings", "NeedleSettings",
 def _session(sh: Shared):
     """An HTTP client and the resolved target; the client is closed however the measurement ends."""
     from dsv4serve.bench import make_client, resolve_target
-    from dsv4serve.errors import BadInput
 
     for flag, value in (("--base-url", sh.base_url), ("--model", sh.model), ("--profile", sh.profile),
                         ("--seat", sh.seat)):
@@ -144,8 +143,6 @@ TABLE_ONLY = ("streams", "suite", "max_tokens", "runs", "thinking", "timeout", "
 
 
 def _refuse_table_options(ctx: typer.Context, sub: str) -> None:
-    from dsv4serve.errors import BadInput
-
     given = [p for p in ctx.command.params if p.name in TABLE_ONLY
              and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") != "DEFAULT"]
     if given:

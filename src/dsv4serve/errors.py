@@ -11,6 +11,13 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
+def first_line(e: BaseException, empty: str | None = None) -> str:
+    """The first line of an exception's text (tracebacks and tool output run over many), or
+    `empty` when it has none (its class name unless given)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else (type(e).__name__ if empty is None else empty)
+
+
 class DsvError(Exception):
     """Base error: `str(e)` is the single line shown to the user."""
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
     model_validator
 
 from dsv4serve.demo_model import MAX_SEED
-from dsv4serve.errors import ProfileError
+from dsv4serve.errors import ProfileError, first_line
 from dsv4serve.resources import configs_dir
 from dsv4serve.state import SEAT_NAME as _SEAT_NAME  # the state dir's own rule: a seat name is one path component
 
@@ -443,7 +443,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        problem = getattr(e, "problem", None) or first_line(e)
         raise ProfileError(f"profile {path}:{where} is not valid YAML ({problem})") from None
     except OSError as e:
         raise ProfileError(f"cannot read profile {path}: {e.strerror}") from None

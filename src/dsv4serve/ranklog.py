@@ -16,18 +16,17 @@ because vLLM logs a traceback through its logger, header and prefix on every lin
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import pickle
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv4serve.errors import ProfileError
+from dsv4serve.state import atomic_write
 
 PREFIX = re.compile(r"^\((?P<proc>[A-Za-z][A-Za-z0-9_\-]*) pid=(?P<pid>\d+)\)\s?(?P<rest>.*)$")
 LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+)?"
@@ -524,16 +523,10 @@ def _resume(checkpoint: Path, key: tuple, ident: tuple[int, int], f: Any) -> tup
 
 def _save_checkpoint(checkpoint: Path, key: tuple, ident: tuple[int, int], offset: int, tail: bytes, path: str,
                      tr: SeatTracker) -> None:
+    if not checkpoint.parent.is_dir():  # a shortcut never creates the dir it would live in
+        return
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{checkpoint.name}.", dir=checkpoint.parent)
-        try:
-            with os.fdopen(fd, "wb") as c:
-                pickle.dump({"key": key, "ident": ident, "offset": offset, "tail": tail, "log": path,
-                             "tracker": tr}, c, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, checkpoint)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(checkpoint, pickle.dumps({"key": key, "ident": ident, "offset": offset, "tail": tail, "log": path,
+                                               "tracker": tr}, protocol=pickle.HIGHEST_PROTOCOL))
     except OSError:
         pass  # a read-only state dir: status still works, it just reads the whole log next time

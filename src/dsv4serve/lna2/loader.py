@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsv4serve.errors import first_line
 from dsv4serve.lna2.build import MODULE, build_tag, default_out, source_digest
 
 _loaded: Any = None
@@ -47,7 +48,7 @@ def load() -> Any:
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
         except ImportError as e:
-            tried.append(f"{path} ({_first_line(e)})")
+            tried.append(f"{path} ({first_line(e)})")
             broken.append(tried[-1])
             continue
         sys.modules.setdefault(MODULE, mod)
@@ -66,11 +67,6 @@ def load() -> Any:
     else:
         _error = "extension not built (" + "; ".join(tried) + "): run `dsv4serve kernel build`"
     raise RuntimeError(_error)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def describe() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.errors import BadInput, JobFailed, first_line
 from dsv4serve.lna2 import policy
 
 CODEBOOKS = {"mcg": 1, "mul1": 2}  # lna2's numbering
@@ -205,7 +205,7 @@ def _device_fault(e: BaseException) -> bool:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return first_line(e)[:300]
 
 
 def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: int, device: Any,
