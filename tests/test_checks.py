@@ -189,7 +189,7 @@ def test_port_in_use_fails():
     try:
         port = s.getsockname()[1]
         r = _st(_machine(load_profile("cpu-demo", [f"vllm.port={port}"])), "port")
-        assert r.status == "fail" and f"127.0.0.1:{port} in use" in r.found and "vllm.port" in r.fix
+        assert r.status == "fail" and f"port 127.0.0.1:{port} is already in use" in r.found and "vllm.port=" in r.fix
     finally:
         s.close()
 

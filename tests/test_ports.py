@@ -104,3 +104,26 @@ def test_an_owner_line_keeps_its_detail_when_one_word_is_long():
     line = ports._one_line(["python3", "-c", "import socket\n" + "x = 1; " * 40])
     assert "\n" not in line and line.startswith("python3 -c import socket x = 1;") and line.endswith(" …")
     assert len(line) >= ports.OWNER_CHARS
+
+
+def test_check_seat_and_up_probe_a_wildcard_host_alike():
+    """check-seat once probed 127.0.0.1 for a 0.0.0.0 seat; `up` probes 0.0.0.0, which a listener on
+    any address blocks. Both now give the same one-line problem and fix."""
+    from dsv4serve import checks, seat
+    from dsv4serve.errors import BadInput
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        port = s.getsockname()[1]
+        profile = load_profile("cpu-demo", ["vllm.host=0.0.0.0", "vllm.allow_public_host=true", f"vllm.port={port}"])
+        with pytest.raises(BadInput) as e:
+            seat._check_port(profile)
+        rep = Report("cpu-demo")
+        checks._port(rep, checks.Ctx(profile=profile, seat=None))
+        (row,) = rep.rows
+        assert row.status == "fail" and row.found.startswith(f"port 0.0.0.0:{port} is already in use")
+        assert e.value.line().startswith(row.found) and "--set vllm.port=" in row.fix
+    finally:
+        s.close()

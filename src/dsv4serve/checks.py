@@ -432,23 +432,15 @@ def _port(rep: Report, ctx: Ctx) -> None:
     from dsv4serve import ports
 
     v = ctx.profile.vllm
-    host = "127.0.0.1" if v.host in launch.PUBLIC_HOSTS else v.host
     if ctx.seat is not None and ctx.seat.port == v.port:
-        rep.add("machine", "port", "ok", f"{host}:{v.port} served by the running seat", "")
+        rep.add("machine", "port", "ok", f"{v.host}:{v.port} served by the running seat", "")
         return
-    problem = ports.bind_problem(host, v.port)
-    if problem is None:
-        rep.add("machine", "port", "ok", f"{host}:{v.port} free", "a free port")
-    elif problem.kind == "host":
-        rep.add("machine", "port", "fail", f"vllm.host {host} {problem.detail}", "an address of this machine",
-                "set vllm.host to one (--set vllm.host=127.0.0.1)")
-    elif problem.kind == "other":
-        rep.add("machine", "port", "fail", f"cannot listen on {host}:{v.port} ({problem.detail})", "a free port",
-                "pick another with --set vllm.port=N")
+    # the host as given, as `up` probes it: a wildcard host collides with a listener on any address
+    refused = ports.refusal(v.host, v.port)
+    if refused is None:
+        rep.add("machine", "port", "ok", f"{v.host}:{v.port} free", "a free port")
     else:
-        who = ports.owner(v.port)
-        rep.add("machine", "port", "fail", f"{host}:{v.port} in use{f' by {who}' if who else ''} ({problem.detail})",
-                "a free port", "stop that process, or pick another with --set vllm.port=N")
+        rep.add("machine", "port", "fail", refused.problem, "a free port", refused.fix)
 
 
 # ---------------------------------------------------------------------------------------------

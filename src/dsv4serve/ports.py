@@ -76,6 +76,29 @@ def bind_problem(host: str, port: int) -> BindProblem | None:
         s.close()
 
 
+class Refusal(NamedTuple):
+    """Why a seat cannot listen on (host, port), as one line, and the fix, for both `up` (which
+    refuses) and `check-seat` (which reports a row): one wording, one probe of the host as given."""
+
+    problem: str
+    fix: str
+
+
+def refusal(host: str, port: int) -> Refusal | None:
+    problem = bind_problem(host, port)
+    if problem is None:
+        return None
+    if problem.kind == "host":
+        return Refusal(f"vllm.host {host} {problem.detail}",
+                       "listen on an address of this machine: --set vllm.host=127.0.0.1")
+    if problem.kind == "other":
+        return Refusal(f"cannot listen on {host}:{port} ({problem.detail})",
+                       f"pick another port: --set vllm.port={free_port()}")
+    who = owner(port)
+    return Refusal(f"port {host}:{port} is already in use" + (f" by {who}" if who else " (owner not visible)"),
+                   f"stop that process, or pick another port: --set vllm.port={free_port()}")
+
+
 def in_use(host: str, port: int) -> bool:
     """Whether something holds (host, port). A host that cannot be bound at all counts too: the
     seat could not listen there either."""

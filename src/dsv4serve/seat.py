@@ -190,19 +190,9 @@ def _check_port(profile: Profile) -> None:
     from dsv4serve import ports
     from dsv4serve.errors import BadInput
 
-    host, port = profile.vllm.host, profile.vllm.port
-    problem = ports.bind_problem(host, port)
-    if problem is None:
-        return
-    if problem.kind == "host":
-        raise BadInput(f"vllm.host {host} {problem.detail}", hint="listen on an address of this machine: "
-                       "--set vllm.host=127.0.0.1")
-    if problem.kind == "other":
-        raise BadInput(f"cannot listen on {host}:{port} ({problem.detail})",
-                       hint=f"pick another port: --set vllm.port={ports.free_port()}")
-    who = ports.owner(port)
-    raise BadInput(f"port {host}:{port} is already in use" + (f" by {who}" if who else " (owner not visible)"),
-                   hint=f"stop that process, or pick another port: --set vllm.port={ports.free_port()}")
+    refused = ports.refusal(profile.vllm.host, profile.vllm.port)
+    if refused is not None:
+        raise BadInput(refused.problem, hint=refused.fix)
 
 
 def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_events: bool) -> None:
