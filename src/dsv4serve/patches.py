@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shlex
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from filelock import FileLock, Timeout
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsv4serve import home
+from dsv4serve.state import atomic_write
 from dsv4serve.errors import BadInput, JobFailed
 from dsv4serve.resources import patches_dir
 
@@ -363,20 +363,8 @@ def state_dir(pset: PatchSet, tree: Path) -> Path:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write next to the target, then rename over it: readers see old or new bytes, never half."""
-    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".dsv4tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """state.atomic_write, keeping the file's permission bits (a package's sources are 0644, not 0600)."""
+    atomic_write(path, data, mode=path.stat().st_mode & 0o7777 if path.exists() else 0o644)
 
 
 def refuse_unless(rows: list[FileStatus], allowed: frozenset[str], action: str, pset: PatchSet) -> None:
@@ -420,10 +408,7 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
 def _record(sdir: Path, pset: PatchSet, tree: Path, action: str, changed: list[str]) -> None:
     rec = {"set": pset.set, "root": str(tree), "action": action, "changed": changed, "at": time.time(),
            "files": {f.path: {"pristine": f.pristine_sha256, "patched": f.patched_sha256} for f in pset.files}}
-    sdir.mkdir(parents=True, exist_ok=True)
-    tmp = sdir / "state.json.tmp"
-    tmp.write_text(json.dumps(rec, indent=2))
-    os.replace(tmp, sdir / "state.json")
+    atomic_write(sdir / "state.json", json.dumps(rec, indent=2))
 
 
 def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pset: PatchSet, tree: Path,

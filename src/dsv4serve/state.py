@@ -135,14 +135,18 @@ def _state_lock(seat: str) -> FileLock:
     return FileLock(str(d / "state.lock"), timeout=10.0)
 
 
-def atomic_write(path: Path, data: str | bytes) -> None:
+def atomic_write(path: Path, data: str | bytes, mode: int | None = None) -> None:
+    """Write next to the target, fsync, then rename over it: readers see old or new bytes, never
+    half. The temp file is mkstemp's 0600 unless `mode` is given (a patched source keeps its own)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".dsv4tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
