@@ -355,3 +355,34 @@ def test_down_never_signals_itself_or_its_parents_whatever_the_state_says(home):
     r = cli("down", "--json", "--grace", "1", home=home, timeout=60)
     assert r.returncode in (0, 1), r.stdout + r.stderr
     assert me.pid not in [p["pid"] for p in json.loads(r.stdout)["seats"][0]["signalled"]]
+
+
+@pytest.mark.parametrize("pattern", ["(unclosed", 5])
+def test_gates_that_do_not_compile_are_a_status_row_and_down_still_stops_the_seat(home, tmp_path, pattern):
+    """A hand-edited state whose forbidden pattern is no regex: status used to fail whole (every
+    seat hidden behind one traceback); down must still stop the process and clear the state."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "vllm.log").write_text("INFO starting\n")
+        state.save(make("good"))
+        proc = psutil.Process(child.pid)
+        st = make(pid=child.pid, pgid=None, start_time=proc.create_time(), run_dir=str(tmp_path / "run"),
+                  log_path=str(tmp_path / "run" / "vllm.log"))
+        state.save(st)
+        raw = json.loads(st.model_dump_json())
+        raw["gates"] = {"markers": [], "forbidden": [pattern]}
+        state.state_path("cpu-demo").write_text(json.dumps(raw))
+        r = cli("status", "--json", home=home, timeout=60)
+        assert r.returncode == 0, r.stderr
+        rows = {row["seat"]: row for row in json.loads(r.stdout)}
+        assert rows["good"]["phase"] != "unreadable"
+        bad = rows["cpu-demo"]
+        assert bad["phase"] == "unreadable" and "gates.forbidden" in bad["problem"] and "down" in bad["problem"]
+        r = cli("down", "--profile", "cpu-demo", "--json", "--grace", "5", home=home, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert child.pid in [p["pid"] for p in json.loads(r.stdout)["seats"][0]["signalled"]]
+        assert child.wait(timeout=10) is not None and state.load("cpu-demo") is None
+    finally:
+        child.kill()
+        child.wait()

@@ -140,6 +140,8 @@ class SeatTracker:
         self.required = list(markers)
         self.forbidden = []
         for f in forbidden:
+            if not isinstance(f, str):  # a state file edited by hand or of another version
+                raise ProfileError(f"gates.forbidden: {f!r} is not a regex string")
             try:
                 self.forbidden.append((f, re.compile(f)))
             except re.error as e:

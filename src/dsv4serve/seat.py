@@ -516,6 +516,7 @@ def _row(name: str) -> dict[str, Any]:
     import time
 
     from dsv4serve import readiness, state, stop
+    from dsv4serve.errors import ProfileError
     from dsv4serve.ranklog import read_log
 
     try:
@@ -526,7 +527,12 @@ def _row(name: str) -> dict[str, Any]:
         last = state.load_last(name)
         return {"seat": name, "phase": "not running", "last_run": last}
     live = state.liveness(st)
-    tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(), checkpoint=state.log_checkpoint(st))
+    try:
+        tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(), checkpoint=state.log_checkpoint(st))
+    except ProfileError as e:  # gates edited by hand: one row says so, the other seats still show
+        return {"seat": name, "phase": "unreadable", "run_id": st.run_id, "pid": st.pid,
+                "problem": f"state file {state.state_path(name)}: {e.message}; `dsv4serve down --profile {name}` "
+                           "stops the seat and clears it", "last_run": state.load_last(name)}
     phase, problem, stale = st.phase, None, False
     if st.phase == "stopping" and live in ("gone", "reused"):  # a `down` that was interrupted
         phase, stale = "stale", True

@@ -128,10 +128,9 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
         # status's arguments, so its checkpoint serves here too (the markers change nothing read below)
         tracker = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(),
                            checkpoint=state.log_checkpoint(st))
-    except (DsvError, TypeError):
-        # gates of a hand-edited or other-version state (SeatTracker turns a pattern that does not
-        # compile into a ProfileError; a non-string is a TypeError): the processes are already
-        # stopped, so the cleanup below must still run
+    except DsvError:
+        # the gates of a hand-edited or other-version state (a pattern that does not compile): the
+        # processes are already stopped, so the cleanup below must still run
         tracker = read_log(st.log_path, st.tp, [], [])
     found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
     removed, failed = leftovers.remove(found)
