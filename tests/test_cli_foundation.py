@@ -264,6 +264,11 @@ def test_bad_seat_name_writes_nothing_outside_home(home, tmp_path):
     (["down", "--grace", "-1"], "'--grace'"),
     (["down", "--grace", "nan"], "nan is not a number of seconds from 0 to 3600"),
     (["down", "--grace", "inf"], "inf is not a number of seconds from 0 to 3600"),
+    # typer reads '' as Path('.'): an unset shell variable would have written into the working dir
+    (["demo-model", "--out", ""], "'--out': is empty"),
+    (["kernel", "build", "--out", ""], "'--out': is empty"),
+    (["bench", "--out", ""], "'--out': is empty"),
+    (["bench", "needle", "--out", " "], "'--out': is empty"),
     (["nonexist"], "No such command 'nonexist'"),
 ])
 def test_usage_errors_are_one_line_with_exit_2(home, argv, needle):

@@ -11,7 +11,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from dsv4serve.cli_common import console, emit_json, emit_json_line, err_console, error_doc, handled
+from dsv4serve.cli_common import console, dir_path, emit_json, emit_json_line, err_console, error_doc, handled
 
 app = typer.Typer(
     name="dsv4serve",
@@ -181,7 +181,8 @@ def logs(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="wh
 
 
 @app.command("demo-model")
-def demo_model(out: Optional[Path] = typer.Option(None, "--out", help="where to write it (default: state dir)"),
+def demo_model(out: Optional[Path] = typer.Option(None, "--out", parser=dir_path, metavar="DIR",
+                                                 help="where to write it (default: state dir)"),
                seed: int = typer.Option(0, "--seed", help="RNG seed, 0 to 4294967295; the same seed gives the same model"),
                force: bool = typer.Option(False, "--force", help="rebuild even if a complete copy exists (only ever "
                                                                  "replaces a demo model's own files)")) -> None:
@@ -212,7 +213,8 @@ def check_seat(profile: str = typer.Option("cpu-demo", "--profile", "-p", help="
 
 @kernel_app.command("build")
 def kernel_build(arch: str = typer.Option("9.0;12.0", "--arch", help="TORCH_CUDA_ARCH_LIST to build for"),
-                 out: Optional[Path] = typer.Option(None, "--out", help="output directory"),
+                 out: Optional[Path] = typer.Option(None, "--out", parser=dir_path, metavar="DIR",
+                                                       help="output directory"),
                  jobs: int = typer.Option(0, "--jobs", help="parallel compile jobs (0: all cores)")) -> None:
     """Build the lna2 extension with torch's cpp_extension."""
     from dsv4serve.lna2 import build as lna2_build

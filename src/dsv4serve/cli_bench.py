@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import typer
 
-from dsv4serve.cli_common import console, emit_json, err_console, handled
+from dsv4serve.cli_common import console, dir_path, emit_json, err_console, handled
 from dsv4serve.errors import BadInput
 
 if TYPE_CHECKING:  # the bench modules load lazily, so `--help` stays fast
@@ -59,7 +59,7 @@ def _opt_json():
 
 
 def _opt_out():
-    return typer.Option(None, "--out", help="also write JSON and Markdown (and a PNG for the table) here")
+    return typer.Option(None, "--out", parser=dir_path, metavar="DIR", help="also write JSON and Markdown (and a PNG for the table) here")
 
 
 def _merge(ctx: typer.Context, **given) -> Shared:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import typer
@@ -15,6 +16,14 @@ from dsv4serve.jsonout import strict_json
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+def dir_path(value: str) -> Path:
+    """An --out directory. Typer turns '' into Path('.'), so an empty value (an unset shell
+    variable) would silently write into the working directory; refuse it instead."""
+    if not value.strip():
+        raise typer.BadParameter("is empty; give a directory, or leave --out out")
+    return Path(value)
 
 
 def error_doc(kind: str, message: str, hint: str | None, exit_code: int) -> dict[str, Any]:
