@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -26,8 +27,12 @@ Status = str  # "ok" | "warn" | "fail" | "n/a"
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 256 * 1024**2  # a real shard header is a few MB at most; more means garbage
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+# Every dtype safetensors 0.8 reads, in bits per element (F4 and F6 pack several per byte). A name
+# outside this table is a header safetensors refuses ("unknown variant"), so vLLM could not load it.
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+MAX_JSON = 64 * 1024**2  # config.json, the index, tokenizer files: a real one is at most a few tens of MB
 EXL3_PARTS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
 MARKERS = ("mcg", "mul1")
 
@@ -103,10 +108,22 @@ class HeaderError(Exception):
     pass
 
 
+class FileProblem(HeaderError):
+    """A pack file that cannot be read as one (permission, not a regular file, not JSON): `fix`
+    says what to do about it, which is not always "re-download"."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.fix = fix
+
+
 def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(metadata, {name: {dtype, shape, data_offsets}}) from a safetensors file, reading only the
-    8-byte length and the JSON header. Raises HeaderError for anything vLLM could not load."""
+    8-byte length and the JSON header. Raises HeaderError for anything safetensors (so vLLM) would
+    refuse: a dtype it does not know, a byte count that does not match the shape, tensors that
+    overlap or leave a gap, a data section longer than its tensors, metadata that is not text."""
     p = Path(path)
+    _regular(p)
     size = p.stat().st_size
     with open(p, "rb") as f:
         head = f.read(8)
@@ -118,12 +135,15 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
         raw = f.read(n)
     try:
         hdr = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise HeaderError(f"header is not JSON ({e.__class__.__name__})") from None
     if not isinstance(hdr, dict):
         raise HeaderError("header is not a JSON object")
     meta = hdr.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise HeaderError("__metadata__ is not a map of text to text")
     data_len = size - 8 - n
+    spans = []
     for name, t in hdr.items():
         try:
             start, end = t["data_offsets"]
@@ -136,10 +156,53 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             raise HeaderError(f"tensor {name}: malformed header entry (data_offsets, dtype or shape)")
         if end > data_len:
             raise HeaderError(f"truncated: tensor {name} ends at byte {end} of a {data_len}-byte data section")
-        width = DTYPE_BYTES.get(dtype)
-        if width is not None and _numel(shape) * width != end - start:
+        bits = DTYPE_BITS.get(dtype)
+        if bits is None:
+            raise HeaderError(f"tensor {name}: unknown dtype {dtype!r}")
+        nbits = _numel(shape) * bits
+        if nbits % 8 or nbits // 8 != end - start:
             raise HeaderError(f"tensor {name}: {dtype}{shape} does not match its {end - start} bytes")
+        spans.append((start, end, name))
+    at = 0
+    for start, end, name in sorted(spans):
+        if start != at:
+            raise HeaderError(f"tensor {name}: starts at byte {start}, where the previous tensor ends at {at} "
+                              f"({'overlap' if start < at else 'gap'})")
+        at = end
+    if at != data_len:
+        raise HeaderError(f"the tensors end at byte {at} of a {data_len}-byte data section (trailing bytes)")
     return meta, hdr
+
+
+def _regular(p: Path) -> None:
+    """Refuse what is not a regular file before opening it: a FIFO blocks the open forever and a
+    device (config.json -> /dev/zero) never ends."""
+    try:
+        st = p.stat()
+    except PermissionError:
+        raise FileProblem("permission denied", f"make it readable (chmod a+r {p}, or chown it)") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, device or socket)"
+        raise FileProblem(kind, f"restore {p.name} from the pack's source")
+    if not os.access(p, os.R_OK):
+        raise FileProblem("permission denied", f"make it readable (chmod a+r {p}, or chown it)")
+
+
+def read_json(p: Path) -> Any:
+    """A small JSON file of the pack (config, index, tokenizer files), or FileProblem saying why not."""
+    _regular(p)
+    size = p.stat().st_size
+    if size > MAX_JSON:
+        raise FileProblem(f"{size:,} bytes, more than a pack's JSON file can be", f"restore {p.name} from the pack's source")
+    try:
+        return json.loads(p.read_bytes())
+    except PermissionError:
+        raise FileProblem("permission denied", f"make it readable (chmod a+r {p}, or chown it)") from None
+    except OSError as e:
+        raise FileProblem(e.strerror or str(e), f"restore {p.name} from the pack's source") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: a JSON nested deeper than Python parses
+        why = "nested too deep to parse" if isinstance(e, RecursionError) else f"{e.__class__.__name__}: {e}"
+        raise FileProblem(f"not JSON ({why})"[:200], f"restore {p.name} from the pack's source") from None
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -188,6 +251,10 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
         rep.add("pack-dir", "fail", f"{root} does not exist" if not root.exists() else f"{root} is not a directory",
                 "a pack directory", "set model.path to the pack, or download it")
         return rep
+    if not os.access(root, os.R_OK | os.X_OK):
+        rep.add("pack-dir", "fail", f"{root}: permission denied", "a readable pack directory",
+                f"make it readable to this user and the seat's container (chmod a+rx {root}, or chown it)")
+        return rep
     rep.add("pack-dir", "ok", str(root))
     entries = sorted(root.iterdir(), key=lambda p: p.name)
     dead = [e.name for e in entries if e.is_symlink() and not e.exists()]
@@ -209,14 +276,18 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     else:
         rep.add("symlinks", "ok", "no symlinks")
     _shard_count(rep, files, expect_shards)
-    if weight_map == {}:  # unreadable (already a failure): nothing to compare the files with
+    if weight_map == {}:
         rep.add("unindexed-files", "n/a", "the index is unreadable (see index)", "", "checked once the index is rebuilt")
+    stray: list[str] = []
+    if weight_map == {}:  # unreadable (already a failure): nothing to compare the files with
+        pass
     elif weight_map is not None:
         stray = [n for n in on_disk if n not in set(files)]
         if stray:
             rep.add("unindexed-files", "warn", f"{len(stray)} not in the index: {_few(stray)}",
                     "the index names every safetensors file",
-                    "vLLM skips files the index does not name: rebuild the index, or remove them")
+                    "vLLM skips files the index does not name: rebuild the index if they belong to the pack "
+                    "(layer-modules says whether weights are missing), or move them out of it")
         else:
             rep.add("unindexed-files", "ok", "the index names every safetensors file")
     headers = _headers(rep, root, files)
@@ -226,6 +297,7 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
                 "checked once config.json is restored")
     elif exl3:
         _exl3_rules(rep, model_class, wo_a_slices)
+        _layer_modules(rep, rep.config or {}, _stray_modules(root, stray))
     else:
         qc = (rep.config or {}).get("quantization_config")
         if qc:
@@ -248,10 +320,9 @@ def _config(rep: PackReport, root: Path) -> dict[str, Any] | None:
                 "config.json", "restore config.json from the pack's source")
         return None
     try:
-        cfg = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        rep.add("config", "fail", f"config.json unreadable ({e.__class__.__name__})", "valid JSON",
-                "restore config.json from the pack's source")
+        cfg = read_json(p)
+    except FileProblem as e:
+        rep.add("config", "fail", f"config.json unreadable ({e})", "valid JSON", e.fix)
         return None
     bad = _config_problem(cfg)
     if bad:
@@ -294,7 +365,10 @@ def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
                     "write an index (vLLM then loads only what it names, and coverage can be checked)")
         return None
     try:
-        wm = json.loads(p.read_text())["weight_map"]
+        doc = read_json(p)
+        if not isinstance(doc, dict):
+            raise TypeError(f"the top level is a JSON {type(doc).__name__}, not an object")
+        wm = doc["weight_map"]
         if not isinstance(wm, dict):
             raise ValueError("weight_map is not an object")
         odd = next((k for k, v in wm.items() if not isinstance(v, str) or not v), None)
@@ -302,7 +376,11 @@ def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
             raise ValueError(f"weight_map[{odd!r}] is {json.dumps(wm[odd])}, not a file name")
         if not wm:
             raise ValueError("weight_map is empty: vLLM would load no tensor")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except FileProblem as e:
+        rep.add("index", "fail", f"{INDEX} unreadable ({e})", "a JSON weight_map",
+                e.fix if "permission" in str(e) else "rebuild the index from the shard headers")
+        return {}
+    except (ValueError, TypeError, KeyError) as e:
         rep.add("index", "fail", f"{INDEX} unreadable ({e.__class__.__name__}: {e})", "a JSON weight_map",
                 "rebuild the index from the shard headers")
         return {}
@@ -324,7 +402,10 @@ def _resolve(rep: PackReport, root: Path, files: list[str], dead: list[str]) -> 
 
 
 def _shard_count(rep: PackReport, files: list[str], expect: int | None) -> None:
-    if expect is None:
+    if not files:
+        rep.add("shard-count", "fail", "no safetensors files", f"{expect}" if expect else "the pack's weights",
+                "model.path holds no weights: download the pack there, or point model.path at it")
+    elif expect is None:
         rep.add("shard-count", "ok", _n(len(files), "safetensors file"), "(profile sets no model.expect_shards)")
     elif len(files) == expect:
         rep.add("shard-count", "ok", _n(len(files), "safetensors file"), f"{expect}")
@@ -335,21 +416,27 @@ def _shard_count(rep: PackReport, files: list[str], expect: int | None) -> None:
 
 def _headers(rep: PackReport, root: Path, files: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    bad = []
+    bad: list[str] = []
+    fixes: list[str] = []
     for f in files:
         p = root / f
         if not p.exists():
             continue  # already a files-resolve failure
         try:
             _, hdr = read_header(p)
+        except FileProblem as e:
+            bad.append(f"{f}: {e}")
+            fixes.append(e.fix)
+            continue
         except (HeaderError, OSError) as e:
             bad.append(f"{f}: {e}")
+            fixes.append("re-download the shard (a truncated or corrupt file)")
             continue
         out[f] = hdr
     if bad:
         rep.partial = True
         rep.add("headers", "fail", f"{len(bad)} unreadable: {_few(bad, 2)}", "every shard header parses and fits its file",
-                "re-download the shard (a truncated or corrupt file)")
+                "; ".join(dict.fromkeys(fixes)))
     else:
         rep.add("headers", "ok", f"{_n(len(out), 'header')} read, {_n(sum(len(h) for h in out.values()), 'tensor')}")
     return out
@@ -374,13 +461,19 @@ def _coverage(rep: PackReport, weight_map: dict[str, str] | None,
         rep.add("tensors-duplicated", "ok", "each tensor in one shard")
     if not weight_map:  # no index (nothing to cross-check) or an unreadable one (already failed)
         return
-    absent, in_missing_file = [], 0
+    absent, stale, in_missing_file = [], [], 0
     for name, f in weight_map.items():
         if f not in headers:
             in_missing_file += 1
         elif name not in headers[f]:
-            absent.append(f"{name} (index: {f})")
-    if absent:
+            # vLLM reads the index for its file list only and loads every tensor of each file, so a
+            # tensor in another indexed file loads: the index is stale, the pack is not broken
+            (stale if where.get(name) else absent).append(f"{name} (index: {f})")
+    if stale and not absent and not in_missing_file:
+        rep.add("tensors-missing", "warn", f"{len(stale)} indexed tensors are in another shard than the index says: "
+                f"{_few(stale, 2)}", "every tensor the index names is in that shard",
+                "rebuild the index from the shard headers (vLLM still loads them: it reads every indexed file whole)")
+    elif absent:
         extra = f"; {in_missing_file} more in unreadable files" if in_missing_file else ""
         rep.add("tensors-missing", "fail", f"{len(absent)} indexed tensors absent from their shard: {_few(absent, 2)}{extra}",
                 "every tensor the index names is in that shard",
@@ -399,18 +492,38 @@ def _coverage(rep: PackReport, weight_map: dict[str, str] | None,
 
 
 def _small_files(rep: PackReport, root: Path) -> None:
-    tok = [n for n in ("tokenizer.json", "tokenizer.model") if (root / n).exists()]
-    cfg_ok = (root / "tokenizer_config.json").exists()
-    if tok and cfg_ok:
-        rep.add("tokenizer", "ok", f"{tok[0]} + tokenizer_config.json")
+    """The tokenizer and generation config must be files vLLM can read, not just names: an empty
+    tokenizer.json or a directory in its place fails the server's start."""
+    def problem(name: str) -> tuple[str, str] | None:
+        p = root / name
+        if not p.exists():
+            return ("missing" + (" (dead symlink)" if p.is_symlink() else ""), "")
+        try:
+            if name.endswith(".json"):
+                read_json(p)
+            else:
+                _regular(p)
+                if p.stat().st_size == 0:
+                    return ("empty", "")
+        except FileProblem as e:
+            return (str(e), e.fix)
+        return None
+
+    tok_name = "tokenizer.json" if (root / "tokenizer.json").exists() or not (root / "tokenizer.model").exists() \
+        else "tokenizer.model"
+    bad = [(n, pr) for n in (tok_name, "tokenizer_config.json") if (pr := problem(n)) is not None]
+    if not bad:
+        rep.add("tokenizer", "ok", f"{tok_name} + tokenizer_config.json")
     else:
-        gone = [n for n, ok in (("tokenizer.json", bool(tok)), ("tokenizer_config.json", cfg_ok)) if not ok]
-        rep.add("tokenizer", "fail", f"missing: {', '.join(gone)}", "tokenizer.json (or .model) + tokenizer_config.json",
-                "copy the tokenizer files from the pack's source")
-    if (root / "generation_config.json").exists():
+        fix = next((pr[1] for _, pr in bad if pr[1] and "permission" in pr[0]), "copy the tokenizer files from the pack's source")
+        rep.add("tokenizer", "fail", "; ".join(f"{n}: {pr[0]}" for n, pr in bad),
+                "tokenizer.json (or .model) + tokenizer_config.json, readable", fix)
+    pr = problem("generation_config.json")
+    if pr is None:
         rep.add("generation-config", "ok", "generation_config.json")
     else:
-        rep.add("generation-config", "fail", "generation_config.json missing", "generation_config.json",
+        rep.add("generation-config", "fail", f"generation_config.json: {pr[0]}", "generation_config.json, readable JSON",
+                pr[1] if "permission" in pr[0] else
                 "copy it from the pack's source (vLLM reads sampling defaults and EOS ids from it)")
 
 
@@ -492,7 +605,8 @@ def _exl3_tensors(rep: PackReport, mods: _Modules) -> None:
     bad = []
     for m, p in mods.parts.items():
         tr = p["trellis"]
-        if tr.dtype != "I16" or len(tr.shape) != 3 or tr.shape[-1] % 8:
+        if tr.dtype != "I16" or len(tr.shape) != 3 or tr.shape[-1] % 16 or not 1 <= tr.shape[-1] // 16 <= 8:
+            # exllamav3 1.4.5 (the seat's) decodes whole K from 1 to 8: last dim 16, 32, .. 128
             bad.append(f"{m}.trellis {tr.dtype}{tr.shape}")
             continue
         k, n = tr.shape[0] * 16, tr.shape[1] * 16
@@ -505,7 +619,7 @@ def _exl3_tensors(rep: PackReport, mods: _Modules) -> None:
                 bad.append(f"{m}.{part} {t.dtype}{t.shape} (trellis says [{want}])")
     if bad:
         rep.add("exl3-tensors", "fail", f"{len(bad)} malformed: {_few(bad, 2)}",
-                "trellis I16 [k/16, n/16, 16K], suh F16 [k], svh F16 [n]",
+                "trellis I16 [k/16, n/16, 16K] with K 1-8, suh F16 [k], svh F16 [n]",
                 "re-export the module; the pack is corrupt or from an unknown converter")
     else:
         rep.add("exl3-tensors", "ok", f"{len(mods.parts):,} EXL3 modules well-formed")
@@ -762,7 +876,8 @@ def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods:
             src = "layer_bits" if layer in lb else "bits"
             wrong.append(f"layer {layer}: trellis {_kstr(k)} (last dim {int(k * 16)}), {src} says {want}")
     # with a weight file missing, absent experts are that failure, not stale layer_bits
-    orphans = [] if rep.partial else sorted(k for k in lb if k not in per_layer)
+    # (a trunk layer without experts is layer-modules' failure, not a stale key to drop)
+    orphans = [] if rep.partial else sorted(k for k in lb if k not in per_layer and not 0 <= k < n)
     mix = Counter(next(iter(ks)) for ks in per_layer.values() if len(ks) == 1)
     summary = ", ".join(f"{c} layers {_kstr(k)}" for k, c in sorted(mix.items()))
     if wrong or mixed:
@@ -826,6 +941,98 @@ def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None
     else:
         rep.add("wo-a-slices", "ok", f"{len(per_layer)} layers x {int(expect or 0)} slices",
                 f"{int(expect or 0)} (one per TP rank)")
+
+
+_ATTN = ("attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_b")
+_SHARED = ("ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+_COMPRESSOR = ("attn.compressor.wkv", "attn.compressor.wgate")
+_INDEXER = ("attn.indexer.compressor.wkv", "attn.indexer.compressor.wgate", "attn.indexer.wq_b")
+
+
+def _present(names: Iterable[str]) -> set[str]:
+    """Modules that hold weights: an EXL3 trellis or a plain `.weight` (suh, svh and markers alone
+    are what is left of a module whose trellis was lost)."""
+    out = set()
+    for n in names:
+        base, _, part = n.rpartition(".")
+        if part in ("trellis", "weight"):
+            out.add(base)
+    return out
+
+
+def _stray_modules(root: Path, stray: list[str]) -> dict[str, str]:
+    """Module -> file for the safetensors files the index leaves out (vLLM never reads them)."""
+    out: dict[str, str] = {}
+    for f in stray:
+        try:
+            _, hdr = read_header(root / f)
+        except (HeaderError, OSError):
+            continue
+        for m in _present(hdr):
+            out.setdefault(m, f)
+    return out
+
+
+def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str]) -> None:
+    """Every module config.json says a layer has: each trunk layer's routed experts, attention, wo_a,
+    shared experts, and the compressor and indexer its compress ratio gives it; each draft layer
+    that stores experts, all of them. The index only says where tensors are: a pack whose index
+    was rebuilt after a shard was lost agrees with itself and misses whole modules."""
+    n, n_exp = cfg.get("num_hidden_layers"), cfg.get("n_routed_experts")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or not isinstance(n_exp, int) or n_exp <= 0:
+        rep.add("layer-modules", "n/a", "config.json gives no num_hidden_layers / n_routed_experts")
+        return
+    n_shared = cfg.get("n_shared_experts")
+    cr = cfg.get("compress_ratios") if isinstance(cfg.get("compress_ratios"), list) else []
+    present = _present(rep.tensors)
+    sliced = {m.rsplit(".slice.", 1)[0] for m in present if ".attn.wo_a.slice." in m}
+    missing: dict[str, list[str]] = defaultdict(list)  # layer prefix -> its missing modules (short names)
+    for ln in range(n):
+        p = f"layers.{ln}."
+        need = list(_ATTN) + (list(_SHARED) if isinstance(n_shared, int) and n_shared > 0 else [])
+        ratio = cr[ln] if ln < len(cr) else 0
+        need += list(_COMPRESSOR) if ratio else []
+        need += list(_INDEXER) if ratio == 4 else []
+        missing[p] += [m for m in need if p + m not in present]
+        if p + "attn.wo_a" not in present and p + "attn.wo_a" not in sliced:
+            missing[p].append("attn.wo_a")
+        missing[p] += [f"ffn.experts.{e}.{w}" for e in range(n_exp) for w in ("w1", "w2", "w3")
+                       if f"{p}ffn.experts.{e}.{w}" not in present]
+    drafts = sorted({int(e.group(2)) for m in present if (e := _EXPERT.match(m)) and e.group(1) == "mtp"})
+    for j in drafts:
+        p = f"mtp.{j}."
+        missing[p] += [f"ffn.experts.{e}.{w}" for e in range(n_exp) for w in ("w1", "w2", "w3")
+                       if f"{p}ffn.experts.{e}.{w}" not in present]
+    gone = [(p, ms) for p, ms in missing.items() if ms]
+    total = sum(len(ms) for _, ms in gone)
+    expected = (f"{n} layers, each with {n_exp} routed experts (w1/w2/w3), attention, wo_a"
+                + (", shared experts" if isinstance(n_shared, int) and n_shared > 0 else "")
+                + (" and the compressor / indexer its compress ratio gives it" if cr else ""))
+    if not gone:
+        rep.add("layer-modules", "ok", f"{n} layers and {len(drafts)} draft layers complete", expected)
+        return
+
+    def describe(p: str, ms: list[str]) -> str:
+        experts = sum(1 for m in ms if m.startswith("ffn.experts."))
+        parts = [m for m in ms if not m.startswith("ffn.experts.")]
+        if experts:
+            parts.append(f"all {n_exp} experts" if experts == 3 * n_exp else
+                         f"{experts} expert projections ({_few([m[len('ffn.experts.'):] for m in ms if m.startswith('ffn.experts.')], 2)})")
+        return f"{p.rstrip('.')}: {', '.join(parts)}"
+
+    found = f"{total} modules missing: {_few([describe(p, ms) for p, ms in gone], 3)}"
+    if rep.partial:  # a weight file is missing or unreadable: that failure explains these
+        rep.add("layer-modules", "n/a", found + " (weight files missing or unreadable: files-resolve, headers)", "",
+                "checked once the files are restored")
+        return
+    held = sorted({stray[p + m] for p, ms in gone for m in ms if p + m in stray})
+    if held:
+        fix = (f"the index leaves out {_few(held, 2)}, which holds them, and vLLM loads only indexed files: "
+               "rebuild the index from the shard headers")
+    else:
+        fix = ("restore the shards that held them (re-download the pack or its overlay), then rebuild the index; "
+               "served without them the layers load garbage or fail")
+    rep.add("layer-modules", "fail", found, expected, fix)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,249 @@
+"""pack.py on packs that agree with themselves but are not whole, and on files that are not what
+their names say: each is a failure on one named row with a fix that fits, never a pass or a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import threading
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from dsv4serve import pack
+from dsv4serve.testing.synthpack import write_pack
+
+VISION = "DeepseekV4ForConditionalGeneration"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return write_pack(tmp_path_factory.mktemp("packs") / "clean")
+
+
+def _copy(clean, tmp_path: Path) -> Path:
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    return p
+
+
+def _validate(path: Path, clean, **kw) -> pack.PackReport:
+    args = {"expect_shards": clean.expect_shards, "model_class": VISION, "wo_a_slices": 8}
+    args.update(kw)
+    return pack.validate(path, **args)
+
+
+def _bad(rep: pack.PackReport) -> dict[str, pack.Finding]:
+    return {f.check: f for f in rep.findings if f.status in ("fail", "warn")}
+
+
+def _drop(root: Path, gone: Callable[[str], bool]) -> None:
+    """Remove matching tensors from their shards and from the index, as rebuilding the index from
+    the headers after losing them would: the pack then agrees with itself."""
+    from safetensors.torch import load_file, save_file
+
+    idx = json.loads((root / pack.INDEX).read_text())
+    for f in sorted(set(idx["weight_map"].values())):
+        ts = load_file(str(root / f))
+        kept = {k: v for k, v in ts.items() if not gone(k)}
+        if len(kept) != len(ts):
+            save_file(kept, str(root / f), metadata={"format": "pt"})
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if not gone(k)}
+    (root / pack.INDEX).write_text(json.dumps(idx))
+
+
+@pytest.mark.parametrize("gone, found", [
+    (lambda n: n.startswith("layers.1.ffn.experts.2.w2."), "layers.1: 1 expert projections (2.w2)"),
+    (lambda n: n.startswith("layers.1.ffn.experts."), "layers.1: all 4 experts"),
+    (lambda n: n.startswith("layers.0.attn.wkv."), "layers.0: attn.wkv"),
+    (lambda n: n.startswith("layers.2.ffn.shared_experts.w3."), "layers.2: ffn.shared_experts.w3"),
+    (lambda n: n == "layers.1.ffn.experts.2.w2.trellis", "layers.1: 1 expert projections (2.w2)"),
+    (lambda n: n.startswith("mtp.1.ffn.experts.3."), "mtp.1: 3 expert projections"),
+])
+def test_a_module_lost_with_its_index_entries_fails_layer_modules(tmp_path, clean, gone, found):
+    p = _copy(clean, tmp_path)
+    _drop(p, gone)
+    rep = _validate(p, clean)
+    f = rep.get("layer-modules")
+    assert f.status == "fail" and found in f.found, (f.found, [(x.check, x.found) for x in rep.findings])
+    assert "restore the shards" in f.fix
+
+
+def test_a_clean_pack_has_every_layer_module(clean):
+    f = _validate(Path(clean.path), clean).get("layer-modules")
+    assert f.status == "ok" and f.found == "5 layers and 2 draft layers complete", f.found
+
+
+def test_a_k3_layer_without_experts_is_not_called_a_stale_layer_bits_key(tmp_path, clean):
+    """Layer 2 is K3 in layer_bits: with its experts gone, "drop the stale key" would silence the
+    only sign of the loss."""
+    p = _copy(clean, tmp_path)
+    _drop(p, lambda n: n.startswith("layers.2.ffn.experts."))
+    rep = _validate(p, clean)
+    assert rep.get("layer-modules").status == "fail" and "layers.2: all 4 experts" in rep.get("layer-modules").found
+    assert rep.get("routed-bits").status == "ok", rep.get("routed-bits").found
+
+
+def test_weights_held_only_by_a_file_the_index_leaves_out_fail_with_rebuild_the_index(tmp_path, clean):
+    """vLLM loads only the files the index names: the overlay is on disk, but its layer is empty."""
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != "model-layers-k2.safetensors"}
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    rep = _validate(p, clean, expect_shards=clean.expect_shards - 1)
+    f = rep.get("layer-modules")
+    assert f.status == "fail" and "layers.3: all 4 experts" in f.found
+    assert "leaves out model-layers-k2.safetensors" in f.fix and "rebuild the index" in f.fix
+    assert "remove them" not in rep.get("unindexed-files").fix
+
+
+def test_a_tensor_indexed_to_the_wrong_shard_is_a_stale_index_not_a_missing_tensor(tmp_path, clean):
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    idx["weight_map"]["layers.0.attn_norm.weight"] = sorted(set(idx["weight_map"].values()))[-1]
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    rep = _validate(p, clean)
+    assert set(_bad(rep)) == {"tensors-missing"}
+    f = rep.get("tensors-missing")
+    assert f.status == "warn" and "rebuild the index" in f.fix and "re-download" not in f.fix
+
+
+def test_a_directory_without_weights_fails(tmp_path, clean):
+    p = _copy(clean, tmp_path)
+    for f in p.glob("*.safetensors"):
+        f.unlink()
+    (p / pack.INDEX).unlink()
+    rep = pack.validate(p, model_class=VISION)
+    f = rep.get("shard-count")
+    assert f.status == "fail" and f.found == "no safetensors files" and "model.path" in f.fix
+
+
+@pytest.mark.parametrize("last_dim", [40, 144, 8])
+def test_a_trellis_width_exllamav3_cannot_decode_is_malformed(tmp_path, last_dim):
+    """Last dim 16 K with K a whole 1-8: 40 is K2.5, 144 K9, 8 K0.5."""
+    from safetensors.torch import save_file
+    import torch
+
+    root = tmp_path / "p"
+    root.mkdir()
+    t = {"m.trellis": torch.zeros([4, 4, last_dim], dtype=torch.int16), "m.suh": torch.zeros([64], dtype=torch.float16),
+         "m.svh": torch.zeros([64], dtype=torch.float16), "m.mcg": torch.zeros([1], dtype=torch.int32)}
+    save_file(t, str(root / "model.safetensors"))
+    rep = pack.PackReport(str(root))
+    _, hdr = pack.read_header(root / "model.safetensors")
+    for name, h in hdr.items():
+        rep.tensors[name] = pack.Tensor(name, "model.safetensors", h["dtype"], h["shape"],
+                                        h["data_offsets"][1] - h["data_offsets"][0])
+    pack._exl3_tensors(rep, pack._modules(rep.tensors))
+    f = rep.get("exl3-tensors")
+    assert f.status == "fail" and f"m.trellis I16[4, 4, {last_dim}]" in f.found and "K 1-8" in f.expected
+
+
+def _shard_with(tmp_path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return f
+
+
+@pytest.mark.parametrize("header, data, word", [
+    ({"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4096 + b"\0" * 4, "trailing bytes"),
+    ({"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+      "b": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "overlap"),
+    ({"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+      "b": {"dtype": "F16", "shape": [2], "data_offsets": [8, 12]}}, b"\0" * 12, "gap"),
+    ({"a": {"dtype": "BF61", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "unknown dtype 'BF61'"),
+    ({"__metadata__": {"format": 1}, "a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "__metadata__ is not a map of text to text"),
+])
+def test_headers_safetensors_refuses_are_refused_here_too(tmp_path, header, data, word):
+    from safetensors import safe_open
+
+    f = _shard_with(tmp_path, header, data)
+    with pytest.raises(Exception):  # the library vLLM loads with refuses each of these
+        with safe_open(str(f), "pt"):
+            pass
+    with pytest.raises(pack.HeaderError, match=word):
+        pack.read_header(f)
+
+
+def test_sub_byte_and_complex_dtypes_safetensors_reads_are_read(tmp_path):
+    f = _shard_with(tmp_path, {"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]},
+                               "b": {"dtype": "C64", "shape": [1], "data_offsets": [2, 10]}}, b"\0" * 10)
+    assert set(pack.read_header(f)[1]) == {"a", "b"}
+
+
+@pytest.mark.parametrize("name", ["config.json", pack.INDEX])
+def test_json_nested_past_the_parser_is_a_row_not_a_crash(tmp_path, clean, name):
+    p = _copy(clean, tmp_path)
+    (p / name).write_text("[" * 100000 + "]" * 100000)
+    rep = _validate(p, clean)
+    check = "config" if name == "config.json" else "index"
+    f = rep.get(check)
+    assert f.status == "fail" and "nested too deep" in f.found, f.found
+
+
+def _no_hang(fn: Callable[[], object], seconds: float = 20.0) -> object:
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "validate blocked on a file that is not a regular file"
+    return out[0]
+
+
+@pytest.mark.parametrize("name", ["config.json", "model-dense-exl3.safetensors", "tokenizer.json"])
+def test_a_fifo_in_place_of_a_file_fails_instead_of_hanging(tmp_path, clean, name):
+    p = _copy(clean, tmp_path)
+    (p / name).unlink()
+    os.mkfifo(p / name)
+    rep = _no_hang(lambda: _validate(p, clean))
+    assert any(f.status == "fail" and "not a regular file" in f.found for f in rep.findings), \
+        [(f.check, f.found) for f in rep.findings if f.status != "ok"]
+
+
+def test_a_device_in_place_of_config_json_is_not_read(tmp_path, clean):
+    p = _copy(clean, tmp_path)
+    (p / "config.json").unlink()
+    (p / "config.json").symlink_to("/dev/zero")
+    rep = _no_hang(lambda: _validate(p, clean))
+    assert rep.get("config").status == "fail" and "not a regular file" in rep.get("config").found
+
+
+@pytest.mark.parametrize("name, make, word", [
+    ("tokenizer.json", lambda f: f.mkdir(), "a directory"),
+    ("tokenizer.json", lambda f: f.write_text(""), "not JSON"),
+    ("tokenizer_config.json", lambda f: f.write_text("{trunc"), "not JSON"),
+    ("generation_config.json", lambda f: f.mkdir(), "a directory"),
+])
+def test_tokenizer_and_generation_config_must_be_readable_json(tmp_path, clean, name, make, word):
+    p = _copy(clean, tmp_path)
+    (p / name).unlink()
+    make(p / name)
+    rep = _validate(p, clean)
+    check = "generation-config" if name.startswith("generation") else "tokenizer"
+    f = rep.get(check)
+    assert f.status == "fail" and name in f.found and word in f.found, f.found
+
+
+def test_an_unreadable_pack_dir_and_files_name_the_permission_not_corruption(tmp_path, clean, monkeypatch):
+    """Tests run as root, for whom chmod 000 changes nothing: os.access is made to answer as it
+    would for another user, which is the one call these checks take permission from."""
+    p = _copy(clean, tmp_path)
+    shard = p / "model-dense-exl3.safetensors"
+    real = os.access
+    denied = {str(p / "config.json"), str(shard), str(p / "tokenizer.json")}
+    monkeypatch.setattr(os, "access", lambda f, mode, *a, **kw: str(f) not in denied and real(f, mode, *a, **kw))
+    rep = _validate(p, clean)
+    cfg, hdr, tok = rep.get("config"), rep.get("headers"), rep.get("tokenizer")
+    assert cfg.status == "fail" and "permission denied" in cfg.found and "chmod a+r" in cfg.fix
+    assert hdr.status == "fail" and "model-dense-exl3.safetensors: permission denied" in hdr.found
+    assert "chmod a+r" in hdr.fix and "re-download" not in hdr.fix
+    assert tok.status == "fail" and "permission denied" in tok.found and "chmod a+r" in tok.fix
+    denied.add(str(p))
+    rep = _validate(p, clean)
+    f = rep.get("pack-dir")
+    assert f.status == "fail" and f.found == f"{p}: permission denied" and "chmod a+rx" in f.fix
