@@ -194,12 +194,32 @@ def test_port_in_use_fails():
         s.close()
 
 
-def test_core_dumps_on_a_native_seat_warn(monkeypatch):
+def test_core_dumps_in_this_shell_are_no_warning_when_up_turns_them_off(monkeypatch, tmp_path):
+    """A native seat's processes get a core limit of 0 from `up` (runtime.core_dumps false), so
+    this shell's `ulimit -c unlimited` is no reason to warn; with core_dumps on, the row says where
+    the cores land."""
     import resource
+    import subprocess
+    import sys
 
+    from dsv4serve import supervisor
+    from dsv4serve.launch import LaunchSpec
+
+    real = resource.getrlimit
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     r = _st(_machine(load_profile("cpu-demo")), "core-dumps")
-    assert r.status == "warn" and "ulimit -c unlimited" in r.found and "ulimit -c 0" in r.fix
+    assert r.status == "ok" and "ulimit -c unlimited here; `up` sets 0" in r.found and not r.fix
+    r = _st(_machine(load_profile("cpu-demo", ["runtime.core_dumps=true"])), "core-dumps")
+    assert r.status == "ok" and "cores land" in r.found
+    monkeypatch.setattr(resource, "getrlimit", real)
+    # what the row relies on: the child up spawns has a core limit of 0
+    spec = LaunchSpec(runtime="native", argv=[sys.executable, "-c",
+                                              "import resource; print(resource.getrlimit(resource.RLIMIT_CORE))"],
+                      env={}, vllm_args=[], host="127.0.0.1", port=1, model_path="/x", served_name="x", run_id="t",
+                      run_dir=str(tmp_path))
+    proc = supervisor.spawn(spec, tmp_path / "out.log")
+    assert proc.wait(timeout=30) == 0
+    assert (tmp_path / "out.log").read_text().strip() == "(0, 0)"
 
 
 def test_full_disk_fails(monkeypatch):
@@ -428,9 +448,10 @@ def test_docker_seat_with_patch_root_and_native_seat_check_files(tmp_path):
 class _FakeEndpoint:
     """Stands in for vLLM's OpenAI server; each completion bumps the counters like the plugin."""
 
-    def __init__(self, served: str, run_dir: Path, tp: int):
+    def __init__(self, served: str, run_dir: Path, tp: int, models_doc=None):
         outer = self
         self.completions = 0
+        models = {"data": [{"id": served}]} if models_doc is None else models_doc
 
         class H(BaseHTTPRequestHandler):
             def log_message(self, *a):  # keep pytest output clean
@@ -445,7 +466,7 @@ class _FakeEndpoint:
                 self.wfile.write(body)
 
             def do_GET(self):
-                self._json(200, {"data": [{"id": served}]}) if self.path == "/v1/models" else self._json(404, {})
+                self._json(200, models) if self.path == "/v1/models" else self._json(404, {})
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -485,7 +506,7 @@ def fake_seat(tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "COUNTERS_WAIT_S", 0.6)
     made = []
 
-    def make(profile, log_text, counters=True):
+    def make(profile, log_text, counters=True, models_doc=None):
         tp = profile.vllm.tensor_parallel_size
         run_dir = tmp_path / "run"
         run_dir.mkdir(exist_ok=True)
@@ -495,7 +516,7 @@ def fake_seat(tmp_path, monkeypatch):
                 state.counters_path(run_dir, r).write_text(json.dumps(
                     {"rank": r, "tp": tp, "pid": 200 + r, "kernel": profile.moe.kernel,
                      "calls": {"lna2": 0, "incumbent": 0}, "declines": {}, "layers": 2, "updated": 0, "final": False}))
-        ep = _FakeEndpoint(profile.model.served_name, run_dir, tp)
+        ep = _FakeEndpoint(profile.model.served_name, run_dir, tp, models_doc)
         made.append(ep)
         me = psutil.Process()
         st = state.SeatState(seat=profile.name, run_id="r1", profile=profile.name, profile_digest=profile.digest(),
@@ -525,6 +546,13 @@ def test_live_rows_on_a_healthy_fake_seat(fake_seat):
     assert _st(rep, "kv-cache").found == "4,096 tokens"
     assert "incumbent 3" in _st(rep, "counters").found
     assert ep.completions == 1
+
+
+@pytest.mark.parametrize("doc", [[{"id": "x"}], {"data": "x"}, "hello"])
+def test_a_server_that_is_not_vllm_on_the_port_is_named_not_a_crash(fake_seat, doc):
+    rep, _ = fake_seat(load_profile("cpu-demo"), _log(2), models_doc=doc)
+    r = _st(rep, "endpoint", "live")
+    assert r.status == "fail" and r.found.startswith("/v1/models answers ") and "another server" in r.fix, r
 
 
 def test_live_rows_find_what_is_wrong(fake_seat):

@@ -14,6 +14,7 @@ here has a timeout and no check raises: a broken probe is a row, not a traceback
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import resource
 import shutil
@@ -416,16 +417,17 @@ def _core_dumps(rep: Report, ctx: Ctx) -> None:
         rep.add("machine", "core-dumps", "ok", f"ulimit -c 0 ({where})", "off")
         return
     lim = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    if not p.runtime.core_dumps:  # up gives the seat's processes a core limit of 0 whatever this shell has
+        rep.add("machine", "core-dumps", "ok", f"ulimit -c {lim} here; `up` sets 0 for the seat's processes ({where})",
+                "off (runtime.core_dumps false)")
+        return
     if pattern.startswith("|"):
         target = Path("/var/lib/systemd/coredump") if "systemd-coredump" in pattern else Path("/var/crash")
     else:
         target = Path(pattern).parent if "/" in pattern else home.runs_dir()
     du = shutil.disk_usage(_nearest_existing(target))
-    status = "warn" if not p.runtime.core_dumps else "ok"
-    rep.add("machine", "core-dumps", status, f"ulimit -c {lim}; cores land {where} ({_gib(du.free)} free there)",
-            "off (ulimit -c 0)" if not p.runtime.core_dumps else "on (runtime.core_dumps)",
-            "" if status == "ok" else f"run `ulimit -c 0` before `up`: one crashed seat wrote {CORE_DUMP_GIB} GB of "
-            "cores (trap 5)")
+    rep.add("machine", "core-dumps", "ok", f"ulimit -c {lim}; cores land {where} ({_gib(du.free)} free there)",
+            "on (runtime.core_dumps)")
 
 
 def _port(rep: Report, ctx: Ctx) -> None:
@@ -983,11 +985,18 @@ def _endpoint(rep: Report, ctx: Ctx) -> None:
     try:
         r = httpx.get(f"{st.base_url}/v1/models", timeout=10.0)
         r.raise_for_status()
-        ids = [m.get("id") for m in r.json().get("data", [])]
+        doc = r.json()
     except (httpx.HTTPError, ValueError) as e:
         rep.add("live", "endpoint", "fail", f"{st.base_url}/v1/models: {e.__class__.__name__}: {e}",
                 f"lists {ctx.profile.model.served_name}", "the server is not answering: see `dsv4serve status`")
         return
+    items = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(items, list):  # JSON, but not an OpenAI model list: not vLLM
+        rep.add("live", "endpoint", "fail", f"/v1/models answers {json.dumps(doc)[:80]}",
+                f"lists {ctx.profile.model.served_name}", "another server answers on this port: stop it, or check "
+                "vllm.port against the running seat")
+        return
+    ids = [m.get("id") for m in items if isinstance(m, dict)]
     name = ctx.profile.model.served_name
     if name in ids:
         rep.add("live", "endpoint", "ok", f"/v1/models lists {name}", name)
