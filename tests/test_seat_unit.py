@@ -123,6 +123,39 @@ def test_parser_check_leaves_no_env_behind(monkeypatch):
     assert "DSV4SERVE_TEST_FROM_VLLM_IMPORT" not in os.environ
 
 
+def test_dry_run_lists_the_refusal_of_a_running_seat_and_of_a_held_lock(home, monkeypatch):
+    """up refuses a seat that runs (or that another up holds); the dry run said it would go ahead."""
+    import psutil
+
+    monkeypatch.setattr(vllm_args, "validate", lambda args, name="": vllm_args.ParserCheck(True, "x", "accepted"))
+    profile = load_profile("cpu-demo", [f"vllm.port={ports.free_port()}"])
+    assert not any("already running" in r or "held by another" in r for r in seat.dry_run(profile)["up_refuses"])
+    assert not state.seat_dir("cpu-demo").exists()  # the dry run made no lock file
+    me = psutil.Process()
+    state.save(_ready_state(home / "run").model_copy(update={"pid": me.pid, "start_time": me.create_time()}))
+    refuses = seat.dry_run(profile)["up_refuses"]
+    assert any(r.startswith("seat cpu-demo is already running") and "down --profile cpu-demo" in r for r in refuses)
+    state.remove("cpu-demo", "cpu-demo-test")
+    lk = state.acquire("cpu-demo", "up")
+    try:
+        refuses = seat.dry_run(profile)["up_refuses"]
+        assert any(r.startswith("seat cpu-demo is held by another dsv4serve") for r in refuses), refuses
+    finally:
+        lk.release()
+
+
+def test_extra_args_may_not_carry_a_flag_the_profile_owns():
+    """vLLM takes the later of two equal flags: `--port` in extra_args moved the server while
+    readiness probed vllm.port."""
+    from dsv4serve.errors import ProfileError
+
+    for extra, key in ((["--port", "18599"], "port"), (["--port=18599"], "port"), (["-tp", "1"], "tensor_parallel_size"),
+                       (["--no-enable-prefix-caching"], "enable_prefix_caching"), (["-O3"], "compilation_config")):
+        with pytest.raises(ProfileError, match=f"is vllm.{key}'s flag: set vllm.{key} instead"):
+            load_profile("cpu-demo", [f"vllm.extra_args={json.dumps(extra)}"])
+    assert load_profile("cpu-demo", ['vllm.extra_args=["--max-log-len", "10"]']).vllm.extra_args == ["--max-log-len", "10"]
+
+
 # ---------------------------------------------------------------------------------------------
 # status: per-rank MoE call counters in plain text
 

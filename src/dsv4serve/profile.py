@@ -159,6 +159,24 @@ class VllmSection(_Strict):
             raise ValueError("must be between 1 and 65535")
         return v
 
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_not_managed(cls, v: list[str]) -> list[str]:
+        # vLLM takes the last of two equal flags, and only warns: `--port` here would move the
+        # server while readiness, the gates and check-seat read vllm.port (and -tp would change TP
+        # behind the plan's back). A flag with a key of its own must be set through that key.
+        own = {"--" + k.replace("_", "-"): k for k in cls.model_fields if k not in ("extra_args", "allow_public_host")}
+        own.update({"--no-" + f[2:]: k for f, k in list(own.items())})
+        own.update({"-tp": "tensor_parallel_size", "-q": "quantization", "-sc": "speculative_config",
+                    "-cc": "compilation_config"})
+        for a in v:
+            flag = a.split("=", 1)[0]
+            key = own.get(flag) or ("compilation_config" if a.startswith("-O") else None)
+            if key is not None:
+                raise ValueError(f"{flag} is vllm.{key}'s flag: set vllm.{key} instead (vLLM would take the later of "
+                                 "the two, behind the checks' and gates' back)")
+        return v
+
     @field_validator("gpu_memory_utilization")
     @classmethod
     def _util(cls, v: float | None) -> float | None:

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4serve import launch
 from dsv4serve.cli_common import console
 from dsv4serve.profile import Profile, load_profile
+
+if TYPE_CHECKING:
+    from dsv4serve.errors import BadInput
+    from dsv4serve.state import SeatState
 
 
 def load(ref: str, overrides: list[str] | None = None) -> Profile:
@@ -80,9 +84,18 @@ def _up_refusals(profile: Profile, apply_patches: bool = False) -> list[str]:
 
     out = []
     try:
-        state.load(profile.name)  # up refuses to start over a state it cannot read
+        st = state.load(profile.name)  # up refuses to start over a state it cannot read
     except state.UnreadableState as e:
         out.append(e.line())
+        st = None
+    running = _running_refusal(st) if st is not None else None
+    if running is not None:
+        out.append(running.line())
+    if state.seat_dir(profile.name).is_dir():  # no dir, no lock file: nobody can hold it (and a dry run makes none)
+        try:
+            state.acquire(profile.name, "up").release()
+        except BadInput as e:
+            out.append(e.line())
     if profile.patches:
         refusal = patches.launch_refusal(profile, apply_patches)
         if refusal is not None:
@@ -155,6 +168,26 @@ def _say(msg: str, json_events: bool, **event: Any) -> None:
         console.print(msg, highlight=False, markup=False, soft_wrap=True)  # one line each, also in logs
 
 
+def _running_refusal(st: SeatState) -> BadInput | None:
+    """Why `up` may not start over this recorded run (it lives, or docker cannot say its container
+    is gone), or None when the state is stale. Reads only: `up` and its dry run share it."""
+    from dsv4serve import state, stop
+    from dsv4serve.errors import BadInput
+
+    name = st.seat
+    running = state.liveness(st) in ("alive", "unknown") and st.phase != "stopped"
+    if st.runtime == "docker" and st.container_name:
+        exists = stop.container_exists(st.container_name)
+        if exists is None:  # docker cannot answer: the stale run's container may still hold the GPUs
+            return BadInput(f"seat {name}: docker could not say whether container {st.container_name} of run "
+                            f"{st.run_id} is gone", hint="fix docker access (daemon, socket permission), then up again")
+        running = running or exists
+    if running:
+        return BadInput(f"seat {name} is already running (run {st.run_id}, pid {st.pid}, {st.phase}, {st.base_url})",
+                        hint=f"use it, or stop it first: `dsv4serve down --profile {name}`")
+    return None
+
+
 def _clear_if_stale(name: str, json_events: bool) -> None:
     """Refuse a second `up` of a running seat; clear a stale state after saying so."""
     from dsv4serve import state, stop
@@ -163,17 +196,10 @@ def _clear_if_stale(name: str, json_events: bool) -> None:
     st = state.load(name)
     if st is None:
         return
+    refusal = _running_refusal(st)
+    if refusal is not None:
+        raise refusal
     live = state.liveness(st)
-    running = live in ("alive", "unknown") and st.phase != "stopped"
-    if st.runtime == "docker" and st.container_name:
-        exists = stop.container_exists(st.container_name)
-        if exists is None:  # docker cannot answer: the stale run's container may still hold the GPUs
-            raise BadInput(f"seat {name}: docker could not say whether container {st.container_name} of run "
-                           f"{st.run_id} is gone", hint="fix docker access (daemon, socket permission), then up again")
-        running = running or exists
-    if running:
-        raise BadInput(f"seat {name} is already running (run {st.run_id}, pid {st.pid}, {st.phase}, {st.base_url})",
-                       hint=f"use it, or stop it first: `dsv4serve down --profile {name}`")
     why = "its process is gone" if live == "gone" else f"pid {st.pid} now belongs to another process"
     _say(f"clearing the stale state of seat {name} (run {st.run_id}: {why})", json_events, event="stale_cleared",
          run_id=st.run_id, liveness=live)
