@@ -78,10 +78,12 @@ def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, 
 def test_a_file_that_does_not_load_is_not_called_unbuilt(monkeypatch, tmp_path):
     """A truncated or foreign .so where the build goes is there: the error names it and what the
     loader said, not "not built", which would send the user looking for a build that exists."""
-    so = tmp_path / f"{build.MODULE}.so"
+    out = tmp_path / "out"
+    out.mkdir()
+    so = out / f"{build.MODULE}.so"
     so.write_bytes(b"\x7fELF truncated")
-    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(so))
-    monkeypatch.setattr(loader, "default_out", lambda: tmp_path / "none")
+    monkeypatch.delenv("DSV4SERVE_LNA2_EXT", raising=False)
+    monkeypatch.setattr(loader, "default_out", lambda: out)
     monkeypatch.setattr(loader, "_loaded", None)
     with pytest.raises(RuntimeError) as e:
         loader.load()
@@ -89,8 +91,29 @@ def test_a_file_that_does_not_load_is_not_called_unbuilt(monkeypatch, tmp_path):
     assert text.startswith(f"extension does not load ({so} (") and "\n" not in text
     assert text.endswith("rebuild it with `dsv4serve kernel build`")
     so.unlink()
-    with pytest.raises(RuntimeError, match=r"^extension not built \(.*\(missing\); .*\(missing\)\)"):
+    with pytest.raises(RuntimeError, match=r"^extension not built \(.*\(missing\)\)"):
         loader.load()
+
+
+def test_the_build_dsv4serve_lna2_ext_names_is_the_only_one_loaded(monkeypatch, tmp_path):
+    """A typo or a broken copy in DSV4SERVE_LNA2_EXT used to fall back to the default build (or an
+    importable module) without a word: lna2 then ran a build nobody asked for."""
+    default = tmp_path / "default"
+    default.mkdir()
+    (default / f"{build.MODULE}.so").write_bytes(b"\x7fELF default")  # would be tried by a fallback
+    monkeypatch.setattr(loader, "default_out", lambda: default)
+    monkeypatch.setattr(loader, "_loaded", None)
+    tried = []
+    real = loader.importlib.import_module
+    monkeypatch.setattr(loader.importlib, "import_module", lambda name: tried.append(name) or real(name))
+    for target, words in ((tmp_path / "typo.so", "(missing)"), (tmp_path, "(not a file)")):
+        monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(target))
+        with pytest.raises(RuntimeError) as e:
+            loader.load()
+        text = str(e.value)
+        assert text.startswith(f"DSV4SERVE_LNA2_EXT names {target} {words}") and "unset it" in text, text
+        assert str(default) not in text
+    assert build.MODULE not in tried
 
 
 def test_a_build_without_a_function_these_sources_call_is_not_loadable(monkeypatch):
@@ -105,8 +128,10 @@ def test_a_build_without_a_function_these_sources_call_is_not_loadable(monkeypat
 
 
 def test_a_directory_where_the_build_goes_is_not_called_missing(monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(tmp_path))
-    monkeypatch.setattr(loader, "default_out", lambda: tmp_path / "none")
+    so = tmp_path / f"{build.MODULE}.so"
+    so.mkdir()
+    monkeypatch.delenv("DSV4SERVE_LNA2_EXT", raising=False)
+    monkeypatch.setattr(loader, "default_out", lambda: tmp_path)
     monkeypatch.setattr(loader, "_loaded", None)
-    with pytest.raises(RuntimeError, match=rf"^extension does not load \({tmp_path} \(not a file\)\)"):
+    with pytest.raises(RuntimeError, match=rf"^extension does not load \({so} \(not a file\)\)"):
         loader.load()

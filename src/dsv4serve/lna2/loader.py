@@ -16,13 +16,15 @@ _loaded: Any = None
 _error: str | None = None
 
 
+ENV = "DSV4SERVE_LNA2_EXT"
+
+
 def candidates() -> list[Path]:
-    out = []
-    env = os.environ.get("DSV4SERVE_LNA2_EXT")
-    if env:
-        out.append(Path(env))
-    out.append(default_out() / f"{MODULE}.so")
-    return out
+    """The build to load: the one DSV4SERVE_LNA2_EXT names, and only it (a typo or a broken copy
+    there must not quietly give the default build, which the user did not ask for), else the
+    default build."""
+    env = os.environ.get(ENV)
+    return [Path(env)] if env else [default_out() / f"{MODULE}.so"]
 
 
 def load() -> Any:
@@ -54,6 +56,10 @@ def load() -> Any:
         sys.modules.setdefault(MODULE, mod)
         _loaded = mod
         return mod
+    if os.environ.get(ENV):
+        _error = (f"{ENV} names {'; '.join(tried)}: point it at a build (`dsv4serve kernel build --out DIR`), "
+                  f"or unset it to use the default build")
+        raise RuntimeError(_error)
     try:  # e.g. mounted into a container's site-packages
         mod = importlib.import_module(MODULE)
         _loaded = mod
