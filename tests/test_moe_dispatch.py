@@ -291,6 +291,17 @@ def test_sigterm_inside_a_counted_call_writes_the_final_file_without_hanging(tmp
     assert doc["final"] is True and doc["calls"]["lna2"] == 1
 
 
+def test_the_counters_file_is_readable_by_other_users(tmp_path):
+    """A docker seat's workers run as root and write into the host's run dir: a 0600 file read as
+    "no counters from rank N: the plugin did not run" in the user's check-seat."""
+    from dsv4serve.plugin_counters import Counters
+
+    c = Counters(str(tmp_path), rank=0, tp=1, kernel="lna2")
+    c.call("lna2")
+    assert c.write()
+    assert ((tmp_path / "counters-rank0.json").stat().st_mode & 0o777) == 0o644
+
+
 # --- shape declines --------------------------------------------------------------------------------
 
 

@@ -401,3 +401,127 @@ def test_a_record_that_cannot_be_written_restores_every_file(trees: Path, tmp_pa
     if action == "revert":  # the backups the next revert needs are still there
         sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
         assert any((sdir / "backup").rglob("*.py"))
+
+
+# --- session 32's audit: what the patch commands did to trees they should not touch --------------
+
+
+def test_a_docker_profile_without_patch_root_is_refused_not_applied_to_this_host(trees: Path, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """The seat's files live in its image; `patch apply --profile` patched the host's packages and
+    said ok while `up` still refused the profile."""
+    host = make_tree(trees, "vllm-0.32.0", tmp_path)
+    monkeypatch.setattr(patches, "find_root", lambda package, root: host / package if root is None else
+                        (root / package if (root / package).is_dir() else None))
+    before = snapshot(host, patches.load_set("vllm-0.32.0"))
+    for action in ("apply", "status", "revert"):
+        r = _cli(action, "--profile", "8x16gb-380k", "--json")
+        assert r.exit_code == 2, (action, r.output)
+        err = json.loads(r.stdout)["error"]
+        assert "runtime.patch_root is not set for this docker seat" in err["message"] and "docker cp" in err["hint"]
+    assert snapshot(host, patches.load_set("vllm-0.32.0")) == before
+
+
+def test_a_backup_that_cannot_be_written_is_one_line_and_leaves_the_tree(trees: Path, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    before = snapshot(root, pset)
+    real = patches._atomic_write
+
+    def full(path: Path, data: bytes) -> None:
+        if "backup" in path.parts:
+            raise OSError(28, "No space left on device", str(path) + ".x.dsv4tmp")
+        real(path, data)
+
+    monkeypatch.setattr(patches, "_atomic_write", full)
+    r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    err = json.loads(r.stdout)["error"]
+    assert "cannot write the pristine backup" in err["message"] and "nothing in the tree was changed" in err["message"]
+    assert snapshot(root, pset) == before
+
+
+def test_an_os_error_no_path_check_foresaw_is_one_line_not_a_traceback(trees: Path, tmp_path: Path,
+                                                                      isolated_home: Path) -> None:
+    """A stray file where the set's state dir goes (FileExistsError from mkdir): any OSError the
+    commands meet is a one-line failure with a --json document."""
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
+    sdir.parent.mkdir(parents=True)
+    sdir.write_text("stray")
+    r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert json.loads(r.stdout)["error"]["type"] in ("FileExistsError", "NotADirectoryError")
+    assert states(patches.set_status(pset, root)) == ["pristine"] * len(states(patches.set_status(pset, root)))
+
+
+def test_a_revert_of_several_sets_is_all_or_none(trees: Path, tmp_path: Path, monkeypatch) -> None:
+    """apply undid earlier sets when a later one failed; revert left the first set reverted behind
+    an error that said every file was restored."""
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    shutil.copytree(trees / "exllamav3-1.4.5", root, dirs_exist_ok=True)
+    vset, xset = patches.load_set("vllm-0.32.0"), patches.load_set("exllamav3-1.4.5")
+    patches.apply_sets([xset, vset], root)
+    before_v, before_x = snapshot(root, vset), snapshot(root, xset)
+    real = patches._atomic_write
+    v_paths = {root / f.path for f in vset.files}
+
+    def read_only(path: Path, data: bytes) -> None:
+        if path in v_paths:
+            raise OSError(30, "Read-only file system", str(path.parent / ".tmp123.dsv4tmp"))
+        real(path, data)
+
+    monkeypatch.setattr(patches, "_atomic_write", read_only)
+    r = _cli("revert", "--set-name", "exllamav3-1.4.5", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    monkeypatch.setattr(patches, "_atomic_write", real)
+    assert r.exit_code == 1, r.output
+    err = json.loads(r.stdout)["error"]
+    # the target is named, not the temp file beside it, and there is a fix
+    assert err["message"].startswith(f"cannot write {root / vset.files[0].path}: Read-only file system")
+    assert ".dsv4tmp" not in err["message"] and err["hint"]
+    assert snapshot(root, vset) == before_v and snapshot(root, xset) == before_x  # exllamav3 patched again
+
+
+def test_a_symlinked_target_is_refused_not_replaced_by_a_file(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    target = root / pset.files[0].path
+    outside = tmp_path / "outside.py"
+    shutil.copy(target, outside)
+    target.unlink()
+    target.symlink_to(outside)
+    before = outside.read_bytes()
+    with pytest.raises(patches.PatchRefused, match="is a symlink to") as e:
+        patches.apply_set(pset, root)
+    assert "nothing was changed" in e.value.message and "cp --remove-destination" in e.value.hint
+    assert target.is_symlink() and outside.read_bytes() == before
+    assert not (patches.state_dir(pset, patches.find_root(pset.package, root)) / "backup").exists()
+
+
+def test_a_revert_refusal_gives_reverts_fix_not_applys(trees: Path, tmp_path: Path) -> None:
+    pset = patches.load_set("exllamav3-1.4.5")
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    res = patches.apply_set(pset, root)
+    edited = root / pset.files[3].path
+    edited.write_bytes(edited.read_bytes() + b"\n")
+    with pytest.raises(patches.PatchRefused) as e:
+        patches.revert_set(pset, root)
+    hint = e.value.hint
+    assert "patch apply" not in hint and "changed after it was patched" in hint
+    assert f"copy the pristine backup {Path(res.backup_dir) / 'backup' / pset.files[3].path}" in hint
+
+
+def test_a_path_with_brackets_is_printed_as_it_is(trees: Path, tmp_path: Path) -> None:
+    """Rich read "[prod]" in a path as markup: it dropped it from messages, and "[/x]" crashed a
+    successful apply."""
+    for name in ("[prod]", "[/x]"):
+        base = tmp_path / name
+        base.mkdir(parents=True)
+        root = make_tree(trees, "vllm-0.32.0", base)
+        r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root))
+        assert r.exit_code == 0, r.output
+        assert f"in {root};" in " ".join(r.stdout.split()), r.stdout
+        r = _cli("apply", "--set-name", "vllm-0.28.0", "--root", str(root))  # refused: the error names the path
+        assert r.exit_code in (1, 2) and "Traceback" not in r.output

@@ -10,8 +10,9 @@ from typing import Any, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from dsv4serve.errors import EXIT_BAD_INPUT, DsvError
+from dsv4serve.errors import EXIT_BAD_INPUT, EXIT_FAILED, DsvError
 from dsv4serve.jsonout import strict_json
 
 console = Console()
@@ -37,7 +38,8 @@ def report_error(kind: str, message: str, hint: str | None, exit_code: int, *, j
     one JSON document, or as one more event line where the command streams events (`up`), so a
     machine reading stdout never has to parse the human line."""
     line = f"{message}; {hint}" if hint else message
-    err_console.print(f"[bold red]error:[/] {line}", markup=True, highlight=False, soft_wrap=True)
+    # escaped: a path like /srv/[prod]/site is text, not markup (rich dropped it, or raised on "[/x]")
+    err_console.print(f"[bold red]error:[/] {escape(line)}", markup=True, highlight=False, soft_wrap=True)
     if event_lines:
         emit_json_line({"t": round(time.time(), 3), "event": "error", **error_doc(kind, message, hint, exit_code)["error"]})
     elif json_out:
@@ -67,6 +69,13 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
         report_error(type(e).__name__, f"{e.strerror or e}{where}", "fix that path's permissions or type, then retry",
                      EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except OSError as e:
+        # the machine failed the job (a full disk, a read-only mount, a stray file where a dir goes):
+        # one line naming the path, and a --json caller still gets its document
+        where = f": {e.filename}" if e.filename else ""
+        report_error(type(e).__name__, f"{e.strerror or e}{where}", "free space or fix that path, then retry",
+                     EXIT_FAILED, json_out=json_out, event_lines=event_lines)
+        raise typer.Exit(EXIT_FAILED) from None
 
 
 def emit_json(obj: Any) -> None:

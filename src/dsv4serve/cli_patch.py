@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from dsv4serve.cli_common import console, emit_json, handled
@@ -62,6 +63,9 @@ def _targets(profile: Optional[str], set_names: Optional[List[str]], root: Optio
                        hint=f"sets: {', '.join(patches.available_sets()) or 'none'}")
     if profile:
         p = load_profile(profile)
+        refusal = patches.image_refusal(p) if root is None else None
+        if refusal is not None:  # the host's packages are not the seat's: acting on them would say nothing
+            raise refusal
         r = root if root is not None else patches.profile_root(p)
         if not p.patches:
             if action == "status":  # a seat that needs no patches is in the state it wants
@@ -113,15 +117,15 @@ def _render(rows: list[Any], title: str) -> None:
         mine = [r for r in rows if r.set == set_name]
         prefix = _common_dir([r.file for r in mine])
         where = f"in {mine[0].root}/{prefix}" if mine[0].root else f"({mine[0].package} not found)"
-        t = Table(title=f"{title}: {set_name} {where}", title_justify="left")
+        t = Table(title=escape(f"{title}: {set_name} {where}"), title_justify="left")
         t.add_column("file", overflow="fold")
         t.add_column("state", no_wrap=True)
         t.add_column("found", no_wrap=True)
         t.add_column("expected", no_wrap=True)
         t.add_column("fix", overflow="fold", ratio=1)
         for r in mine:
-            t.add_row(r.file[len(prefix):], f"[{_STYLE.get(r.state, '')}]{r.state}[/]", _short(r.found_sha256),
-                      _short(r.expected_sha256), "" if r.state == "patched" else r.fix)
+            t.add_row(escape(r.file[len(prefix):]), f"[{_STYLE.get(r.state, '')}]{r.state}[/]", _short(r.found_sha256),
+                      _short(r.expected_sha256), "" if r.state == "patched" else escape(r.fix))
         console.print(t)
 
 
@@ -131,7 +135,8 @@ def _exit(rows: list[Any], wanted: frozenset[str]) -> None:
 
 def _render_left_out(t: _Targets) -> None:
     for sk in t.skipped:  # soft_wrap: one line per set, whole, for grep
-        console.print(f"[dim]not checked: {sk['set']}: {sk['reason']}[/]", highlight=False, soft_wrap=True)
+        line = escape(f"not checked: {sk['set']}: {sk['reason']}")
+        console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
     if t.note:
         console.print(t.note, highlight=False, soft_wrap=True, markup=False)
 
@@ -168,10 +173,8 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
         t = _targets(profile, set_name, root, action)
         if action == "apply":  # all sets or none: a later set's failure undoes the earlier ones
             results = patches.apply_sets(t.sets, t.root, profile=t.profile)
-        else:
-            patches.check_sets(t.sets, t.root, action, profile=t.profile)
-            for s in t.sets:
-                results.append(patches.revert_set(s, t.root, profile=t.profile))
+        else:  # all sets or none, as apply
+            results = patches.revert_sets(t.sets, t.root, profile=t.profile)
         rows = [row for res in results for row in res.rows]
         wanted = patches.OK_PATCHED if action == "apply" else patches.OK_PRISTINE
         if json_out:
@@ -181,10 +184,11 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
             for res in results:
                 verb = "patched" if action == "apply" else "restored"
                 msg = f"{res.set}: {verb} {len(res.changed)} file(s)" if res.changed else f"{res.set}: nothing to do"
-                console.print(f"{msg} in {res.root}; backups in {res.backup_dir}", highlight=False)
+                console.print(f"{msg} in {res.root}; backups in {res.backup_dir}", highlight=False, markup=False,
+                              soft_wrap=True)
                 if res.rebuild:
-                    console.print(f"[bold yellow]rebuild needed[/] ({', '.join(res.rebuild)}): {res.rebuild_hint}",
-                                  highlight=False)
+                    console.print(f"[bold yellow]rebuild needed[/] ({escape(', '.join(res.rebuild))}): "
+                                  f"{escape(res.rebuild_hint)}", highlight=False)
             _render(rows, f"patch {action}")
     _exit(rows, wanted)
 

@@ -380,14 +380,33 @@ def refuse_unless(rows: list[FileStatus], allowed: frozenset[str], action: str, 
         else:
             detail = ""  # the state says it all ("missing", "package-missing")
         raise PatchRefused(f"{action} {pset.set} refused: {r.file} is {r.state}"
-                           + (f" ({detail})" if detail else "") + "; nothing was changed", hint=r.fix)
+                           + (f" ({detail})" if detail else "") + "; nothing was changed",
+                           hint=r.fix if action == "apply" else _revert_fix(r, pset))
+
+
+def _revert_fix(r: FileStatus, pset: PatchSet) -> str:
+    """What to do when a revert cannot run: r.fix is apply's advice (reinstall, then apply), the
+    opposite of what someone reverting wants."""
+    if r.state == "version-mismatch":
+        return (f"{r.package} {r.installed_version} replaced the files this set patched: there is nothing of "
+                f"{pset.set} to revert")
+    backup = ""
+    if r.root:
+        tree = find_root(pset.package, Path(r.root) if r.root != "this environment" else None)
+        if tree is not None and (state_dir(pset, tree) / "backup" / r.file).is_file():
+            backup = f"copy the pristine backup {state_dir(pset, tree) / 'backup' / r.file} over it, or "
+    if r.state == "modified-unknown":
+        return f"the file was changed after it was patched: {backup}reinstall {r.package}=={pset.version}"
+    return f"{backup}reinstall {r.package}=={pset.version}"
 
 
 def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
     """Write (path, new, old) triples; on any failure restore what was written, then re-raise."""
     done: list[tuple[Path, bytes]] = []
+    current: Path | None = None
     try:
         for path, new, old in targets:
+            current = path
             _atomic_write(path, new)
             done.append((path, old))
     except BaseException as e:
@@ -399,10 +418,22 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
                 failed_restores.append(f"{path}: {re_err}")
         if failed_restores:
             raise JobFailed("patch write failed and the rollback failed too: " + "; ".join(failed_restores)) from e
-        if isinstance(e, OSError):
-            raise JobFailed(f"cannot write {e.filename or 'a target file'}: {e.strerror}; "
-                            "every file of the set was restored") from e
+        if isinstance(e, OSError):  # e.filename is the temp file beside the target, never seen by the user
+            raise JobFailed(f"cannot write {current}: {e.strerror or e}; every file of the set was restored",
+                            hint="fix that path (permissions, a read-only mount, space), then run the command "
+                                 "again") from e
         raise
+
+
+def _refuse_symlinks(targets: list[tuple[Path, bytes, bytes]], action: str, pset: PatchSet, tree: Path) -> None:
+    """Writing by rename replaces a symlinked target with a file (and a revert never brings the
+    link back); writing through it would change a file outside the tree. Neither is asked for."""
+    for path, _, _ in targets:
+        if path.is_symlink():
+            raise PatchRefused(f"{action} {pset.set} refused: {path.relative_to(tree)} is a symlink to "
+                               f"{os.path.realpath(path)}; nothing was changed",
+                               hint=f"replace the link with a copy of its target (cp --remove-destination "
+                                    f"{os.path.realpath(path)} {path}), then run the command again")
 
 
 def _record(sdir: Path, pset: PatchSet, tree: Path, action: str, changed: list[str]) -> None:
@@ -452,8 +483,10 @@ def _set_lock(sdir: Path, pset: PatchSet) -> Iterator[None]:
                         hint="let it finish (or end it), then run the command again") from None
 
 
-def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> SetResult:
-    """Patch every file of `pset` (idempotent); refuse, changing nothing, unless each is pristine or patched."""
+def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None,
+              only: set[str] | None = None) -> SetResult:
+    """Patch every file of `pset` (or only those named in `only`; idempotent); refuse, changing
+    nothing, unless each is pristine or patched."""
     rows = set_status(pset, root, profile=profile)
     tree = _tree_or_refuse(pset, root, rows, "apply")
     sdir = state_dir(pset, tree)
@@ -462,7 +495,7 @@ def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None =
         rows = set_status(pset, root, profile=profile)  # again, under the lock
         refuse_unless(rows, frozenset({"pristine", "patched"}), "apply", pset)
         specs = {f.path: f for f in pset.files}
-        todo = [r for r in rows if r.state == "pristine"]
+        todo = [r for r in rows if r.state == "pristine" and (only is None or str(Path(r.file)) in only)]
         targets: list[tuple[Path, bytes, bytes]] = []
         for r in todo:
             spec = specs[r.file]
@@ -477,10 +510,17 @@ def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None =
                                    f"manifest says {spec.patched_sha256}; nothing was changed",
                                    hint="the set is broken: regenerate the diff or the manifest")
             targets.append((tree / r.file, new, old))
+        _refuse_symlinks(targets, "apply", pset, tree)
         for path, _new, old in targets:  # pristine backups first, so a revert never depends on the diff alone
             backup = sdir / "backup" / path.relative_to(tree)
-            backup.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(backup, old)
+            try:
+                backup.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_write(backup, old)
+            except OSError as e:
+                raise JobFailed(f"apply {pset.set} failed: cannot write the pristine backup {backup}: "
+                                f"{e.strerror or e}; nothing in the tree was changed",
+                                hint=f"free space in (or fix the permissions of) {sdir}, then run the command "
+                                     "again") from None
         _write_all(targets)
         changed = [str(p.relative_to(tree)) for p, _, _ in targets]
         _verify_and_record(targets, sdir, pset, tree, "apply", changed)
@@ -520,6 +560,7 @@ def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None 
                                    f"{sha256_bytes(old)}, not pristine {spec.pristine_sha256}; nothing was changed",
                                    hint=f"reinstall {pset.package}=={pset.version}")
             targets.append((tree / r.file, old, current))
+        _refuse_symlinks(targets, "revert", pset, tree)
         _write_all(targets)
         changed = [str(p.relative_to(tree)) for p, _, _ in targets]
         _verify_and_record(targets, sdir, pset, tree, "revert", changed)
@@ -569,13 +610,22 @@ def patched_in_image(profile: Any) -> bool:
         and profile_root(profile) is None
 
 
+def image_refusal(profile: Any) -> BadInput | None:
+    """Why the profile's patch sets cannot be checked or changed here: a Docker seat without
+    runtime.patch_root has them in its image, and the host's own packages are another tree."""
+    if not patched_in_image(profile):
+        return None
+    return BadInput(f"profile {profile.name}: patch sets {', '.join(profile.patches)} cannot be verified: "
+                    "runtime.patch_root is not set for this docker seat",
+                    hint="copy the image's site-packages out (`docker cp`), set runtime.patch_root to it, "
+                         "then `dsv4serve patch apply --profile ...`; up mounts the patched files from there")
+
+
 def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     """No-op when every file of the profile's sets is patched; apply them when `apply`; else refuse."""
-    if patched_in_image(profile):
-        raise BadInput(f"profile {profile.name}: patch sets {', '.join(profile.patches)} cannot be verified: "
-                       "runtime.patch_root is not set for this docker seat",
-                       hint="copy the image's site-packages out (`docker cp`), set runtime.patch_root to it, "
-                            "then `dsv4serve patch apply --profile ...`; up mounts the patched files from there")
+    refusal = image_refusal(profile)
+    if refusal is not None:
+        raise refusal
     rows = profile_status(profile)
     if all(r.state in OK_PATCHED for r in rows):
         return []
@@ -626,6 +676,30 @@ def apply_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str |
         undo_errors = _undo(done, root, profile)
         if undo_errors:
             raise JobFailed(f"{e}; and undoing the sets applied before it failed: {'; '.join(undo_errors)}",
+                            hint="`dsv4serve patch status` shows each file's state") from e
+        raise
+    return [res for _, res in done]
+
+
+def revert_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str | None = None) -> list[SetResult]:
+    """Revert several sets as one change, as apply_sets applies them: when a later set fails, the
+    files the earlier sets restored in this call are patched again, so a tree is never left half
+    reverted behind an error that says nothing changed."""
+    check_sets(sets, root, "revert", profile=profile)
+    done: list[tuple[PatchSet, SetResult]] = []
+    try:
+        for pset in sets:
+            done.append((pset, revert_set(pset, root, profile=profile)))
+    except BaseException as e:
+        errors = []
+        for pset, res in reversed(done):
+            if res.changed:
+                try:
+                    apply_set(pset, root, profile=profile, only=set(res.changed))
+                except Exception as redo:  # keep redoing the others
+                    errors.append(f"{pset.set}: {redo}")
+        if errors:
+            raise JobFailed(f"{e}; and re-patching the sets reverted before it failed: {'; '.join(errors)}",
                             hint="`dsv4serve patch status` shows each file's state") from e
         raise
     return [res for _, res in done]

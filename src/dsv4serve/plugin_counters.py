@@ -111,7 +111,9 @@ class Counters:
                     self._dirty = False
                 snap = self.snapshot(final)
             try:
-                atomic_write(self.path, json.dumps(snap, sort_keys=True) + "\n")
+                # 0644: a docker seat's workers write as root into the host's run dir, and the
+                # user's status and check-seat must read it (mkstemp alone gives 0600)
+                atomic_write(self.path, json.dumps(snap, sort_keys=True) + "\n", mode=0o644)
             except OSError:
                 # The run dir vanished or the disk is full: counting goes on, the next write
                 # retries. The missing or stale file is what check-seat then reports.
