@@ -561,6 +561,8 @@ def test_live_rows_find_what_is_wrong(fake_seat):
     log = _log(2, ranks=[0], extra=["(Worker_TP1 pid=201) ERROR 12-02 18:00:03 [x.py:1] LNA preflight FAILED"])
     rep, _ = fake_seat(p, log, counters=1)
     assert _st(rep, "marker: dsv4serve plugin ready").status == "fail"
+    # the hint names the seat: `logs` without --profile is refused once a second seat is known
+    assert "`dsv4serve logs --profile cpu-demo --rank 1`" in _st(rep, "marker: dsv4serve plugin ready").fix
     assert _st(rep, "kv-cache").status == "fail"  # 4,096 < 8,192
     forb = _st(rep, "forbidden")
     assert forb.status == "fail" and "LNA preflight FAILED" in forb.found

@@ -386,3 +386,38 @@ def test_gates_that_do_not_compile_are_a_status_row_and_down_still_stops_the_sea
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("timeouts, kv", [({"shutdown_grace_s": None}, 512), ({"shutdown_grace_s": "20"}, 512),
+                                          ({"stall_s": True}, 512), ({}, "512")])
+def test_gates_of_the_wrong_type_are_an_unreadable_state_and_down_still_stops_the_seat(home, timeouts, kv):
+    """A state whose gates.timeouts.shutdown_grace_s is null (hand-edited, another version): `down`
+    crashed on float(None) and left the seat running. Fields status and down read are checked when
+    the state loads, so it is an unreadable row, and down stops the run's tagged processes."""
+    run_id = f"cpu-demo-20261206-000000-{os.getpid() % 9999:04d}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                             env={**os.environ, state.RUN_ID_ENV: run_id,
+                                  "DSV4SERVE_RUN_DIR": str(home / "runs" / run_id)})
+    try:
+        st = make(run_id=run_id, pid=child.pid, pgid=child.pid, start_time=psutil.Process(child.pid).create_time())
+        raw = json.loads(st.model_dump_json())
+        raw["gates"] = {"markers": [], "forbidden": [], "kv_cache_min_tokens": kv,
+                        "timeouts": {"stall_s": 240.0, "total_s": 600.0, "ready_s": 180.0, "shutdown_grace_s": 15.0,
+                                     **timeouts}}
+        state.seat_dir("cpu-demo").mkdir(parents=True)
+        state.state_path("cpu-demo").write_text(json.dumps(raw))
+        with pytest.raises(state.UnreadableState, match="gates"):
+            state.load("cpu-demo")
+        r = cli("status", "--json", home=home, timeout=60)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert json.loads(r.stdout)[0]["phase"] == "unreadable"
+        r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=60)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        seat = json.loads(r.stdout)["seats"][0]
+        assert [p["pid"] for p in seat["signalled"]] == [child.pid] and seat["clean"], seat
+        assert child.wait(timeout=10) is not None
+        assert not state.state_path("cpu-demo").exists()  # set aside, kept
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()

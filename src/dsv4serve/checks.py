@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 from dsv4serve import gpu, home, launch, pack
 from dsv4serve.errors import DsvError, JobFailed
 from dsv4serve.profile import Profile
+from dsv4serve.ranklog import with_seat
 
 GIB = 1024**3
 MIB = 1024**2
@@ -912,7 +913,7 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
         rep.add("live", "log", "fail", f"cannot read {st.log_path}: {e.strerror}", "the seat's log", "")
     _markers_live(rep, ctx, tracker)
     _kv_live(rep, ctx, tracker)
-    _forbidden_live(rep, tracker)
+    _forbidden_live(rep, ctx, tracker)
     _guard(rep, "live", "endpoint", lambda: _endpoint(rep, ctx))
     before = state.read_counters(st.run_dir, st.tp)
     t0 = time.time()
@@ -937,8 +938,10 @@ def _markers_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
         if len(have) >= need:
             rep.add("live", f"marker: {m.text}", "ok", found, f"{need} ranks")
         else:
+            missing = next((r for r in range(tp) if r not in have), "N")
             rep.add("live", f"marker: {m.text}", "fail", found, f"{need} ranks",
-                    "the rank never logged it: the plugin or kernel did not load there (see `dsv4serve logs --rank N`)")
+                    "the rank never logged it: the plugin or kernel did not load there (see "
+                    f"`dsv4serve logs --profile {ctx.seat.seat} --rank {missing}`)")
 
 
 def _kv_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
@@ -962,18 +965,19 @@ def _kv_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
         rep.add("live", "kv-cache", "ok", f"{tokens:,} tokens", exp)
 
 
-def _forbidden_live(rep: Report, tracker: Any) -> None:
+def _forbidden_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
     forb = [f for f in tracker.fatal if f.kind == "forbidden"]
     other = [f for f in tracker.fatal if f.kind != "forbidden"]
     if forb:
         rep.add("live", "forbidden", "fail", f"{len(forb)} lines: {forb[0].stream}: {forb[0].line[:160]}",
-                "none of the profile's forbidden patterns", forb[0].hint or "")
+                "none of the profile's forbidden patterns", with_seat(forb[0].hint, ctx.seat.seat) or "")
     else:
         rep.add("live", "forbidden", "ok", f"none in {tracker.lines:,} log lines", "none of the profile's forbidden patterns")
     if other:
         kinds = sorted({f.kind for f in other})
         rep.add("live", "errors", "warn", f"{len(other)} ({', '.join(kinds)}): {other[0].stream}: {other[0].line[:160]}",
-                "no tracebacks or fatal lines", other[0].hint or "read `dsv4serve logs`")
+                "no tracebacks or fatal lines", with_seat(other[0].hint, ctx.seat.seat) or
+                f"read `dsv4serve logs --profile {ctx.seat.seat}`")
     else:
         rep.add("live", "errors", "ok", "no tracebacks or fatal lines", "")
 

@@ -48,28 +48,54 @@ def nvml(gpu_ids: list[int]) -> dict[str, Any]:
 
 
 def py_spy_dumps(pids: list[int], out: Path, timeout: float = 15.0) -> list[str]:
-    """Stacks of every process of a stalled run (the diagnosis that found the decode deadlock)."""
+    """Stacks of every process of a stalled run (the diagnosis that found the decode deadlock).
+    Called while the processes still run, before the stop: a dump of a killed process is empty.
+    The dumps run side by side, so the seat waits `timeout` for its stop at most, not per process."""
     exe = shutil.which("py-spy")
-    if not exe:
+    if not exe or not pids:
         return []
-    written = []
+    out.mkdir(parents=True, exist_ok=True)
+    running: list[tuple[int, subprocess.Popen]] = []
     for pid in pids:
         try:
-            r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
-        except (OSError, subprocess.TimeoutExpired):
+            running.append((pid, subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)))
+        except OSError:
             continue
-        path = out / f"stacks-{pid}.txt"
-        path.write_text(r.stdout + r.stderr)
-        written.append(path.name)
+    deadline = time.monotonic() + timeout
+    written = []
+    for pid, proc in running:
+        try:
+            text, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            continue
+        try:
+            (out / f"stacks-{pid}.txt").write_text(text or "")
+        except OSError:  # a full disk: the other diagnostics still get their chance
+            continue
+        written.append(f"stacks-{pid}.txt")
     return written
+
+
+def dump_stacks(run_dir: Path, pids: list[int], timeout: float = 15.0) -> list[str]:
+    """py-spy dumps into the run's diagnostics dir (names of the files written; [] without py-spy)."""
+    try:
+        return py_spy_dumps(pids, run_dir / "diagnostics", timeout)
+    except OSError:  # the dir cannot be made (a full disk): diagnostics never mask the failure
+        return []
 
 
 def bundle(run_dir: Path, log_path: Path, *, reason: str, hint: str | None, snapshot: dict[str, Any],
            first_errors: dict[str, str], launch: dict[str, Any], processes: list[dict[str, Any]],
-           gpu_ids: list[int], stall_pids: list[int] | None = None) -> Path:
+           gpu_ids: list[int], stall_pids: list[int] | None = None, stacks: list[str] | None = None) -> Path:
+    """The bundle. `stacks`: the stack dumps already written (dump_stacks, run before the stop);
+    else `stall_pids` are dumped here, which only helps while they still run."""
     d = run_dir / "diagnostics"
     d.mkdir(parents=True, exist_ok=True)
-    stacks = py_spy_dumps(stall_pids, d) if stall_pids else []
+    if stacks is None:
+        stacks = py_spy_dumps(stall_pids, d) if stall_pids else []
     summary = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "reason": reason,

@@ -196,7 +196,8 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
     if not rt.core_dumps:
         argv += ["--ulimit", "core=0"]
     argv += [f"--cap-add={c}" for c in rt.cap_add]
-    argv += ["-p", f"{v.host}:{v.port}:{rt.container_port}"]
+    bare = v.host.strip("[]")
+    argv += ["-p", f"{f'[{bare}]' if ':' in bare else bare}:{v.port}:{rt.container_port}"]  # docker's IPv6 form
     for k, val in env.items():
         argv += ["-e", f"{k}={val}"]
     mounts = [(_expand(m.host, ctx, "runtime.mounts.host"), _expand(m.container, ctx, "runtime.mounts.container"),

@@ -444,6 +444,15 @@ _TAIL_CHECK = 256  # bytes before a checkpoint's offset that must still be there
 _BLOCK = 8 << 20
 
 
+def with_seat(hint: str | None, seat: str) -> str | None:
+    """A hint written where the seat is not known (this module's fatal lines, readiness) names
+    `dsv4serve logs` without --profile, which is refused once a second seat is known: the caller,
+    who knows the seat, puts it in."""
+    if not hint:
+        return hint
+    return re.sub(r"`dsv4serve logs(?![^`]*--profile)", f"`dsv4serve logs --profile {seat}", hint)
+
+
 def read_log(path: str, tp: int, markers: list[str], forbidden: list[str],
              checkpoint: Path | None = None) -> SeatTracker:
     """A tracker fed with a whole log file (for `status`, `down` and diagnostics).

@@ -17,11 +17,15 @@ import psutil
 
 from dsv4serve.errors import JobFailed
 
+# httpx.InvalidURL is no HTTPError: a URL httpx cannot build (an unbracketed IPv6 host once) must
+# read as a failed probe, not escape as a crash of `status` or of the readiness thread.
+HTTP_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+
 
 def health(base_url: str, timeout: float = 3.0) -> bool:
     try:
         return httpx.get(f"{base_url}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
+    except HTTP_ERRORS:
         return False
 
 
@@ -30,7 +34,7 @@ def served_models(base_url: str, timeout: float = 5.0) -> list[str]:
         r = httpx.get(f"{base_url}/v1/models", timeout=timeout)
         r.raise_for_status()
         return [m.get("id", "") for m in r.json().get("data", [])]
-    except (httpx.HTTPError, ValueError) as e:
+    except (*HTTP_ERRORS, ValueError) as e:
         raise JobFailed(f"{base_url}/v1/models did not answer ({type(e).__name__}: {e})") from None
 
 
@@ -51,7 +55,7 @@ def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 1
     t0 = time.monotonic()
     try:
         r = httpx.post(f"{base_url}/v1/chat/completions", json=canary_body(model, canary_cfg), timeout=timeout)
-    except httpx.HTTPError as e:
+    except HTTP_ERRORS as e:
         raise JobFailed(f"canary completion failed: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
         raise JobFailed(f"canary completion returned HTTP {r.status_code}: {r.text[:200]}")

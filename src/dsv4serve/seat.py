@@ -36,7 +36,7 @@ def patch_plan(profile: Profile) -> list[dict[str, Any]]:
 def dry_run(profile: Profile, validate: bool = True, *, apply_patches: bool = False, skip_checks: bool = False,
             foreground: bool = False) -> dict[str, Any]:
     """The plan `up` with the same flags would follow; starts and changes nothing."""
-    from dsv4serve import home
+    from dsv4serve import home, state
 
     run_dir = home.runs_dir() / "<run-id>"
     spec = launch.build(profile, run_id="<run-id>", run_dir=run_dir)
@@ -65,7 +65,7 @@ def dry_run(profile: Profile, validate: bool = True, *, apply_patches: bool = Fa
         "argv": spec.argv,
         "env": spec.env,
         "command": spec.shell(),
-        "endpoint": f"http://{spec.host}:{spec.port}/v1",
+        "endpoint": f"{state.http_base(spec.host, spec.port)}/v1",
         "served_name": spec.served_name,
         "model_path": spec.model_path,
         "patches": patch_plan(profile),

@@ -14,6 +14,7 @@ diagnostics path), so `status` and `logs` still know what happened after the sta
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -77,20 +78,40 @@ class SeatState(BaseModel):
             raise ValueError("gates.markers is not a list of {text, ranks}")
         if not isinstance(v.get("forbidden", []), list):
             raise ValueError("gates.forbidden is not a list")
-        if not isinstance(v.get("timeouts", {}), dict):
+        timeouts = v.get("timeouts", {})
+        if not isinstance(timeouts, dict):
             raise ValueError("gates.timeouts is not a mapping")
+        for key, val in timeouts.items():
+            # `down` takes its grace from here (float(None) was a TypeError that left the seat running)
+            if not _is_seconds(val):
+                raise ValueError(f"gates.timeouts.{key} is {val!r}, not a number of seconds")
+        kv = v.get("kv_cache_min_tokens")
+        if kv is not None and type(kv) is not int:
+            raise ValueError(f"gates.kv_cache_min_tokens is {kv!r}, not a number of tokens")
         return v
 
     @property
     def base_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return http_base(self.host, self.port)
 
     def marker_texts(self) -> list[str]:
         return [m["text"] for m in self.gates.get("markers", [])]
 
     def forbidden(self) -> list[str]:
         return list(self.gates.get("forbidden", []))
+
+
+def _is_seconds(val: Any) -> bool:
+    return type(val) in (int, float) and math.isfinite(val) and val >= 0
+
+
+def http_base(host: str, port: int) -> str:
+    """The URL a client on this machine reaches a server listening on (host, port) by. A wildcard
+    host is reached on loopback; an IPv6 literal goes in brackets (`http://::1:8000` is no URL)."""
+    bare = host.strip("[]")
+    if bare in ("0.0.0.0", "", "::"):
+        bare = "127.0.0.1"
+    return f"http://[{bare}]:{port}" if ":" in bare else f"http://{bare}:{port}"
 
 
 # A seat's name (profiles are held to it too): one plain path component, never "." or ".." (the
@@ -212,13 +233,20 @@ def update(seat: str, run_id: str, **changes: Any) -> SeatState | None:
 
 
 def mark_stopping(seat: str, run_id: str, why: str) -> SeatState | None:
-    """`down` takes the seat: from now on `up` writes nothing to it."""
+    """`down` takes the seat: from now on `up` writes nothing to it.
+
+    A mark that cannot be written (a full disk) is not written, and the stopping state is still
+    returned: the mark is bookkeeping, and a `down` that gave up here would leave the seat running
+    when stopping it is the whole job (an `up` still watching it then sees its processes die)."""
     with _state_lock(seat):
         st = load(seat)
         if st is None or st.run_id != run_id:
             return None
         st = st.model_copy(update={"phase": "stopping", "phase_detail": why})
-        atomic_write(state_path(seat), st.model_dump_json(indent=2))
+        try:
+            atomic_write(state_path(seat), st.model_dump_json(indent=2))
+        except OSError:
+            pass
         return st
 
 
@@ -248,8 +276,14 @@ def remove(seat: str, run_id: str | None = None) -> bool:
             return False
 
 
-def save_last(seat: str, info: dict[str, Any]) -> None:
-    atomic_write(last_path(seat), json.dumps({"at": time.time(), **info}, indent=2, default=str))
+def save_last(seat: str, info: dict[str, Any]) -> bool:
+    """Record the run's ending; False when it could not be written (a full disk). The record is a
+    courtesy for `status` and `logs`: failing to write it must never fail the stop that came first."""
+    try:
+        atomic_write(last_path(seat), json.dumps({"at": time.time(), **info}, indent=2, default=str))
+    except OSError:
+        return False
+    return True
 
 
 def load_last(seat: str) -> dict[str, Any] | None:

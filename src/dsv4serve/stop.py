@@ -44,12 +44,19 @@ def container_exists(name: str) -> bool | None:
     """True/False, or None when the docker CLI cannot say. Only the engine's own "No such ..." answer
     means gone: a failing CLI (no permission on the socket, the daemon down) says nothing about the
     container, and reading it as "gone" would let `down` report a running seat clean."""
+    return container_check(name)[0]
+
+
+def container_check(name: str) -> tuple[bool | None, str]:
+    """container_exists, with what docker said (the reason when it could not say)."""
     r = _docker(["inspect", "--format", "{{.State.Status}}", name], timeout=30)
+    said = (r.get("error") or r.get("out") or "").strip().splitlines()
+    said_last = said[-1] if said else ""
     if r["rc"] is None:
-        return None
+        return None, said_last
     if r["rc"] == 0:
-        return True
-    return False if "no such" in r.get("out", "").lower() else None
+        return True, said_last
+    return (False if "no such" in r.get("out", "").lower() else None), said_last
 
 
 def _docker_stop(exe: str, name: str, grace: float, escalate: Callable[[], bool] | None,
@@ -120,9 +127,10 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     """Stop this run wherever it is; the report says what was stopped and what (if anything) is left."""
     report: dict[str, Any] = {"seat": st.seat, "run_id": st.run_id, "runtime": st.runtime, "grace_s": grace}
     if st.runtime == "docker" and st.container_name:
+        report["container"] = st.container_name
         report["docker"] = stop_container(st.container_name, grace, escalate)
         # True, False, or None when docker could not say: only False counts as stopped
-        report["container_left"] = container_exists(st.container_name)
+        report["container_left"], report["container_check"] = container_check(st.container_name)
     report.update(procs.stop(st, grace, escalate))
     try:
         # status's arguments, so its checkpoint serves here too (the markers change nothing read below)
@@ -138,7 +146,7 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     report["leftovers_failed"] = failed
     ours = {p["pid"] for p in report["signalled"]} | set(st.rank_pids.values()) | {st.pid or -1}
     report["gpu"] = gpu_check(st, ours)
-    host = st.host if st.host not in ("0.0.0.0", "", "::") else "127.0.0.1"
+    host = st.host if st.host.strip("[]") not in ("0.0.0.0", "", "::") else "127.0.0.1"
     report["port_free"] = not ports.in_use(host, st.port)
     report["port_owner"] = None if report["port_free"] else ports.owner(st.port)
     report["clean"] = (not report["remaining"] and not report["unreaped"] and not failed

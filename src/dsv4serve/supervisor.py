@@ -14,22 +14,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from rich.markup import escape
 
 from dsv4serve import procs, readiness, state, stop
 from dsv4serve.cli_common import console, emit_json_line, err_console
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, JobFailed
 from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child
 from dsv4serve.profile import Profile
-from dsv4serve.ranklog import PHASE_LABEL, SeatTracker
+from dsv4serve.ranklog import PHASE_LABEL, SeatTracker, with_seat
 from dsv4serve.state import RUN_ID_ENV, SeatState
 
 POLL_S = 0.2
@@ -49,7 +54,14 @@ READY_SETTLE_S = {"native": 1.0, "docker": 2.0}
 FATAL_SETTLE_S = 2.0
 # How long an `up` whose seat `down` took over waits for down to stop its child before doing it itself.
 TAKEN_OVER_WAIT_S = 120.0
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # Ctrl-C's; each signal exits 128 + its number (Interrupts.exit_code)
+# What a write to a stream that went away raises: OSError (EPIPE, EIO of a closed pty), ValueError (a
+# closed file), and SystemExit, which is how rich answers EPIPE (after pointing stdout at /dev/null).
+OUTPUT_ERRORS = (OSError, ValueError, SystemExit)
+
+
+class StateWriteFailed(JobFailed):
+    """The seat's state could not be written (a full disk): a run it cannot record is stopped."""
 
 
 @dataclass
@@ -97,13 +109,26 @@ class Interrupts:
     `up`, never vLLM directly."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    LABELS = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM",
+              signal.SIGHUP: "SIGHUP (the terminal or session went away)"}
 
     def __init__(self) -> None:
         self.count = 0
+        self.first: int | None = None  # the signal that asked for the teardown
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.count += 1
+        if self.first is None:
+            self.first = signum
+
+    def label(self) -> str:
+        sig = self.first if self.first is not None else signal.SIGINT
+        return self.LABELS.get(sig, signal.Signals(sig).name)
+
+    def exit_code(self) -> int:
+        # the shell's convention for a run ended by a signal: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
+        return 128 + int(self.first if self.first is not None else signal.SIGINT)
 
     def __enter__(self) -> "Interrupts":
         for s in self.SIGNALS:
@@ -126,49 +151,116 @@ class Interrupts:
 # display
 
 
+def _stream_error(e: BaseException) -> str:
+    """What went wrong with a stream, in a few words."""
+    if isinstance(e, SystemExit):
+        return "Broken pipe: its reader is gone"
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    return str(e) or type(e).__name__
+
+
+def _silence(*streams: Any) -> None:
+    """Point a dead stream's descriptor at /dev/null, as rich does on EPIPE: what is still buffered,
+    and Python's flush at exit, then go nowhere instead of failing again (exit 120 with a traceback)."""
+    seen: set[int] = set()
+    for stream in streams:
+        try:
+            fd = stream.fileno()
+            if fd in seen:
+                continue
+            seen.add(fd)
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, fd)
+            finally:
+                os.close(null)
+        except (OSError, ValueError, AttributeError):
+            continue  # no descriptor of its own (a test's StringIO): nothing to point elsewhere
+
+
 class Display:
     """The per-rank table (rich Live on a terminal; event lines and a final table otherwise), or
-    JSON event lines with --json. Everything for humans goes to stdout; errors to stderr."""
+    JSON event lines with --json. Everything for humans goes to stdout; errors to stderr.
+
+    Every write to stdout goes through `_out`: a stdout that went away (a pipe whose reader quit, a
+    terminal that closed) must never raise through the supervisor, which would skip the teardown and
+    leave the seat running with nobody watching. The first failure is kept in `broken`, nothing more
+    is written, and the supervisor stops the seat. The Live table refreshes from `tick` on this
+    thread, not from rich's own thread, so its failures are seen here too."""
 
     def __init__(self, seat: str, tracker: SeatTracker, json_events: bool, t0: float):
         self.seat, self.tracker, self.json, self.t0 = seat, tracker, json_events, t0
         self.live: Any = None
         self.http = "waiting for the API server"
         self._last = 0.0
+        self.broken: str | None = None  # why stdout stopped taking our writes
+
+    def _broke(self, e: BaseException) -> None:
+        if self.broken is None:
+            self.broken = _stream_error(e)
+        console.quiet = True
+        _silence(console.file, sys.stdout)
+
+    def _out(self, write: Callable[..., Any], *args: Any, **kw: Any) -> bool:
+        if self.broken is not None:
+            return False
+        try:
+            write(*args, **kw)
+            return True
+        except OUTPUT_ERRORS as e:
+            self._broke(e)
+            return False
+
+    def say(self, text: str, **kw: Any) -> None:
+        """One line for humans on stdout."""
+        self._out(console.print, text, highlight=False, **kw)
+
+    def line(self, obj: dict[str, Any]) -> None:
+        """One JSON event line on stdout."""
+        self._out(emit_json_line, obj)
 
     def start(self) -> None:
         if not self.json and console.is_terminal:
             from rich.live import Live
 
-            self.live = Live(self.table(time.time()), console=console, refresh_per_second=4, transient=False)
-            self.live.start()
+            live = Live(self.table(time.time()), console=console, auto_refresh=False, transient=False)
+            self.live = live
+            if not self._out(live.start, refresh=True):
+                self._end_live()
+
+    def _end_live(self, final: Any = None) -> None:
+        # always stopped, even on a dead terminal: Live redirects sys.stdout and sys.stderr until then
+        live, self.live = self.live, None
+        try:
+            if final is not None and self.broken is None:
+                live.update(final)
+            live.stop()
+        except OUTPUT_ERRORS as e:
+            self._broke(e)
 
     def stop(self, final: bool = True) -> None:
         now = time.time()
         if self.live is not None:
-            self.live.update(self.table(now))
-            self.live.stop()
-            self.live = None
+            self._end_live(self.table(now))
         elif final and not self.json:
-            console.print(self.table(now))
+            self._out(console.print, self.table(now))
 
     def emit(self, event: dict[str, Any]) -> None:
         """One of our own events (spawn, readiness, ready, failed...)."""
         if self.json:
-            emit_json_line({"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 1), **event})
+            self.line({"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 1), **event})
         elif self.live is None and event.get("say"):
-            console.print(f"{time.time() - self.t0:6.1f} s  {event['say']}", highlight=False, markup=False,
-                          soft_wrap=True)
+            self.say(f"{time.time() - self.t0:6.1f} s  {event['say']}", markup=False, soft_wrap=True)
 
     def events(self, evs: list[dict[str, Any]]) -> None:
         for e in evs:
             if self.json:
-                emit_json_line(e)
+                self.line(e)
             elif self.live is None:
                 line = self._describe(e)
                 if line:
-                    console.print(f"{e.get('elapsed_s', 0):6.1f} s  {line}", highlight=False, markup=False,
-                                  soft_wrap=True)
+                    self.say(f"{e.get('elapsed_s', 0):6.1f} s  {line}", markup=False, soft_wrap=True)
 
     @staticmethod
     def _describe(e: dict[str, Any]) -> str | None:
@@ -191,7 +283,8 @@ class Display:
     def tick(self, now: float) -> None:
         if self.live is not None and now - self._last >= 0.25:
             self._last = now
-            self.live.update(self.table(now))
+            if not self._out(self.live.update, self.table(now), refresh=True):
+                self._end_live()
 
     def table(self, now: float) -> Any:
         from rich.table import Table
@@ -264,6 +357,7 @@ class Supervisor:
         self._probe_started = 0.0
         self._last_state_poll = 0.0
         self._saved: dict[str, Any] = {}
+        self._tearing_down = False  # set once a teardown began: a crash after it must not start another
 
     # -- state ----------------------------------------------------------------------------------
     def _initial_state(self) -> SeatState:
@@ -276,12 +370,25 @@ class Supervisor:
                          supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides)
 
     def _update(self, **changes: Any) -> bool:
-        """Write to the state unless `down` took the seat (then False)."""
-        st = state.update(self.seat, self.spec.run_id, **changes)
+        """Write to the state unless `down` took the seat (then False). StateWriteFailed when it
+        cannot be written (a full disk): the seat cannot be brought up without its record."""
+        try:
+            st = state.update(self.seat, self.spec.run_id, **changes)
+        except OSError as e:
+            # the teardown that follows needs what the state could not take (the pid and group)
+            if self.st is not None:
+                self.st = self.st.model_copy(update=changes)
+            raise self._state_write_failed(e) from None
         if st is None:
             return False
         self.st = st
         return True
+
+    def _state_write_failed(self, e: OSError) -> "StateWriteFailed":
+        where = state.state_path(self.seat)
+        return StateWriteFailed(f"could not write the seat's state {where} ({e.strerror or type(e).__name__})",
+                                hint=f"free space on the filesystem of {where.parent} (`df -h {where.parent}`), "
+                                     "then up again")
 
     def _taken_over(self, now: float) -> bool:
         if now - self._last_state_poll < STATE_POLL_S:
@@ -307,16 +414,23 @@ class Supervisor:
     # -- run ------------------------------------------------------------------------------------
     def run(self) -> Outcome:
         self.st = self._initial_state()
-        state.save(self.st)
-        (self.run_dir / "run.json").write_text(json.dumps(
-            {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
-             "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
-             "log": str(self.log_path)}, indent=2))
+        try:
+            state.save(self.st)
+            (self.run_dir / "run.json").write_text(json.dumps(
+                {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
+                 "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
+                 "log": str(self.log_path)}, indent=2))
+        except OSError as e:
+            # nothing runs yet, and no state of a run that never started may stay behind
+            with contextlib.suppress(OSError, state.UnreadableState):
+                state.remove(self.seat, self.spec.run_id)
+            raise self._state_write_failed(e) from None
         with Interrupts() as intr:
             try:
                 self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
             except OSError as e:
-                state.remove(self.seat, self.spec.run_id)
+                with contextlib.suppress(OSError, state.UnreadableState):
+                    state.remove(self.seat, self.spec.run_id)
                 return self._finish(Outcome(False, EXIT_FAILED, f"could not start {self.spec.argv[0]}: {e.strerror}",
                                             None, 0.0))
             pid = self.proc.pid
@@ -324,21 +438,55 @@ class Supervisor:
             # teardown's reap wait (Popen.poll() stays safe alongside a waiting thread).
             threading.Thread(target=self.proc.wait, name="dsv4serve-reaper", daemon=True).start()
             created = procs_start_time(pid)
-            if not self._update(pid=pid, pgid=pid, start_time=created, phase="starting"):
-                return self._taken_over_outcome(intr)
-            self.display.emit({"event": "spawn", "run_id": self.spec.run_id, "pid": pid, "pgid": pid,
-                               "log": str(self.log_path),
-                               "say": f"started run {self.spec.run_id}: pid {pid} (process group {pid}); "
-                                      f"log {self.log_path}"})
-            self.display.start()
             try:
-                out = self._bring_up(intr)
-            finally:
-                self.display.stop(final=True)
-            if out.ok and self.foreground:
-                self._announce_ready(out)
-                return self._finish(self._attached(intr, out))
+                out = self._supervise(intr, pid, created)
+            except StateWriteFailed as e:
+                out = self._after_crash(intr, Outcome(False, EXIT_FAILED, e.message, e.hint, time.time() - self.t0))
+            except Exception as e:  # noqa: BLE001 - whatever broke in here, the seat must not run on unwatched
+                out = self._after_crash(intr, self._crash_outcome(e))
             return self._finish(out)
+
+    def _supervise(self, intr: Interrupts, pid: int, created: float | None) -> Outcome:
+        if not self._update(pid=pid, pgid=pid, start_time=created, phase="starting"):
+            return self._taken_over_outcome(intr)
+        self.display.emit({"event": "spawn", "run_id": self.spec.run_id, "pid": pid, "pgid": pid,
+                           "log": str(self.log_path),
+                           "say": f"started run {self.spec.run_id}: pid {pid} (process group {pid}); "
+                                  f"log {self.log_path}"})
+        self.display.start()
+        try:
+            out = self._bring_up(intr)
+        finally:
+            self.display.stop(final=True)
+        if out.ok and self.foreground:
+            self._announce_ready(out)
+            return self._attached(intr, out)
+        return out
+
+    def _crash_outcome(self, e: Exception) -> Outcome:
+        """A bug of ours as a failure: the reason names it, the traceback goes into the run dir."""
+        where = self.run_dir / "supervisor-error.txt"
+        try:
+            where.write_text(traceback.format_exc())
+            hint = f"a dsv4serve bug: its traceback is in {where}"
+        except OSError:
+            hint = "a dsv4serve bug"
+        return Outcome(False, EXIT_FAILED, f"dsv4serve failed while watching the seat: {type(e).__name__}: {e}",
+                       hint, time.time() - self.t0)
+
+    def _after_crash(self, intr: Interrupts, out: Outcome) -> Outcome:
+        """Stop the seat after an exception escaped the supervision; a teardown already under way is
+        not started twice: what it left is killed outright."""
+        self.display.stop(final=False)
+        if not self._tearing_down:
+            return self._fail(out, intr)
+        if self.st is not None:
+            with contextlib.suppress(Exception):
+                out.stop_report = stop.stop_run(self.st, 0.0, escalate=intr.escalate)
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return out
 
     def _bring_up(self, intr: Interrupts) -> Outcome:
         self.tail = LogTail(self.log_path)
@@ -351,8 +499,12 @@ class Supervisor:
             self.display.tick(now)
             elapsed = now - self.t0
             if intr.requested:
-                return self._fail(Outcome(False, EXIT_INTERRUPTED, "interrupted (Ctrl-C): the seat was not ready",
-                                          None, elapsed, interrupted=True), intr)
+                return self._fail(Outcome(False, intr.exit_code(), f"interrupted by {intr.label()}: the seat was not "
+                                          "ready", None, elapsed, interrupted=True), intr)
+            if self.display.broken is not None:
+                return self._fail(Outcome(False, EXIT_FAILED, f"{self._output_lost()} while the seat was starting: "
+                                          "stopped it rather than leave it running with nobody watching",
+                                          self._OUTPUT_HINT, elapsed), intr)
             if self._taken_over(now):
                 return self._taken_over_outcome(intr)
             if self.tracker.fatal:
@@ -367,12 +519,12 @@ class Supervisor:
                     return self._fail(self._from_fatal(elapsed), intr)
                 return self._fail(Outcome(False, EXIT_FAILED, f"vLLM exited with code {rc} before the seat was ready "
                                           f"(in phase '{self.tracker.laggard().phase}')",
-                                          "see `dsv4serve logs` for its last lines", elapsed), intr)
+                                          f"see `{self._logs_cmd()}` for its last lines", elapsed), intr)
             dead = self._dead_rank()
             if dead is not None:
                 return self._fail(Outcome(False, EXIT_FAILED, f"rank {dead[0]} (pid {dead[1]}) died while in phase "
                                           f"'{self.tracker.ranks[dead[0]].phase}'",
-                                          f"see `dsv4serve logs --rank {dead[0]}`", elapsed), intr)
+                                          f"see `{self._logs_cmd(dead[0])}`", elapsed), intr)
             if not self._sync_tracker_to_state():
                 return self._taken_over_outcome(intr)
             kv_problem = self._kv_problem(final=False)
@@ -454,8 +606,21 @@ class Supervisor:
         self._probe.start()
 
     def spec_base_url(self) -> str:
-        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "", "::") else self.spec.host
-        return f"http://{host}:{self.spec.port}"
+        return state.http_base(self.spec.host, self.spec.port)
+
+    # -- what the report tells the user to run ----------------------------------------------------
+    _OUTPUT_HINT = ("keep `up`'s output open until it returns: send it to a file (`> up.log`), not into a reader "
+                    "that quits early (`| head`)")
+
+    def _output_lost(self) -> str:
+        return f"stdout went away ({self.display.broken})"
+
+    def _logs_cmd(self, rank: int | str | None = None) -> str:
+        # `logs` without --profile is refused as soon as a second seat is known
+        return f"dsv4serve logs --profile {self.seat}" + (f" --rank {rank}" if rank is not None else "")
+
+    def _seat_hint(self, hint: str | None) -> str | None:
+        return with_seat(hint, self.seat)
 
     # -- gates ----------------------------------------------------------------------------------
     def _missing_markers(self) -> tuple[str, str] | None:
@@ -468,7 +633,7 @@ class Supervisor:
             parts.append(f"marker '{text}' seen on {len(have)} of the {self.need[text]} ranks it needs "
                          f"(ranks {','.join(map(str, have)) or 'none'}); missing on rank {', '.join(map(str, ranks))}")
         return ("; ".join(parts), "the plugin or kernel did not come up on those ranks: "
-                f"`dsv4serve logs --rank {next(iter(missing.values()))[0]}`")
+                f"`{self._logs_cmd(next(iter(missing.values()))[0])}`")
 
     def _kv_problem(self, final: bool) -> tuple[str, str | None] | None:
         want = self.profile.kv_min_tokens()
@@ -479,8 +644,26 @@ class Supervisor:
             return ("vLLM never reported its KV cache size ('KV cache size: N tokens')", None) if final else None
         if kv < want:
             return (f"KV cache holds {kv:,} tokens, below the {want:,} the profile needs (gates.kv_cache_min_tokens)",
-                    f"retry with --set vllm.max_model_len={kv}, or free memory on the seat")
+                    self._kv_hint(kv, want))
         return None
+
+    def _kv_hint(self, kv: int, want: int) -> str:
+        """A fix that can work for this gate: lowering max_model_len moves only a gate that follows
+        it; a fixed number is met by a bigger KV cache or by asking for less."""
+        if self.profile.gpus.ids:
+            more = "give the KV cache more memory (raise vllm.gpu_memory_utilization, or free the seat's GPUs)"
+        else:
+            # the CPU backend's KV cache is VLLM_CPU_KVCACHE_SPACE GiB, whatever max_model_len is
+            cur = self.profile.env.get("VLLM_CPU_KVCACHE_SPACE")
+            try:
+                need = str(math.ceil(float(cur) * want / kv)) if cur and kv > 0 else "<GiB>"
+            except ValueError:
+                need = "<GiB>"
+            more = f"give the KV cache more memory (--set env.VLLM_CPU_KVCACHE_SPACE={need})"
+        if self.profile.gates.kv_cache_min_tokens == "max_model_len":
+            return f"the gate follows vllm.max_model_len: retry with --set vllm.max_model_len={kv}, or {more}"
+        return (f"the gate is a fixed {want:,} tokens (max_model_len does not move it): {more}, or gate on what "
+                f"fits: --set gates.kv_cache_min_tokens={kv}")
 
     def _dead_rank(self) -> tuple[int, int] | None:
         if self.spec.runtime != "native":
@@ -530,6 +713,8 @@ class Supervisor:
         state.save_last(self.seat, {"run_id": self.spec.run_id, "outcome": "ready", "seconds": round(out.seconds, 1),
                                     "log": str(self.log_path), "run_dir": str(self.run_dir)})
         if not self.foreground:
+            # The seat is ready and recorded so: a READY line that cannot be printed any more changes
+            # nothing the exit code and `status` do not already say.
             self._announce_ready(out)
         return out
 
@@ -544,9 +729,9 @@ class Supervisor:
                            "kv_cache_tokens": tr.kv_tokens, "canary": out.readiness.get("canary"),
                            "canary_tokens": out.readiness.get("canary_tokens")})
         if not self.json_events:
-            console.print(f"[bold green]READY[/] seat {self.seat} in {out.seconds:.1f} s: {self.spec_base_url()}/v1 "
-                          f"model {self.spec.served_name}; markers {marks}; KV cache {kv}; canary "
-                          f"{out.readiness.get('canary_tokens')} tokens", highlight=False, soft_wrap=True)
+            self.display.say("[bold green]READY[/] " + escape(
+                f"seat {self.seat} in {out.seconds:.1f} s: {self.spec_base_url()}/v1 model {self.spec.served_name}; "
+                f"markers {marks}; KV cache {kv}; canary {out.readiness.get('canary_tokens')} tokens"), soft_wrap=True)
 
     def _taken_over_outcome(self, intr: Interrupts) -> Outcome:
         """`down` owns the teardown now: reap our child so `down`'s reap wait can finish, write nothing."""
@@ -563,40 +748,63 @@ class Supervisor:
         return Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` before the seat was ready", None,
                        time.time() - self.t0, taken_over=True)
 
+    def _claim(self, why: str) -> bool:
+        """Mark the seat stopping for our own teardown: False when `down` marked it first (the
+        teardown and the story are then its own). A mark that cannot be written (a full disk) or a
+        state that no longer reads does not hold the teardown up: the mark is bookkeeping."""
+        assert self.st is not None
+        try:
+            return state.claim_stop(self.seat, self.st.run_id, why) is not None
+        except (OSError, state.UnreadableState):
+            return True
+
     def _fail(self, out: Outcome, intr: Interrupts) -> Outcome:
-        """Snapshot the processes, stop the seat (SIGKILL on a second Ctrl-C), write the bundle."""
+        """Snapshot the processes (and their stacks on a stall), stop the seat (SIGKILL on a second
+        Ctrl-C), write the bundle. Nothing written to the user, the state or the disk comes between
+        the decision and the stop in a way that could skip it: each of those can fail (stdout gone,
+        disk full) and is only ever reported."""
         from dsv4serve import diagnostics
 
+        out.hint = self._seat_hint(out.hint)
         st = self.st
         snapshot_procs = [procs.describe(p) for p in procs.run_processes(st)] if st else []
         # `down` may have caused this very failure (its SIGTERM makes the ranks raise): if it
         # marked the seat first, the teardown and the story are its own.
-        if st is not None and state.claim_stop(self.seat, st.run_id, f"failed: {out.reason[:200]}") is None:
+        if st is not None and not self._claim(f"failed: {out.reason[:200]}"):
             return self._taken_over_outcome(intr)
+        self._tearing_down = True
         self.display.emit({"event": "stopping", "reason": out.reason, "say": f"failed: stopping the seat ({out.reason[:120]})"})
+        stacks = None
+        if out.stalled:
+            # before the stop: py-spy can only dump a process that still runs
+            stacks = diagnostics.dump_stacks(self.run_dir, [p["pid"] for p in snapshot_procs if not p.get("gone")])
         # Still starting: SIGTERM is swallowed, so the short grace (the SIGKILL does the work).
         grace = min(self.t.shutdown_grace_s, stop.STARTUP_GRACE_S)
         rep = stop.stop_run(st, grace, escalate=intr.escalate) if st else None
         out.stop_report = rep
         self._drain()  # the processes are gone: the log is complete, and what it says goes in the report
         tr = self.tracker
-        out.diagnostics = str(diagnostics.bundle(
-            self.run_dir, self.log_path, reason=out.reason, hint=out.hint, snapshot=tr.snapshot(time.time()),
-            first_errors=tr.first_errors(),
-            launch={"argv": self.spec.argv, "env": self.spec.env, "endpoint": self.spec_base_url(),
-                    "runtime": self.spec.runtime, "profile": self.profile.name, "digest": self.profile.digest(),
-                    "overrides": self.overrides},
-            processes=snapshot_procs, gpu_ids=list(self.profile.gpus.ids),
-            stall_pids=[p["pid"] for p in snapshot_procs if not p.get("gone")] if out.stalled else None))
+        try:
+            out.diagnostics = str(diagnostics.bundle(
+                self.run_dir, self.log_path, reason=out.reason, hint=out.hint, snapshot=tr.snapshot(time.time()),
+                first_errors=tr.first_errors(),
+                launch={"argv": self.spec.argv, "env": self.spec.env, "endpoint": self.spec_base_url(),
+                        "runtime": self.spec.runtime, "profile": self.profile.name, "digest": self.profile.digest(),
+                        "overrides": self.overrides},
+                processes=snapshot_procs, gpu_ids=list(self.profile.gpus.ids), stacks=stacks))
+        except OSError:
+            out.diagnostics = None  # a full disk: the failure itself is still reported
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        if rep is None or rep["clean"]:
-            state.remove(self.seat, self.spec.run_id)
-        else:
-            self._force_update(phase="failed", phase_detail=f"{out.reason[:200]} (teardown left processes)")
+        with contextlib.suppress(OSError, state.UnreadableState):
+            if rep is None or rep["clean"]:
+                state.remove(self.seat, self.spec.run_id)
+            else:
+                self._force_update(phase="failed", phase_detail=f"{out.reason[:200]} (teardown not clean: "
+                                                                f"{_not_clean(rep, self.seat)[:200]})")
         state.save_last(self.seat, {"run_id": self.spec.run_id, "outcome": "failed", "reason": out.reason,
                                     "hint": out.hint, "diagnostics": out.diagnostics, "log": str(self.log_path),
                                     "run_dir": str(self.run_dir), "clean": bool(rep and rep["clean"])})
@@ -614,7 +822,7 @@ class Supervisor:
         tail = self.tail
         n_fatal = len(self.tracker.fatal)
         if not self.json_events:
-            console.print("attached: Ctrl-C stops the seat (a second Ctrl-C kills it at once)", highlight=False)
+            self.display.say("attached: Ctrl-C stops the seat (a second Ctrl-C kills it at once)")
         while True:
             now = time.time()
             for ln in tail.read():
@@ -622,11 +830,14 @@ class Supervisor:
                 if self.json_events:
                     for e in evs:
                         if e["event"] == "fatal":
-                            emit_json_line(e)
+                            self.display.line(e)
                 else:
-                    console.print(ln, highlight=False, markup=False, soft_wrap=True)
+                    self.display.say(ln, markup=False, soft_wrap=True)
             if intr.requested:
-                return self._stop_attached(intr, "stopped by Ctrl-C", EXIT_OK)
+                return self._stop_attached(intr, f"stopped by {intr.label()}", EXIT_OK)
+            if self.display.broken is not None:
+                return self._stop_attached(intr, f"{self._output_lost()}: stopped the seat rather than leave it "
+                                           "running with nobody watching", EXIT_FAILED, self._OUTPUT_HINT)
             if self._taken_over(now):
                 out = self._taken_over_outcome(intr)
                 out.ok, out.code, out.reason = True, EXIT_OK, "stopped by `dsv4serve down`"
@@ -638,19 +849,20 @@ class Supervisor:
             rc = self.proc.poll() if self.proc else None
             if rc is not None:
                 return self._fail(Outcome(False, EXIT_FAILED, f"vLLM exited with code {rc} after the seat was ready",
-                                          None, now - self.t0), intr)
+                                          f"see `{self._logs_cmd()}` for its last lines", now - self.t0), intr)
             dead = self._dead_rank()
             if dead is not None:
                 return self._fail(Outcome(False, EXIT_FAILED, f"rank {dead[0]} (pid {dead[1]}) died after the seat "
-                                          "was ready", f"see `dsv4serve logs --rank {dead[0]}`", now - self.t0), intr)
+                                          "was ready", f"see `{self._logs_cmd(dead[0])}`", now - self.t0), intr)
             time.sleep(POLL_S)
 
-    def _stop_attached(self, intr: Interrupts, why: str, code: int) -> Outcome:
+    def _stop_attached(self, intr: Interrupts, why: str, code: int, hint: str | None = None) -> Outcome:
         st = self.st
-        if st is None or state.claim_stop(self.seat, st.run_id, why) is None:
+        if st is None or not self._claim(why):
             return self._taken_over_outcome(intr)
+        self._tearing_down = True
         if not self.json_events:
-            console.print(f"stopping seat {self.seat} ({why}; grace {self.t.shutdown_grace_s:.0f} s)", highlight=False)
+            self.display.say(f"stopping seat {self.seat} ({why}; grace {self.t.shutdown_grace_s:.0f} s)")
         rep = stop.stop_run(st, self.t.shutdown_grace_s, escalate=intr.escalate)
         if self.proc is not None:
             try:
@@ -658,46 +870,84 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         if rep["clean"]:
-            state.remove(self.seat, st.run_id)
+            with contextlib.suppress(OSError, state.UnreadableState):
+                state.remove(self.seat, st.run_id)
         state.save_last(self.seat, {"run_id": st.run_id, "outcome": "stopped", "reason": why,
                                     "log": str(self.log_path), "clean": rep["clean"]})
-        return Outcome(rep["clean"], code if rep["clean"] else EXIT_FAILED, why, None, time.time() - self.t0,
-                       stop_report=rep)
+        return Outcome(rep["clean"] and code == EXIT_OK, code if rep["clean"] else EXIT_FAILED, why, hint,
+                       time.time() - self.t0, stop_report=rep)
 
     def _finish(self, out: Outcome) -> Outcome:
         if out.ok or out.code == EXIT_OK:
             if self.json_events and out.stop_report is not None:
-                emit_json_line({"t": round(time.time(), 3), "event": "stopped", "reason": out.reason,
-                                "clean": out.stop_report["clean"]})
+                self.display.line({"t": round(time.time(), 3), "event": "stopped", "reason": out.reason,
+                                   "clean": out.stop_report["clean"]})
             return out
-        report_failure(self.seat, self.tracker, out, self.json_events)
+        report_failure(self.seat, self.tracker, out, self.json_events and self.display.broken is None)
         return out
 
 
+def _not_clean(rep: dict[str, Any], seat: str) -> str:
+    """Why a stop report is not clean, as the fix needs it said."""
+    why = []
+    left = [p.get("pid") for p in rep.get("remaining", [])]
+    if left:
+        why.append(f"LEFT RUNNING: {left}")
+    if rep.get("unreaped"):
+        why.append(f"not reaped yet: {rep['unreaped']}")
+    name = rep.get("container") or "the container"
+    if rep.get("container_left") is True:
+        why.append(f"container {name} is still there: `docker rm -f {name}`, then `dsv4serve down --profile {seat}`")
+    elif "container_left" in rep and rep["container_left"] is None:
+        said = f" (docker: {rep['container_check']})" if rep.get("container_check") else ""
+        why.append(f"docker could not say whether container {name} is gone{said}: check that the docker daemon "
+                   f"runs and lets you in (`docker ps -a --filter name={name}`), then "
+                   f"`dsv4serve down --profile {seat}`")
+    if rep.get("leftovers_failed"):
+        why.append(f"could not remove {', '.join(rep['leftovers_failed'])}")
+    if (rep.get("gpu") or {}).get("ours"):
+        why.append(f"still holding GPU memory: {rep['gpu']['ours']}")
+    if rep.get("port_free") is False and rep.get("port_owner") is None:
+        why.append("the port is still bound by a process that cannot be seen")
+    return "; ".join(why) or "not clean"
+
+
 def report_failure(seat: str, tracker: SeatTracker, out: Outcome, json_events: bool) -> None:
+    """The failure on stderr (as JSON on stdout with --json). Written as far as the streams still
+    take it: the seat is already stopped, and a report that cannot be written must not turn into a
+    traceback (or, with a closed stdout, into a silent exit)."""
     first = tracker.first_errors()
     rep = out.stop_report or {}
     left = [p.get("pid") for p in rep.get("remaining", [])]
+    not_clean = None if out.stop_report is None or rep.get("clean") else _not_clean(rep, seat)
     if json_events:
-        emit_json_line({"t": round(time.time(), 3), "event": "failed", "seat": seat, "reason": out.reason,
-                        "hint": out.hint, "first_errors": first, "diagnostics": out.diagnostics,
-                        "stopped_by_down": out.taken_over, "interrupted": out.interrupted,
-                        "clean": rep.get("clean"), "left_running": left})
-        return
-    err_console.print(f"[bold red]FAILED[/] seat {seat} after {out.seconds:.1f} s: {out.reason}", highlight=False,
-                      soft_wrap=True)
-    for who, line in first.items():
-        err_console.print(f"  first error on {who}: {line}", highlight=False, markup=False, soft_wrap=True)
+        try:
+            emit_json_line({"t": round(time.time(), 3), "event": "failed", "seat": seat, "reason": out.reason,
+                            "hint": out.hint, "first_errors": first, "diagnostics": out.diagnostics,
+                            "stopped_by_down": out.taken_over, "interrupted": out.interrupted,
+                            "clean": rep.get("clean"), "left_running": left,
+                            "container_left": rep.get("container_left"), "not_clean": not_clean})
+            return
+        except OUTPUT_ERRORS:
+            _silence(sys.stdout)  # the human lines below, on stderr, are all that is left
+
+    lines = [f"[bold red]FAILED[/] seat {seat} after {out.seconds:.1f} s: {escape(out.reason)}"]
+    lines += [f"  first error on {who}: {line}" for who, line in first.items()]
     if out.hint:
-        err_console.print(f"  hint: {out.hint}", highlight=False, markup=False, soft_wrap=True)
+        lines.append(f"  hint: {out.hint}")
     if out.stop_report is not None:
-        n = len(rep.get("signalled", []))
-        err_console.print(f"  stopped {n} processes ({len(rep.get('killed', []))} needed SIGKILL), removed "
-                          f"{len(rep.get('leftovers_removed', []))} leftovers; "
-                          + ("nothing left" if rep.get("clean") else f"LEFT RUNNING: {left}"),
-                          highlight=False, markup=False)
+        lines.append(f"  stopped {len(rep.get('signalled', []))} processes ({len(rep.get('killed', []))} needed "
+                     f"SIGKILL), removed {len(rep.get('leftovers_removed', []))} leftovers; "
+                     + ("nothing left" if rep.get("clean") else str(not_clean)))
     if out.diagnostics:
-        err_console.print(f"  diagnostics: {out.diagnostics}", highlight=False, markup=False, soft_wrap=True)
+        lines.append(f"  diagnostics: {out.diagnostics}")
+    for i, line in enumerate(lines):
+        try:
+            # only the first line is markup; the others carry log text that may contain brackets
+            err_console.print(line, highlight=False, markup=i == 0, soft_wrap=True)
+        except OUTPUT_ERRORS:
+            _silence(err_console.file)
+            return
 
 
 def procs_start_time(pid: int) -> float | None:
