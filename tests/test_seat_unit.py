@@ -150,10 +150,13 @@ def test_extra_args_may_not_carry_a_flag_the_profile_owns():
     from dsv4serve.errors import ProfileError
 
     for extra, key in ((["--port", "18599"], "port"), (["--port=18599"], "port"), (["-tp", "1"], "tensor_parallel_size"),
-                       (["--no-enable-prefix-caching"], "enable_prefix_caching"), (["-O3"], "compilation_config")):
+                       (["--no-enable-prefix-caching"], "enable_prefix_caching"),
+                       (["--max_model_len", "8192"], "max_model_len"),
+                       (["--speculative-config.num_speculative_tokens", "5"], "speculative_config")):
         with pytest.raises(ProfileError, match=f"is vllm.{key}'s flag: set vllm.{key} instead"):
             load_profile("cpu-demo", [f"vllm.extra_args={json.dumps(extra)}"])
-    assert load_profile("cpu-demo", ['vllm.extra_args=["--max-log-len", "10"]']).vllm.extra_args == ["--max-log-len", "10"]
+    for fine in (["--max-log-len", "10"], ["-O3"], ["--optimization-level", "3"]):  # -O is optimization_level's
+        assert load_profile("cpu-demo", [f"vllm.extra_args={json.dumps(fine)}"]).vllm.extra_args == fine
 
 
 # ---------------------------------------------------------------------------------------------

@@ -421,3 +421,31 @@ def test_gates_of_the_wrong_type_are_an_unreadable_state_and_down_still_stops_th
         if child.poll() is None:
             child.kill()
         child.wait()
+
+
+def test_a_reader_that_quits_early_gets_no_error_line(home, tmp_path):
+    """`dsv4serve logs | head -1`: the broken pipe is the reader's choice, not a failure to report
+    ("Broken pipe; free space or fix that path" was printed once OSErrors became one-line errors)."""
+    from .conftest import DSV4SERVE
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "vllm.log").write_text("".join(f"INFO line {i}\n" for i in range(200000)))
+    state.save(make(run_dir=str(tmp_path / "run"), log_path=str(tmp_path / "run" / "vllm.log")))
+    p = subprocess.Popen([*DSV4SERVE, "logs", "--profile", "cpu-demo", "-n", "200000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "DSV4SERVE_HOME": str(home)})
+    assert p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1 and err == "", err
+
+
+def test_lock_held_reads_the_kernels_lock_table_without_taking_the_lock(home):
+    """The dry run asks whether another `up` holds the seat; taking the lock to find out would
+    refuse an `up` that starts in that instant."""
+    assert state.lock_held("cpu-demo") is False  # no seat dir, no lock file
+    lk = state.acquire("cpu-demo", "up")
+    try:
+        assert state.lock_held("cpu-demo") is True
+    finally:
+        lk.release()
+    assert state.lock_held("cpu-demo") is False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -69,6 +70,16 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
         report_error(type(e).__name__, f"{e.strerror or e}{where}", "fix that path's permissions or type, then retry",
                      EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except BrokenPipeError:
+        # our reader went away (`dsv4serve logs | head`): nothing to tell it, and nobody to tell;
+        # stdout goes to /dev/null so Python's flush at exit does not fail again
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+        raise typer.Exit(EXIT_FAILED) from None
     except OSError as e:
         # the machine failed the job (a full disk, a read-only mount, a stray file where a dir goes):
         # one line naming the path, and a --json caller still gets its document

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import shutil
@@ -50,32 +51,33 @@ def nvml(gpu_ids: list[int]) -> dict[str, Any]:
 def py_spy_dumps(pids: list[int], out: Path, timeout: float = 15.0) -> list[str]:
     """Stacks of every process of a stalled run (the diagnosis that found the decode deadlock).
     Called while the processes still run, before the stop: a dump of a killed process is empty.
-    The dumps run side by side, so the seat waits `timeout` for its stop at most, not per process."""
+    The dumps run side by side, each straight into its file, so the seat waits `timeout` for its
+    stop at most, and one py-spy that hangs (a process that cannot be paused) costs only its own."""
     exe = shutil.which("py-spy")
     if not exe or not pids:
         return []
     out.mkdir(parents=True, exist_ok=True)
-    running: list[tuple[int, subprocess.Popen]] = []
+    running: list[tuple[str, subprocess.Popen]] = []
     for pid in pids:
+        name = f"stacks-{pid}.txt"
         try:
-            running.append((pid, subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)))
+            with open(out / name, "w") as f:  # the child keeps its own copy of the descriptor
+                running.append((name, subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=f,
+                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
         except OSError:
             continue
     deadline = time.monotonic() + timeout
     written = []
-    for pid, proc in running:
+    for name, proc in running:
         try:
-            text, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
-            continue
-        try:
-            (out / f"stacks-{pid}.txt").write_text(text or "")
-        except OSError:  # a full disk: the other diagnostics still get their chance
-            continue
-        written.append(f"stacks-{pid}.txt")
+            proc.wait()
+            with contextlib.suppress(OSError):
+                with open(out / name, "a") as f:
+                    f.write(f"\n(py-spy gave no dump within {timeout:.0f} s: stopped)\n")
+        written.append(name)
     return written
 
 

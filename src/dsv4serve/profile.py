@@ -170,8 +170,12 @@ class VllmSection(_Strict):
         own.update({"-tp": "tensor_parallel_size", "-q": "quantization", "-sc": "speculative_config",
                     "-cc": "compilation_config"})
         for a in v:
+            # vLLM reads --max_model_len as --max-model-len, and --speculative-config.x=.. replaces
+            # the whole speculative config: both are the key's flag too
             flag = a.split("=", 1)[0]
-            key = own.get(flag) or ("compilation_config" if a.startswith("-O") else None)
+            if flag.startswith("--"):
+                flag = "--" + flag[2:].split(".", 1)[0].replace("_", "-")
+            key = own.get(flag)
             if key is not None:
                 raise ValueError(f"{flag} is vllm.{key}'s flag: set vllm.{key} instead (vLLM would take the later of "
                                  "the two, behind the checks' and gates' back)")

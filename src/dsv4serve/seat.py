@@ -91,9 +91,9 @@ def _up_refusals(profile: Profile, apply_patches: bool = False) -> list[str]:
     running = _running_refusal(st) if st is not None else None
     if running is not None:
         out.append(running.line())
-    if state.seat_dir(profile.name).is_dir():  # no dir, no lock file: nobody can hold it (and a dry run makes none)
+    if state.lock_held(profile.name):  # read from the lock table: taking the lock here could refuse a real up
         try:
-            state.acquire(profile.name, "up").release()
+            state.acquire(profile.name, "up").release()  # the same refusal up gives, in its words
         except BadInput as e:
             out.append(e.line())
     if profile.patches:

@@ -140,6 +140,20 @@ def lock(seat: str, timeout: float = 0.0) -> FileLock:
     return FileLock(str(d / "seat.lock"), timeout=timeout)
 
 
+def lock_held(seat: str) -> bool:
+    """Whether a process holds the seat's lock, read from the kernel's lock table: a probe that took
+    the lock itself, however briefly, would refuse an `up` starting in that instant (the dry run's
+    case). False where there is no lock file, or no /proc/locks to read."""
+    p = seat_dir(seat) / "seat.lock"
+    try:
+        st = p.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return False
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(inode in line.split() for line in table.splitlines())
+
+
 def acquire(seat: str, what: str) -> FileLock:
     lk = lock(seat)
     try:

@@ -13,6 +13,7 @@ distinct rank), the KV cache holds the profile's minimum, and the canary returne
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -27,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from filelock import Timeout
 from rich.markup import escape
 
 from dsv4serve import procs, readiness, state, stop
 from dsv4serve.cli_common import console, emit_json_line, err_console
-from dsv4serve.errors import EXIT_FAILED, EXIT_OK, JobFailed
+from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
 from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child
 from dsv4serve.profile import Profile
 from dsv4serve.ranklog import PHASE_LABEL, SeatTracker, with_seat
@@ -195,6 +197,10 @@ class Display:
         self.http = "waiting for the API server"
         self._last = 0.0
         self.broken: str | None = None  # why stdout stopped taking our writes
+        # A character stdout's encoding cannot show (a vLLM log line under LANG=C) goes out replaced:
+        # the stream is fine, and taking the error for a lost stdout would stop a healthy seat.
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            console.file.reconfigure(errors="replace")
 
     def _broke(self, e: BaseException) -> None:
         if self.broken is None:
@@ -208,7 +214,11 @@ class Display:
         try:
             write(*args, **kw)
             return True
+        except UnicodeError:
+            return False  # a stream reconfigure could not make tolerant (see __init__): the line is lost, not the seat
         except OUTPUT_ERRORS as e:
+            if isinstance(e, ValueError) and "closed file" not in str(e):
+                raise  # not a stream that went away: a bug of ours, which the supervisor's net reports
             self._broke(e)
             return False
 
@@ -358,6 +368,7 @@ class Supervisor:
         self._last_state_poll = 0.0
         self._saved: dict[str, Any] = {}
         self._tearing_down = False  # set once a teardown began: a crash after it must not start another
+        self._failing: Outcome | None = None  # the failure _fail is stopping the seat for
 
     # -- state ----------------------------------------------------------------------------------
     def _initial_state(self) -> SeatState:
@@ -386,9 +397,16 @@ class Supervisor:
 
     def _state_write_failed(self, e: OSError) -> "StateWriteFailed":
         where = state.state_path(self.seat)
-        return StateWriteFailed(f"could not write the seat's state {where} ({e.strerror or type(e).__name__})",
-                                hint=f"free space on the filesystem of {where.parent} (`df -h {where.parent}`), "
-                                     "then up again")
+        if isinstance(e, Timeout):  # filelock's: another process held the state lock past its wait
+            why, hint = (f"its lock {e.lock_file} stayed held", "check `dsv4serve status` for another dsv4serve on "
+                         "this seat, then up again")
+        elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+            why, hint = (e.strerror or "no space", f"free space on the filesystem of {where.parent} "
+                         f"(`df -h {where.parent}`), then up again")
+        else:
+            why, hint = (e.strerror or type(e).__name__, f"fix {where.parent} (permissions, a read-only mount), "
+                         "then up again")
+        return StateWriteFailed(f"could not write the seat's state {where} ({why})", hint=hint)
 
     def _taken_over(self, now: float) -> bool:
         if now - self._last_state_poll < STATE_POLL_S:
@@ -440,7 +458,7 @@ class Supervisor:
             created = procs_start_time(pid)
             try:
                 out = self._supervise(intr, pid, created)
-            except StateWriteFailed as e:
+            except DsvError as e:  # a state that cannot be written or read: its own words, not "a bug"
                 out = self._after_crash(intr, Outcome(False, EXIT_FAILED, e.message, e.hint, time.time() - self.t0))
             except Exception as e:  # noqa: BLE001 - whatever broke in here, the seat must not run on unwatched
                 out = self._after_crash(intr, self._crash_outcome(e))
@@ -480,12 +498,22 @@ class Supervisor:
         self.display.stop(final=False)
         if not self._tearing_down:
             return self._fail(out, intr)
+        first = self._failing  # what the teardown that broke was stopping the seat for
+        if first is not None:
+            first.hint = "; ".join(x for x in (first.hint, f"and the teardown then failed: {out.reason}") if x)
+            out = first
         if self.st is not None:
             with contextlib.suppress(Exception):
                 out.stop_report = stop.stop_run(self.st, 0.0, escalate=intr.escalate)
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):  # as _fail ends: no stale "stopping" seat, and a last run
+            if out.stop_report is None or out.stop_report.get("clean"):
+                state.remove(self.seat, self.spec.run_id)
+            state.save_last(self.seat, {"run_id": self.spec.run_id, "outcome": "failed", "reason": out.reason,
+                                        "hint": out.hint, "log": str(self.log_path), "run_dir": str(self.run_dir),
+                                        "clean": bool(out.stop_report and out.stop_report.get("clean"))})
         return out
 
     def _bring_up(self, intr: Interrupts) -> Outcome:
@@ -766,6 +794,7 @@ class Supervisor:
         from dsv4serve import diagnostics
 
         out.hint = self._seat_hint(out.hint)
+        self._failing = out
         st = self.st
         snapshot_procs = [procs.describe(p) for p in procs.run_processes(st)] if st else []
         # `down` may have caused this very failure (its SIGTERM makes the ranks raise): if it
