@@ -276,11 +276,9 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     else:
         rep.add("symlinks", "ok", "no symlinks")
     _shard_count(rep, files, expect_shards)
-    if weight_map == {}:
-        rep.add("unindexed-files", "n/a", "the index is unreadable (see index)", "", "checked once the index is rebuilt")
     stray: list[str] = []
     if weight_map == {}:  # unreadable (already a failure): nothing to compare the files with
-        pass
+        rep.add("unindexed-files", "n/a", "the index is unreadable (see index)", "", "checked once the index is rebuilt")
     elif weight_map is not None:
         stray = [n for n in on_disk if n not in set(files)]
         if stray:
