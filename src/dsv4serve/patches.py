@@ -667,52 +667,43 @@ def apply_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str |
     later set fails (a refusal found under its lock, a write error) the files the earlier sets
     changed in this call are reverted, so the trees are never left half patched. Files that were
     already patched on entry stay patched."""
-    check_sets(sets, root, "apply", profile=profile)
-    done: list[tuple[PatchSet, SetResult]] = []
-    try:
-        for pset in sets:
-            done.append((pset, apply_set(pset, root, profile=profile)))
-    except BaseException as e:
-        undo_errors = _undo(done, root, profile)
-        if undo_errors:
-            raise JobFailed(f"{e}; and undoing the sets applied before it failed: {'; '.join(undo_errors)}",
-                            hint="`dsv4serve patch status` shows each file's state") from e
-        raise
-    return [res for _, res in done]
+    return _all_or_none(sets, root, profile, "apply")
 
 
 def revert_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str | None = None) -> list[SetResult]:
     """Revert several sets as one change, as apply_sets applies them: when a later set fails, the
     files the earlier sets restored in this call are patched again, so a tree is never left half
     reverted behind an error that says nothing changed."""
-    check_sets(sets, root, "revert", profile=profile)
+    return _all_or_none(sets, root, profile, "revert")
+
+
+def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, action: str) -> list[SetResult]:
+    check_sets(sets, root, action, profile=profile)
+    do = apply_set if action == "apply" else revert_set
     done: list[tuple[PatchSet, SetResult]] = []
     try:
         for pset in sets:
-            done.append((pset, revert_set(pset, root, profile=profile)))
+            done.append((pset, do(pset, root, profile=profile)))
     except BaseException as e:
-        errors = []
-        for pset, res in reversed(done):
-            if res.changed:
-                try:
-                    apply_set(pset, root, profile=profile, only=set(res.changed))
-                except Exception as redo:  # keep redoing the others
-                    errors.append(f"{pset.set}: {redo}")
+        errors = _undo(done, root, profile)
         if errors:
-            raise JobFailed(f"{e}; and re-patching the sets reverted before it failed: {'; '.join(errors)}",
+            what = "undoing the sets applied" if action == "apply" else "re-patching the sets reverted"
+            raise JobFailed(f"{e}; and {what} before it failed: {'; '.join(errors)}",
                             hint="`dsv4serve patch status` shows each file's state") from e
         raise
     return [res for _, res in done]
 
 
 def _undo(done: list[tuple[PatchSet, SetResult]], root: Path | None, profile: str | None) -> list[str]:
-    """Revert exactly the files each (set, result) changed, last set first; the errors, if any."""
+    """Take back exactly the files each (set, result) changed, last set first (an apply's by
+    reverting them, a revert's by patching them again); the errors, if any."""
     errors = []
     for pset, res in reversed(done):
         if not res.changed:
             continue
+        back = revert_set if res.action == "apply" else apply_set
         try:
-            revert_set(pset, root, profile=profile, only=set(res.changed))
+            back(pset, root, profile=profile, only=set(res.changed))
         except Exception as e:  # keep undoing the others
             errors.append(f"{pset.set}: {e}")
     return errors
