@@ -23,7 +23,7 @@ from dsv4serve import state
 from .conftest import FAKES, assert_nothing_left, load_state
 from .test_state import make
 from .test_supervisor_docker import fake  # noqa: F401 - the fixture
-from .test_up_output_and_signals import MARKER_LINE, read_until, spawn_info
+from .test_up_output_and_signals import MARKER_LINE, read_until, reaped, spawn_info
 
 SHIM = """
 import errno, os, sys
@@ -53,17 +53,15 @@ def test_a_full_disk_during_bring_up_stops_the_seat_with_one_line(fake, tmp_path
                  "gates.timeouts.stall_s=120", flag=flag, home=fake.home,
                  env_extra={**fake.env, "FAKE_DOCKER_SCENARIO": "stall"})
     try:
-        lines = read_until(p, "rank 1: loading weights")
-        run_id, log = spawn_info(lines)
-        assert load_state(fake.home, "fake-docker").phase == "starting"
-        flag.touch()  # the disk is full from now on
-        with open(log, "a") as f:  # a marker: the next state write of the bring-up
-            f.write(MARKER_LINE)
-        out, err = p.communicate(timeout=60)
+        with reaped(p):
+            lines = read_until(p, "rank 1: loading weights")
+            run_id, log = spawn_info(lines)
+            assert load_state(fake.home, "fake-docker").phase == "starting"
+            flag.touch()  # the disk is full from now on
+            with open(log, "a") as f:  # a marker: the next state write of the bring-up
+                f.write(MARKER_LINE)
+            out, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
         subprocess.run([str(FAKES / "docker"), "rm", "-f", fake.name], env={**os.environ, **fake.env},
                        capture_output=True, timeout=60)
     assert p.returncode == 1, out + err

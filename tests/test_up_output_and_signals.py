@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,17 @@ def start_up(fake, *extra: str, scenario: str = "stall", **popen) -> subprocess.
     return subprocess.Popen([*DSV4SERVE, "up", "--profile", fake.profile, "--skip-checks", "--no-validate",
                              "--set", "gates.timeouts.stall_s=120", *extra], env=env, stdin=subprocess.DEVNULL,
                             text=True, **popen)
+
+
+@contextmanager
+def reaped(p: subprocess.Popen):
+    """The `up` under test, killed and reaped if an assertion leaves it running."""
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def read_until(p: subprocess.Popen, needle: str, timeout: float = 60) -> list[str]:
@@ -82,8 +94,7 @@ def test_a_closed_stdout_mid_bring_up_stops_the_seat_and_says_so_on_stderr(fake)
     """`up ... | head -4`: the reader quits, the next event cannot be written. `up` used to exit 1
     without a word (rich answers EPIPE with SystemExit) and leave the seat starting, unwatched."""
     for extra in ((), ("--json",)):
-        p = start_up(fake, *extra)
-        try:
+        with reaped(start_up(fake, *extra)) as p:
             lines = read_until(p, "started run " if not extra else '"event":"spawn"')
             run_id, log = spawn_info(lines)
             p.stdout.close()  # the reader is gone
@@ -91,10 +102,6 @@ def test_a_closed_stdout_mid_bring_up_stops_the_seat_and_says_so_on_stderr(fake)
                 f.write(MARKER_LINE)
             err = p.stderr.read()
             assert p.wait(timeout=60) == 1, err
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         assert "Traceback" not in err, err
         assert "FAILED seat fake-docker" in err and "stdout went away (Broken pipe" in err, err
         assert "nothing left" in err, err
@@ -105,33 +112,23 @@ def test_a_closed_stdout_mid_bring_up_stops_the_seat_and_says_so_on_stderr(fake)
 def test_sighup_after_the_reader_left_still_stops_the_seat_and_exits_129(fake):  # noqa: F811
     """The stopping line of the teardown hit the dead pipe before the stop: exit 1, the processes
     running and the state stuck in `stopping` while /health answered."""
-    p = start_up(fake)
-    try:
+    with reaped(start_up(fake)) as p:
         lines = read_until(p, "rank 1: loading weights")  # every event of the fake's start is out
         run_id, _ = spawn_info(lines)
         p.stdout.close()
         p.send_signal(signal.SIGHUP)
         err = p.stderr.read()
         assert p.wait(timeout=60) == 129, err
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert "Traceback" not in err and "interrupted by SIGHUP" in err, err
     last = assert_seat_gone(fake, run_id)
     assert "SIGHUP" in last["reason"] and "Ctrl-C" not in last["reason"], last
 
 
 def test_sigterm_during_bring_up_is_named_and_exits_143(fake):  # noqa: F811
-    p = start_up(fake)
-    try:
+    with reaped(start_up(fake)) as p:
         run_id, _ = spawn_info(read_until(p, "started run "))
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 143, err
     assert "interrupted by SIGTERM: the seat was not ready" in err and "Ctrl-C" not in err, err
     last = assert_seat_gone(fake, run_id)
@@ -145,23 +142,21 @@ def test_foreground_on_a_terminal_that_closes_stops_the_seat(fake):  # noqa: F81
     p = start_up(fake, "--foreground", scenario="ok", stdout=slave, stderr=slave, start_new_session=True)
     os.close(slave)
     seen = b""
-    try:
-        deadline = time.time() + 60
-        while b"attached:" not in seen:
-            assert time.time() < deadline and p.poll() is None, seen.decode(errors="replace")
-            if select.select([master], [], [], 0.5)[0]:
-                seen += os.read(master, 65536)
-        st = load_state(fake.home, "fake-docker")
-        assert st is not None and st.phase == "ready"
-        os.close(master)  # the terminal is gone: every write to it fails with EIO
-        master = None
-        p.send_signal(signal.SIGHUP)  # what the kernel sends the session of a closed terminal
-        assert p.wait(timeout=60) == 0
-    finally:
-        if master is not None:
-            os.close(master)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    with reaped(p):
+        try:
+            deadline = time.time() + 60
+            while b"attached:" not in seen:
+                assert time.time() < deadline and p.poll() is None, seen.decode(errors="replace")
+                if select.select([master], [], [], 0.5)[0]:
+                    seen += os.read(master, 65536)
+            st = load_state(fake.home, "fake-docker")
+            assert st is not None and st.phase == "ready"
+            os.close(master)  # the terminal is gone: every write to it fails with EIO
+            master = None
+            p.send_signal(signal.SIGHUP)  # what the kernel sends the session of a closed terminal
+            assert p.wait(timeout=60) == 0
+        finally:
+            if master is not None:
+                os.close(master)
     last = assert_seat_gone(fake, st.run_id)
     assert last["outcome"] == "stopped" and last["reason"].startswith("stopped by SIGHUP"), last
