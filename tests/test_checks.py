@@ -199,7 +199,6 @@ def test_core_dumps_in_this_shell_are_no_warning_when_up_turns_them_off(monkeypa
     this shell's `ulimit -c unlimited` is no reason to warn; with core_dumps on, the row says where
     the cores land."""
     import resource
-    import subprocess
     import sys
 
     from dsv4serve import supervisor

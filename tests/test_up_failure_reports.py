@@ -144,8 +144,8 @@ def test_the_logs_hint_of_a_failed_up_works_beside_another_seat(fake, tmp_path, 
     ("`dsv4serve logs --profile cpu-demo --rank api`", "`dsv4serve logs --profile cpu-demo --rank api`"),
 ])
 def test_hints_from_the_log_and_the_probe_get_the_seat(tmp_path, hint, want):
-    """ranklog's and readiness's hints are written where the seat is not known."""
-    profile = load_profile("cpu-demo")
-    spec = launch.build(profile, run_id="cpu-demo-20261206-000000-0003", run_dir=tmp_path)
-    sup = supervisor.Supervisor(profile, spec, json_events=True, foreground=False)
-    assert want in sup._seat_hint(hint)
+    """ranklog's and readiness's hints are written where the seat is not known; the supervisor's
+    failure report and check-seat put it in with ranklog.with_seat."""
+    from dsv4serve.ranklog import with_seat
+
+    assert want in with_seat(hint, "cpu-demo")

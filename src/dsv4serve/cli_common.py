@@ -28,6 +28,25 @@ def dir_path(value: str) -> Path:
     return Path(value)
 
 
+def silence(*streams: Any) -> None:
+    """Point a dead stream's descriptor at /dev/null, as rich does on EPIPE: what is still buffered,
+    and Python's flush at exit, then go nowhere instead of failing again (exit 120 with a traceback)."""
+    seen: set[int] = set()
+    for stream in streams:
+        try:
+            fd = stream.fileno()
+            if fd in seen:
+                continue
+            seen.add(fd)
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, fd)
+            finally:
+                os.close(null)
+        except (OSError, ValueError, AttributeError):
+            continue  # no descriptor of its own (a test's StringIO): nothing to point elsewhere
+
+
 def error_doc(kind: str, message: str, hint: str | None, exit_code: int) -> dict[str, Any]:
     """What a `--json` caller gets on stdout when a command refuses or fails."""
     return {"error": {"type": kind, "message": message, "hint": hint, "exit_code": exit_code}}
@@ -71,14 +90,8 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
                      EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except BrokenPipeError:
-        # our reader went away (`dsv4serve logs | head`): nothing to tell it, and nobody to tell;
-        # stdout goes to /dev/null so Python's flush at exit does not fail again
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, sys.stdout.fileno())
-            os.close(null)
-        except (OSError, ValueError):
-            pass
+        # our reader went away (`dsv4serve logs | head`): nothing to tell it, and nobody to tell
+        silence(sys.stdout)
         raise typer.Exit(EXIT_FAILED) from None
     except OSError as e:
         # the machine failed the job (a full disk, a read-only mount, a stray file where a dir goes):

@@ -105,13 +105,18 @@ def _is_seconds(val: Any) -> bool:
     return type(val) in (int, float) and math.isfinite(val) and val >= 0
 
 
-def http_base(host: str, port: int) -> str:
-    """The URL a client on this machine reaches a server listening on (host, port) by. A wildcard
-    host is reached on loopback; an IPv6 literal goes in brackets (`http://::1:8000` is no URL)."""
+def client_host(host: str) -> str:
+    """The address a client on this machine reaches a server listening on `host` by: a wildcard
+    host on loopback, any other as it is (without IPv6 brackets)."""
     bare = host.strip("[]")
-    if bare in ("0.0.0.0", "", "::"):
-        bare = "127.0.0.1"
-    return f"http://[{bare}]:{port}" if ":" in bare else f"http://{bare}:{port}"
+    return "127.0.0.1" if bare in ("0.0.0.0", "", "::") else bare
+
+
+def http_base(host: str, port: int) -> str:
+    """The URL of a server listening on (host, port), for a client on this machine; an IPv6
+    literal goes in brackets (`http://::1:8000` is no URL)."""
+    h = client_host(host)
+    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
 
 
 # A seat's name (profiles are held to it too): one plain path component, never "." or ".." (the

@@ -146,8 +146,7 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     report["leftovers_failed"] = failed
     ours = {p["pid"] for p in report["signalled"]} | set(st.rank_pids.values()) | {st.pid or -1}
     report["gpu"] = gpu_check(st, ours)
-    host = st.host if st.host.strip("[]") not in ("0.0.0.0", "", "::") else "127.0.0.1"
-    report["port_free"] = not ports.in_use(host, st.port)
+    report["port_free"] = not ports.in_use(state.client_host(st.host), st.port)
     report["port_owner"] = None if report["port_free"] else ports.owner(st.port)
     report["clean"] = (not report["remaining"] and not report["unreaped"] and not failed
                        and not report["gpu"].get("ours") and report.get("container_left", False) is False

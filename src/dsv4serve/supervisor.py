@@ -32,7 +32,7 @@ from filelock import Timeout
 from rich.markup import escape
 
 from dsv4serve import procs, readiness, state, stop
-from dsv4serve.cli_common import console, emit_json_line, err_console
+from dsv4serve.cli_common import console, emit_json_line, err_console, silence
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
 from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child
 from dsv4serve.profile import Profile
@@ -162,25 +162,6 @@ def _stream_error(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def _silence(*streams: Any) -> None:
-    """Point a dead stream's descriptor at /dev/null, as rich does on EPIPE: what is still buffered,
-    and Python's flush at exit, then go nowhere instead of failing again (exit 120 with a traceback)."""
-    seen: set[int] = set()
-    for stream in streams:
-        try:
-            fd = stream.fileno()
-            if fd in seen:
-                continue
-            seen.add(fd)
-            null = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(null, fd)
-            finally:
-                os.close(null)
-        except (OSError, ValueError, AttributeError):
-            continue  # no descriptor of its own (a test's StringIO): nothing to point elsewhere
-
-
 class Display:
     """The per-rank table (rich Live on a terminal; event lines and a final table otherwise), or
     JSON event lines with --json. Everything for humans goes to stdout; errors to stderr.
@@ -206,7 +187,7 @@ class Display:
         if self.broken is None:
             self.broken = _stream_error(e)
         console.quiet = True
-        _silence(console.file, sys.stdout)
+        silence(console.file, sys.stdout)
 
     def _out(self, write: Callable[..., Any], *args: Any, **kw: Any) -> bool:
         if self.broken is not None:
@@ -647,9 +628,6 @@ class Supervisor:
         # `logs` without --profile is refused as soon as a second seat is known
         return f"dsv4serve logs --profile {self.seat}" + (f" --rank {rank}" if rank is not None else "")
 
-    def _seat_hint(self, hint: str | None) -> str | None:
-        return with_seat(hint, self.seat)
-
     # -- gates ----------------------------------------------------------------------------------
     def _missing_markers(self) -> tuple[str, str] | None:
         missing = self.tracker.missing_markers(self.need)
@@ -793,7 +771,7 @@ class Supervisor:
         disk full) and is only ever reported."""
         from dsv4serve import diagnostics
 
-        out.hint = self._seat_hint(out.hint)
+        out.hint = with_seat(out.hint, self.seat)
         self._failing = out
         st = self.st
         snapshot_procs = [procs.describe(p) for p in procs.run_processes(st)] if st else []
@@ -958,7 +936,7 @@ def report_failure(seat: str, tracker: SeatTracker, out: Outcome, json_events: b
                             "container_left": rep.get("container_left"), "not_clean": not_clean})
             return
         except OUTPUT_ERRORS:
-            _silence(sys.stdout)  # the human lines below, on stderr, are all that is left
+            silence(sys.stdout)  # the human lines below, on stderr, are all that is left
 
     lines = [f"[bold red]FAILED[/] seat {seat} after {out.seconds:.1f} s: {escape(out.reason)}"]
     lines += [f"  first error on {who}: {line}" for who, line in first.items()]
@@ -975,7 +953,7 @@ def report_failure(seat: str, tracker: SeatTracker, out: Outcome, json_events: b
             # only the first line is markup; the others carry log text that may contain brackets
             err_console.print(line, highlight=False, markup=i == 0, soft_wrap=True)
         except OUTPUT_ERRORS:
-            _silence(err_console.file)
+            silence(err_console.file)
             return
 
 
