@@ -91,13 +91,12 @@ def dump_stacks(run_dir: Path, pids: list[int], timeout: float = 15.0) -> list[s
 
 def bundle(run_dir: Path, log_path: Path, *, reason: str, hint: str | None, snapshot: dict[str, Any],
            first_errors: dict[str, str], launch: dict[str, Any], processes: list[dict[str, Any]],
-           gpu_ids: list[int], stall_pids: list[int] | None = None, stacks: list[str] | None = None) -> Path:
-    """The bundle. `stacks`: the stack dumps already written (dump_stacks, run before the stop);
-    else `stall_pids` are dumped here, which only helps while they still run."""
+           gpu_ids: list[int], stacks: list[str] | None = None) -> Path:
+    """The bundle. `stacks`: the stack dumps already written (dump_stacks, run before the stop,
+    since py-spy can only dump a process that still runs)."""
     d = run_dir / "diagnostics"
     d.mkdir(parents=True, exist_ok=True)
-    if stacks is None:
-        stacks = py_spy_dumps(stall_pids, d) if stall_pids else []
+    stacks = stacks or []
     summary = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "reason": reason,
