@@ -150,15 +150,13 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // 36 is 31 with one partial buffer (a split cluster barrier guards its reuse), two K3 CTAs per SM to
 // eighteen rows; 40 is 36 with arrivals counted per (column slice, row) and each row summed by the unit
 // that completes it; 46 is 40 with a relaxed arrive after the finisher's reads.
-// 56 is 26 with the down tiles decoded into shared memory by the warps that finish no row while the
-// partials land and the finisher runs (one CTA per SM: ~165-175 KB of shared memory at the TP8 slice).
 // (32-35 were session 17's experiments, 37-39 session 18's, 41-44 session 19's, 45 session 20's and
-// 47-49 session 21's, measured and retired: kernels/lna2/NOTES.md, "The variants".)
+// 47-49 session 21's and 56 session 33's, measured and retired: kernels/lna2/NOTES.md, "The variants".)
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
 // copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;
 constexpr int V7_EPI_VARIANT = 26, V7_RCAP_VARIANT = 31, V7_SB_VARIANT = 36, V7_RG_VARIANT = 40;
-constexpr int V7_RLX_VARIANT = 46, V7_PDN_VARIANT = 56;
+constexpr int V7_RLX_VARIANT = 46;
 constexpr int V7_ABLATION_BASE = 17, V7_ABLATIONS = 3;
 inline bool is_ablation(int v) {
     return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) ||
@@ -166,7 +164,7 @@ inline bool is_ablation(int v) {
 }
 inline bool is_cluster_variant(int v) {
     return v == V7_VARIANT || v == V7_BULK_VARIANT || v == V7_PRM_VARIANT || v == V7_FIN_VARIANT || v == V7_EPI_VARIANT ||
-           v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT || v == V7_PDN_VARIANT ||
+           v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT ||
            (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
 // Variant 50 is v4 (the ticket-scheduled v2 kernel at 2 CTAs per SM) with v20's byte-permute state

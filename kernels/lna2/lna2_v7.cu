@@ -56,7 +56,7 @@ __host__ __device__ inline bool geometry(int hidden, int inter, Geo& g) {
 }
 
 struct Dyn7 {
-    int gu, dn, xs, cpart, act, ptr, bar, dec, total;
+    int gu, dn, xs, cpart, act, ptr, bar, total;
 };
 
 // two_buf (variants 21, 26, 31): two partial buffers, used by alternate units (see V7Kernel's FIN
@@ -66,40 +66,20 @@ struct Dyn7 {
 __host__ __device__ inline int partial_rows(bool rcap, int m) { return rcap && m < GR ? m : GR; }
 
 // prow (variant 31): rows per partial buffer (partial_rows).
-// pdn (variant 56): the down tiles, decoded, overlay the gate/up trellis and xs, which are free
-// between the partial sums and the down epilogue; the regions that live across that span (the down
-// trellis they are decoded from, the partials peers read, the activation) come first.
-__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR,
-                                            bool pdn = false) {
+__host__ __device__ inline Dyn7 dyn7_layout(int bits, const Geo& g, int ucap, bool two_buf = false, int prow = GR) {
     const int row = 256 * bits;  // 8 tiles of one k-tile
     Dyn7 d{};
     int off = 0;
-    if (!pdn) {
-        d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
-        d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
-        d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
-        d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
-        d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
-        off = (off + 15) & ~15;
-        d.ptr = off;   off += ucap * 9 * 8;
-        off = (off + 15) & ~15;
-        d.bar = off;   off += (g.kpw + 1) * 8;                 // one per gate/up step, one for down
-        d.total = (off + 15) & ~15;
-        return d;
-    }
-    d.dn = off;    off += 8 * g.nblk * row;
-    d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;
-    d.act = off;   off += 8 * 32 * 2 * 4;
+    d.gu = off;    off += g.kpw * 8 * row;                 // [step][ksub][proj] rows
+    d.dn = off;    off += 8 * g.nblk * row;                // [k-tile of the block][block] rows
+    d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;  // B fragments, later the reduction buffer
+    d.cpart = off; off += (two_buf ? 2 : 1) * 2 * prow * 128 * 4;  // this CTA's gate/up partials [buf][proj][row][128]
+    d.act = off;   off += 8 * 32 * 2 * 4;                  // the unit's activation, B-fragment order
     off = (off + 15) & ~15;
     d.ptr = off;   off += ucap * 9 * 8;
     off = (off + 15) & ~15;
-    d.bar = off;   off += (g.kpw + 1) * 8;
-    off = (off + 15) & ~15;
-    d.gu = off;    off += g.kpw * 8 * row;
-    d.xs = off;    off += 2 * g.kpc * 256 > WARPS * 512 * 4 ? 2 * g.kpc * 256 : WARPS * 512 * 4;
-    d.dec = d.gu;  // [k-tile of the block][block][n-tile][lane] uint4: the tile's A fragment
-    const int dec_end = d.dec + 8 * g.nblk * 8 * 512;
-    d.total = ((off > dec_end ? off : dec_end) + 15) & ~15;
+    d.bar = off;   off += (g.kpw + 1) * 8;                 // one per gate/up step, one for down
+    d.total = (off + 15) & ~15;
     return d;
 }
 
@@ -151,20 +131,11 @@ enum Event7 : int {
 // RLX (variant 46, with SB): the arrive that says "this CTA has read its peers' partials" is relaxed:
 // it guards only a later overwrite (SB's wait) and the exit, and the values read were consumed by
 // then; a release arrive is a GPU-scope MEMBAR (session 20's SASS), paid once per unit.
-// PDN (variant 56, on v26's flags): the down tiles are decoded into shared memory (one A fragment
-// per tile and lane, lo + hi rounded to fp16 as the format does) by the warps that finish no row,
-// between the partials and the finisher's end: at one row seven of eight warps used to wait there
-// (the cluster barrier and warp 0's three Hadamards, ~1.7 us), and the down loop that followed decoded
-// 32 tiles a warp (~2 us). The down loop is then loads and MMAs. The decoded tiles (nblk x 32 KB)
-// overlay the gate/up trellis and xs, so the next unit's gate/up trellis is requested after the
-// down loop instead of before the partials. Its shared memory (~165-175 KB at the TP8 slice) holds
-// one CTA per SM and does not fit a 99 KB sm_120 card: the policy serves it at one row where it fits.
 // Variants measured against these and retired (27, 37-39, 41-45, 47-49), with their commits and
 // figures: kernels/lna2/NOTES.md, "The variants".
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PDN = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false>
 struct V7Kernel {
-    static_assert(!PDN || (FIN && !SB && !RG), "PDN is built on v26's flags: its split barrier is the partials' cluster.sync");
     static_assert(!SB || FIN, "SB's split barrier pairs with the local finisher's arrive, not cluster.sync");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
     static constexpr int TILE = 32 * K;  // bytes per tile
@@ -379,25 +350,6 @@ struct V7Kernel {
         }
     }
 
-    // PDN: down trellis rows first, first + stride, ... (row = k-tile of the block x nblk + block)
-    // decoded into their A fragments, as mma_row would decode them for a non-DUP build.
-    __device__ void predecode_dn(int first, int stride, int w0i, int w1i, int sh, uint32_t par) {
-        constexpr int WPT = 8 * K;
-        const int lane = threadIdx.x & 31;
-        uint4* dec = reinterpret_cast<uint4*>(dyn + D.dec);
-        mbar_wait(bar + g.kpw, par);
-        for (int R = first; R < 8 * g.nblk; R += stride) {
-            const uint32_t* row = reinterpret_cast<const uint32_t*>(dyn + D.dn + R * ROW);
-#pragma unroll 4
-            for (int nt = 0; nt < 8; nt++) {
-                uint32_t st[8];
-                states8<K, PRM>(row[nt * WPT + w0i], row[nt * WPT + w1i], sh, a, st);
-                dec[(R * 8 + nt) * 32 + lane] = make_uint4(decode_pair<CB>(st[0], st[1]), decode_pair<CB>(st[4], st[5]),
-                                                           decode_pair<CB>(st[2], st[3]), decode_pair<CB>(st[6], st[7]));
-            }
-        }
-    }
-
     __device__ void run() {
         cg::cluster_group cluster = cg::this_cluster();
         const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
@@ -407,7 +359,7 @@ struct V7Kernel {
         const int cid = blockIdx.x / C7, ncl = gridDim.x / C7;
         geometry(a.hidden, a.inter, g);  // validated by the launch
         const int prow = partial_rows(RCAP, a.m);  // a group has <= min(GR, m) rows
-        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow, PDN);
+        D = dyn7_layout(K, g, ucap_for(a.n_experts, a.m, a.top_k), FIN && !SB, prow);
         ptr = reinterpret_cast<const void**>(dyn + D.ptr);
         bar = reinterpret_cast<uint64_t*>(dyn + D.bar);
         const LayoutV2 L = make_layout_v2(a.hidden, a.inter);
@@ -507,7 +459,7 @@ struct V7Kernel {
             }
             __syncthreads();  // gate/up trellis and xs are free
             trace(E7_GU_MMA, u);
-            if (!PDN && u + ncl < units) issue_gu(u + ncl);  // PDN: after the down loop (its tiles overlay it)
+            if (u + ncl < units) issue_gu(u + ncl);
             if constexpr (SB) {
                 if (it > 0) cluster_wait();  // every peer has read this CTA's partials of the last unit
             }
@@ -529,18 +481,7 @@ struct V7Kernel {
                 }
             }
             trace(E7_PARTIAL, u);
-            // PDN: the warps that finish no row decode the down tiles while the cluster's partials
-            // land and the finishers run; with a row per warp (eight rows) every warp decodes after its
-            // own row. The tiles overlay xs, whose partial sums every warp has read by the barrier.
-            const int nfin = rows < WARPS ? rows : WARPS;
-            if constexpr (PDN) {
-                __syncthreads();
-                cluster_arrive();
-                if (warp >= nfin) predecode_dn(warp - nfin, WARPS - nfin, w0i, w1i, sh, par);
-                cluster_wait();
-            } else {
-                cluster.sync();  // every CTA's partials are visible cluster-wide
-            }
+            cluster.sync();  // every CTA's partials are visible cluster-wide
             trace(E7_SYNC1, u);
 
             // ---- finisher: row jf's gate and up summed over the cluster in rank order, SwiGLU,
@@ -572,9 +513,6 @@ struct V7Kernel {
                         store_frag_pairs(cluster.map_shared_rank(act, q) + (lane >> 2) * 64, jf, lane, av);
                 }
             }
-            if constexpr (PDN) {
-                if (nfin == WARPS) predecode_dn(warp, WARPS, w0i, w1i, sh, par);
-            }
             if constexpr (FIN) {
                 if (SB || u + ncl >= units) {  // this CTA's reads of its peers' partials are done
                     if constexpr (RLX) cluster_arrive_relaxed();
@@ -589,21 +527,7 @@ struct V7Kernel {
             // ---- down: warp (block bw, k-quarter kq) over kpwd of the block's 8 k-tiles
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-            if constexpr (PDN) {  // the tiles are decoded: A fragments from shared memory
-                const int bw = warp / wpb, kq = warp - bw * wpb;
-                const uint4* dec = reinterpret_cast<const uint4*>(dyn + D.dec);
-                for (int i = 0; i < kpwd; i++) {
-                    const int kt8 = kq * kpwd + i;
-                    uint32_t b[4];
-                    b_frag<CB, false>(*reinterpret_cast<const uint2*>(act + (kt8 * 32 + lane) * 2), b);
-                    const uint4* tile = dec + (kt8 * g.nblk + bw) * 8 * 32 + lane;
-#pragma unroll
-                    for (int nt = 0; nt < 8; nt++) {
-                        const uint4 A = tile[nt * 32];
-                        mma16816(acc[nt], A.x, A.y, A.z, A.w, b[0], b[1]);
-                    }
-                }
-            } else {
+            {
                 const int bw = warp / wpb, kq = warp - bw * wpb;
                 mbar_wait(bar + g.kpw, par);
                 for (int i = 0; i < kpwd; i++) {
@@ -614,12 +538,9 @@ struct V7Kernel {
                                         w0i, w1i, sh, a, acc);
                 }
             }
-            __syncthreads();  // down trellis is free (PDN: and the decoded tiles over gate/up and xs)
+            __syncthreads();  // down trellis is free
             trace(E7_DN_MMA, u);
-            if (u + ncl < units) {
-                if constexpr (PDN) issue_gu(u + ncl);
-                issue_dn(u + ncl);
-            }
+            if (u + ncl < units) issue_dn(u + ncl);
 
             // ---- down epilogue: the block's warps summed in order, back from the Hadamard basis,
             // x svh, one fp32 y row per entry and intermediate block
@@ -719,26 +640,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool PDN = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PDN> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool RLX = false, bool PDN = false>
+          bool SB = false, bool RG = false, bool RLX = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PDN>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PDN>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, PDN>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, PDN>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX>;
     return nullptr;
 }
 
@@ -747,20 +668,19 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, pdn;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx    pdn
-    {V7_VARIANT,      false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false, false},
-    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_PDN_VARIANT,  true,  true,  true,  true,  false, false, false, false, true},
+    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx
+    {V7_VARIANT,      false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
+    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
+    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false},
+    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false},
+    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false},
+    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -770,7 +690,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.pdn>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
@@ -802,7 +722,7 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
 Dyn7 layout_of(int variant, int bits, const Geo& g, int n_experts, int m, int top_k) {
     const Build7* b = build7_of(variant);
     const Build7 f = b ? *b : Build7{};
-    return dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), f.fin && !f.sb, partial_rows(f.rcap, m), f.pdn);
+    return dyn7_layout(bits, g, ucap_for(n_experts, m, top_k), f.fin && !f.sb, partial_rows(f.rcap, m));
 }
 
 int g_spread = 0;  // 0: auto, 1: one CTA per SM, 2: as many as fit (set_tuning's ctas_per_sm)
