@@ -886,7 +886,15 @@ class Supervisor:
 
     def _finish(self, out: Outcome) -> Outcome:
         if out.ok or out.code == EXIT_OK:
-            if self.json_events and out.stop_report is not None:
+            if out.taken_over:
+                # an attached `up` that `down` stopped: say so (it used to exit 0 without a word);
+                # the teardown and its report are `down`'s
+                if self.json_events:
+                    self.display.line({"t": round(time.time(), 3), "event": "stopped", "reason": out.reason,
+                                       "by": "down"})
+                else:
+                    self.display.say(f"seat {self.seat} {out.reason}; the stop report is down's", markup=False)
+            elif self.json_events and out.stop_report is not None:
                 self.display.line({"t": round(time.time(), 3), "event": "stopped", "reason": out.reason,
                                    "clean": out.stop_report["clean"]})
             return out
