@@ -187,9 +187,13 @@ constexpr int V2_KT2_VARIANT = 54;
 // instead of 32, which session 26's profile put at 7 % of TP1's instructions and 13 % of its stall
 // samples (kernels/lna2/NOTES.md, session 28).
 constexpr int V2_KC32_VARIANT = 55;
+// Variant 57 is v55 where each warp rotates its own 128-block of a 32-k-tile chunk (every row of the
+// group) instead of the CTA staging and rotating the chunk between three CTA barriers: the same
+// arithmetic in the same order, so v55's bits (kernels/lna2/NOTES.md, session 33).
+constexpr int V2_WR_VARIANT = 57;
 inline bool variant_known(int v) {
     return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_GRP_VARIANT || v == V2_KT2_VARIANT ||
-           v == V2_KC32_VARIANT ||
+           v == V2_KC32_VARIANT || v == V2_WR_VARIANT ||
            is_cluster_variant(v) || is_ablation(v);
 }
 
