@@ -45,9 +45,9 @@ def _cuda_include() -> Path:
     ("lna2_moe.cu", r"moe_decode_v[01]", 16),
     # ... and v2: K2/K3 x (mcg exact-sum at 3 and 2 CTAs per SM, mcg rounded, mul1), plus the
     # four K2 timing ablations of variant 4, v50's K2 build (byte-permute states), v53's two
-    # (v50's, its rings completed on cp.async groups), v54's two (v53's, two k-tiles a ring row),
-    # v55's two (v54's, 32-k-tile gate/up chunks) and v57's two (v55's, each warp rotating its own block)
-    ("lna2_v2.cu", r"moe_decode_v2", 50),
+    # (v50's, its rings completed on cp.async groups), v54's two (v53's, two k-tiles a ring row) and
+    # v55's two (v54's, 32-k-tile gate/up chunks)
+    ("lna2_v2.cu", r"moe_decode_v2", 46),
     # ... and the cluster kernel: K2/K3 x (mcg exact-sum, mul1) x (v7, v9's bulk copies, v21's
     # local finisher, v26's dealt epilogue, v31's row-capped partials, v36's single partial buffer,
     # v40's per-row arrivals, v46's relaxed arrive), v20's two K2 builds (byte-permute states), the

@@ -185,15 +185,12 @@ constexpr int V2_KT2_VARIANT = 54;
 // Variant 55 is v54 with gate/up chunks of 32 k-tiles where items are many (TP1, and TP8 from ~4
 // rows): the chunk's staging, three CTA barriers and rotation wait are paid per 64 tiles a warp
 // instead of 32, which session 26's profile put at 7 % of TP1's instructions and 13 % of its stall
-// samples (kernels/lna2/NOTES.md, session 28).
+// samples (kernels/lna2/NOTES.md, session 28). (57, session 33's v55 with each warp rotating its own
+// 128-block and no CTA barrier between chunks, was bitwise v55, no faster, and retired: NOTES.md.)
 constexpr int V2_KC32_VARIANT = 55;
-// Variant 57 is v55 where each warp rotates its own 128-block of a 32-k-tile chunk (every row of the
-// group) instead of the CTA staging and rotating the chunk between three CTA barriers: the same
-// arithmetic in the same order, so v55's bits (kernels/lna2/NOTES.md, session 33).
-constexpr int V2_WR_VARIANT = 57;
 inline bool variant_known(int v) {
     return (v >= 0 && v <= 4) || v == 6 || v == V2_PRM_VARIANT || v == V2_GRP_VARIANT || v == V2_KT2_VARIANT ||
-           v == V2_KC32_VARIANT || v == V2_WR_VARIANT ||
+           v == V2_KC32_VARIANT ||
            is_cluster_variant(v) || is_ablation(v);
 }
 

@@ -190,17 +190,10 @@ enum Event : int {  // trace events (Args::trace); the ticket rides in the upper
 // runs four ring rows between two chunk stagings instead of two (variant 55). Each warp's k-tiles
 // change (eight consecutive of a 32-tile chunk instead of four of a 16-tile one), so its bits are
 // not v54's.
-// WR (with KC32): where a chunk is 32 k-tiles, a warp's eight k-tiles are one 128-point Hadamard block
-// of its projection, so each warp loads, rotates and stores its own B fragments (every row of the
-// group) and no CTA barrier separates the chunks: session 33's profile of v55 at eight TP1 rows had
-// 37 % of warp time outside the decode loops on 20 % of the instructions, 8 points of it at CTA
-// barriers (variant 57). The arithmetic and its order are v55's, so its bits are v55's.
-template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false, bool KT2 = false, bool KC32 = false,
-          bool WR = false>
+template <int K, int CB, bool DUP, int ABL, bool PRM = false, bool GRP = false, bool KT2 = false, bool KC32 = false>
 struct V2Kernel {
     static_assert(!KT2 || GRP, "two-k-tile rows are built on v53's commit-group ring");
     static_assert(!KC32 || KT2, "32-k-tile chunks are built on v54's two-k-tile rows");
-    static_assert(!WR || KC32, "a warp's own Hadamard block needs 32-k-tile chunks");
     static constexpr int KCAP = KC32 ? KCI_BIG : KCI_MAX;         // k-tiles a chunk may hold
     static constexpr int RSTR = KC32 ? RAW_STRIDE_BIG : RAW_STRIDE;  // halves per staged raw input row
     static constexpr int TILE = 32 * K;   // bytes per tile
@@ -415,12 +408,6 @@ struct V2Kernel {
     }
 
     __device__ void load_raw(const Item& it, int ch) {
-        if constexpr (WR) {
-            if (c.KCI == KCI_BIG) {
-                load_raw_warp(it, ch);
-                return;
-            }
-        }
         if constexpr (KC32) {
             load_raw_big(it, ch);
             return;
@@ -492,76 +479,6 @@ struct V2Kernel {
         else if (idx * 2 < cols) sd[idx] = rs;
     }
 
-    // WR: this warp's four inputs of the group's first row and four scales of its projection, for
-    // chunk ch (its k-tiles are the chunk's 128-block ksub): into rx.x, rx.y and rs, rs_hi.
-    __device__ int warp_k(const Item& it, int ch) const {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        return chunk_k0(it, ch, KCI_BIG * 16) + (warp >> 1) * 128 + 4 * lane;
-    }
-    __device__ uint2 x4_raw(const Item& it, int j, int k) const {
-        return __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(a.x) +
-                                                    size_t(s.grows[it.g][j]) * a.hidden + k));
-    }
-    __device__ void load_raw_warp(const Item& it, int ch) {
-        const int k = warp_k(it, ch);
-        const uint2 xv = x4_raw(it, 0, k);
-        const uint2 sv = __ldg(reinterpret_cast<const uint2*>(suh_at(it, (threadIdx.x >> 5) & 1, k)));
-        rx.x = xv.x;
-        rx.y = xv.y;
-        rs = sv.x;
-        rs_hi = sv.y;
-    }
-
-    // WR's gate/up item: per chunk, this warp's own 128-block of x * suh for every row of the group,
-    // rotated and stored where gu_chunk reads it, then its MMAs; barriers are this warp's only.
-    __device__ void run_gu_warp(const Item& it, int ticket) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int proj = warp & 1, ksub = warp >> 1;
-        const int rows = s.gnr[it.g];
-        int w0i, w1i, sh;
-        lane_window<K>(lane, w0i, w1i, sh);
-        float acc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        uint32_t* xs = reinterpret_cast<uint32_t*>(dyn + D.xs);
-        uint32_t* xw = xs + (proj * KCAP + ksub * 8 + (lane >> 2)) * 64;
-        __syncwarp();
-        issue_due();                      // the trellis is in flight while the raw inputs arrive
-        if (!raw_ready) load_raw_warp(it, 0);
-        raw_ready = false;
-        regs_free = false;
-        for (int ch = 0; ch < c.R; ch++) {
-            const int k = warp_k(it, ch);
-            float sc[4];
-            half4(make_uint2(rs, rs_hi), sc);
-            __syncwarp();  // every lane is done with this warp's fragments of the last chunk
-            for (int j = 0; j < rows; j++) {
-                const uint2 xr = j == 0 ? make_uint2(rx.x, rx.y) : x4_raw(it, j, k);
-                float v[4];
-                load4_raw(reinterpret_cast<const uint8_t*>(&xr), a.x_dtype, v);
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[i] *= sc[i];
-                fwht128(v, lane);
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[i] *= RSQRT128;
-                store_frag_pairs(xw, j, lane, v);
-            }
-            __syncwarp();  // the fragments are the warp's
-            if (ch + 1 < c.R) {  // the next chunk's inputs travel during this one's MMAs
-                load_raw_warp(it, ch + 1);
-            } else {
-                regs_free = true;
-                if (nxt_known && nxt.kind == IT_GU) {
-                    load_raw_warp(nxt, 0);
-                    raw_ready = true;
-                }
-            }
-            gu_chunk(xs, ch, ticket, w0i, w1i, sh, acc);
-        }
-        trace(EV_MMA, ticket);
-        epilogue_gu(it, acc, ticket);
-    }
-
     // x * suh, 128-point Hadamard, into B-fragment order: xs[proj][kt][lane][2] words.
     __device__ void rotate(const Item& it) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -618,12 +535,6 @@ struct V2Kernel {
 
     // ---- gate/up item: partial GEMV over its k-range for both projections, 8 n-tiles each
     __device__ void run_gu(const Item& it, int ticket) {
-        if constexpr (WR) {
-            if (c.KCI == KCI_BIG) {
-                run_gu_warp(it, ticket);
-                return;
-            }
-        }
         const int lane = threadIdx.x & 31;
         int w0i, w1i, sh;
         lane_window<K>(lane, w0i, w1i, sh);
@@ -962,11 +873,11 @@ struct V2Kernel {
 };
 
 template <int K, int CB, bool DUP, int MINB, int ABL = 0, bool PRM = false, bool GRP = false, bool KT2 = false,
-          bool KC32 = false, bool WR = false>
+          bool KC32 = false>
 __global__ void __launch_bounds__(THREADS, MINB) moe_decode_v2(const __grid_constant__ Args a) {
     __shared__ Plan s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V2Kernel<K, CB, DUP, ABL, PRM, GRP, KT2, KC32, WR> k(a, s, dyn);
+    V2Kernel<K, CB, DUP, ABL, PRM, GRP, KT2, KC32> k(a, s, dyn);
     k.run();
 }
 
@@ -975,13 +886,9 @@ using KernelFn = void (*)(Args);
 // k-tiles per ring row of the build pick_v2 returns: v54's and v55's MCG builds hold two (their MUL1
 // layers run v4's build); the launch's shared-memory size follows from it, and from big_chunks.
 int ring_kt(int codebook, int variant) {
-    return (variant == V2_KT2_VARIANT || variant == V2_KC32_VARIANT || variant == V2_WR_VARIANT) && codebook == CB_MCG
-               ? 2
-               : 1;
+    return (variant == V2_KT2_VARIANT || variant == V2_KC32_VARIANT) && codebook == CB_MCG ? 2 : 1;
 }
-bool big_chunks(int codebook, int variant) {
-    return (variant == V2_KC32_VARIANT || variant == V2_WR_VARIANT) && codebook == CB_MCG;
-}
+bool big_chunks(int codebook, int variant) { return variant == V2_KC32_VARIANT && codebook == CB_MCG; }
 
 // variant 2: MCG exact-sum; 3: the format's rounding (and every MUL1 layer); 4: variant 2's
 // kernel compiled for 2 CTAs per SM
@@ -1001,9 +908,6 @@ KernelFn pick_v2(int bits, int codebook, int variant) {
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true> : moe_decode_v2<3, CB_MCG, true, M2>;
     if (variant == V2_GRP_VARIANT && codebook == CB_MCG)  // v50's builds with GRP (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true> : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true>;
-    if (variant == V2_WR_VARIANT && codebook == CB_MCG)  // v55's builds with each warp's own rotation
-        return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true, true, true, true>
-                         : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true, true, true, true>;
     if (big_chunks(codebook, variant))  // v54's builds with 32-k-tile chunks (MUL1: v4's, below)
         return bits == 2 ? moe_decode_v2<2, CB_MCG, true, M2, 0, true, true, true, true>
                          : moe_decode_v2<3, CB_MCG, true, M2, 0, false, true, true, true>;
