@@ -1536,6 +1536,41 @@ def cmd_refusals(args):
         sys.exit(1)
 
 
+# lna2_moe_fit on an sm_120 card (99 KB = 101,376 B a block), TP8 slice, MCG: tests/test_lna2_policy.py
+# holds the same table (SM120_FIT), which the policy's choices on such a card are tested against.
+SM120_LIMIT = 101376
+SM120_FIT = {2: {26: 24, 36: 32, 46: 32, 55: 32}, 3: {26: 0, 36: 1, 46: 1, 55: 32}}
+
+
+def cmd_fit(args):
+    """The binding's lna2_moe_fit for every build the policy may pick, on this card and at an sm_120
+    card's 99 KB a block, at the TP8 and TP1 shapes: the rows each launch fits. The sm_120 answers
+    must match SM120_FIT (the table the policy's sm_120 choices are tested against)."""
+    import torch
+
+    from dsv4serve.lna2 import policy
+
+    ext = lna2_mod()
+    props = torch.cuda.get_device_properties(0)
+    res = {"device": torch.cuda.get_device_name(), "optin_bytes": getattr(props, "shared_memory_per_block_optin", None),
+           "rows": [], "mismatch": []}
+    for shape, inter in (("tp8", 256), ("tp1", 2048)):
+        for K in (2, 3):
+            for cb, code in (("mcg", 1), ("mul1", 2)):
+                for limit in (0, SM120_LIMIT):
+                    fit = {v: int(ext.lna2_moe_fit(v, K, code, H, inter, TOPK, E, limit))
+                           for v in policy.served(inter, H)}
+                    res["rows"].append({"shape": shape, "K": K, "cb": cb, "limit": limit or "device", "fit": fit})
+                    log(f"{shape} K{K} {cb} limit={limit or 'device'}: " +
+                        " ".join(f"v{v}={n}" for v, n in fit.items()))
+                    if shape == "tp8" and cb == "mcg" and limit == SM120_LIMIT and fit != SM120_FIT[K]:
+                        res["mismatch"].append({"K": K, "got": fit, "want": SM120_FIT[K]})
+    dump("fit.json", res)
+    log(f"fit: {len(res['rows'])} rows, mismatches {len(res['mismatch'])}")
+    if res["mismatch"]:
+        sys.exit(1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1549,6 +1584,7 @@ def main():
     rc = sub.add_parser("refusal-case")
     rc.add_argument("case", choices=[c[0] for c in REFUSALS])
     sub.add_parser("dispatch")
+    sub.add_parser("fit")
     sub.add_parser("profile")
     b = sub.add_parser("bench")
     b.add_argument("--incumbent", choices=["145", "165", "none"], default="none")
@@ -1598,7 +1634,7 @@ def main():
     {"build": cmd_build, "parity": cmd_parity, "smoke": cmd_smoke, "bench": cmd_bench, "merge": cmd_merge,
      "reconstruct": cmd_reconstruct, "profile": cmd_profile, "sweep": cmd_sweep, "order": cmd_order, "ablate": cmd_ablate, "trace": cmd_trace,
      "trace-summary": cmd_trace_summary, "dispatch": cmd_dispatch, "refusals": cmd_refusals,
-     "refusal-case": cmd_refusal_case}[args.cmd](args)
+     "refusal-case": cmd_refusal_case, "fit": cmd_fit}[args.cmd](args)
 
 
 if __name__ == "__main__":

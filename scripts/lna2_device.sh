@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repo root:
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
-#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,order,ablate,ncu,
+#     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,fit,dispatch,sweep,order,ablate,ncu,
 #                 kcheck (`dsv4serve kernel check --bench`) (default all but order)
 # Wheels come from .whl145/ or .whl165/ (carried; every checkout starts without them). To fill them,
 # and .whl/ with what dsv4serve needs there, from the repo root on the dev machine:
@@ -30,7 +30,7 @@
 # Only $OUT/results.tgz comes home: the device tool returns at most 8 files, so do not copy more.
 set -u
 INCS=${1:-145,165}
-STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,dispatch,sweep,ablate,ncu,kcheck}
+STEPS=${2:-checkseat,smoke,parity,sanitizer,trace,bench,fit,dispatch,sweep,ablate,ncu,kcheck}
 DEADLINE=${DEADLINE:-540}
 T0=$(date +%s)
 FINAL=${OUT:-$PWD/.device-out}
@@ -245,6 +245,12 @@ if has ncu && command -v ncu >/dev/null && [ "$(left)" -gt 90 ]; then
 fi
 
 for INC in ${INCS//,/ }; do [ "$INC" != none ] && [ -n "${PID[$INC]:-}" ] && ready_inc "$INC" >/dev/null; done
+
+if has fit; then
+  step "lna2_moe_fit: the rows each served build fits, on this card and at an sm_120 card's 99 KB a block"
+  timeout 120 python3 scripts/lna2_device.py fit > "$OUT/fit.log" 2>&1; echo "exit $?" >> "$OUT/fit.log"
+  tail -20 "$OUT/fit.log" | tee -a "$LOG"
+fi
 
 if has dispatch; then
   DI=none; case ",$INCS," in *",145,"*) ready_inc 145 && DI=145;; esac

@@ -157,6 +157,25 @@ def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shap
     assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
 
 
+def test_on_a_99_kb_card_the_check_runs_what_the_dispatch_would():
+    """With the card's fit (an sm_120's, where the cluster kernel's K3 builds do not fit), the pick is
+    the dispatch's (v46 at one K3 row, v55 from two) and builds that cannot launch are not candidates."""
+    spec = selfcheck.CheckSpec()
+    fit3 = {26: 0, 36: 1, 46: 1, 55: 24}
+    assert selfcheck.candidates(1, spec, 3, fit3) == [46, 55, 36]
+    assert selfcheck.candidates(2, spec, 3, fit3) == [55]
+    asked = []
+
+    def fitter(K, cb):
+        asked.append((K, cb))
+        return fit3 if K == 3 else {26: 24, 36: 24, 46: 24, 55: 24}
+
+    spec = selfcheck.CheckSpec(hidden=1024, inter=256, experts=8, bits=[3], codebooks=["mcg"], rows=[1, 2])
+    rep = selfcheck.check(spec, torch.device("cpu"), lambda layer: ReferenceRunner(layer, None), None, "cpu",
+                          fitter=fitter)
+    assert asked == [(3, "mcg")] and [c.variant for c in rep.cases] == [46, 55] and rep.ok
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "dsv4serve", "kernel", "check", *args], capture_output=True,
                           text=True, timeout=120)

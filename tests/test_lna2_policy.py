@@ -1,6 +1,6 @@
 """The per-call variant choice (dsv4serve.lna2.policy), as measured on the device (kernels/lna2/NOTES.md)."""
 
-from dsv4serve.lna2.policy import cluster_kernel_takes, variant_for
+from dsv4serve.lna2.policy import cluster_kernel_takes, preference, served, variant_for
 
 
 def test_v55_serves_every_shape_the_cluster_kernel_does_not():
@@ -35,3 +35,35 @@ def test_the_cluster_kernel_only_gets_layers_it_takes():
     assert variant_for(1, 256, 2, hidden=16384) == 55
     assert cluster_kernel_takes(4096, 512) and not cluster_kernel_takes(4096, 640)
     assert not cluster_kernel_takes(512, 256)
+
+
+# What lna2_moe_fit answers at an sm_120 card's 99 KB (101,376 B) a block for the TP8 slice (H 4096,
+# I 256, 256 experts, top-k 6), as the binding said on an H100 in session 33 (scripts/lna2_device.py fit,
+# smem_limit=101376; results/2026-12-06-h100-s33-fit.json): the cluster kernel's K3 builds do not fit
+# from one row (v26: 115,824 B) or two (v36, v46); v26 at K2 fits 24 rows (its two 8-row partial
+# buffers), every other K2 build and v55 all 32.
+SM120_FIT = {2: {26: 24, 36: 32, 46: 32, 55: 32}, 3: {26: 0, 36: 1, 46: 1, 55: 32}}
+
+
+def test_on_a_99_kb_card_k3_goes_where_it_fits():
+    fit3 = SM120_FIT[3]
+    assert variant_for(1, 256, 3, 4096, fit3) == 46  # v26 does not fit; v46 at one row does
+    assert {variant_for(m, 256, 3, 4096, fit3) for m in range(2, 33)} == {55}
+    fit2 = SM120_FIT[2]
+    assert [variant_for(m, 256, 2, 4096, fit2) for m in range(1, 33)] == [variant_for(m, 256, 2) for m in range(1, 33)]
+
+
+def test_a_build_the_fit_does_not_name_counts_as_not_fitting():
+    assert variant_for(1, 256, 2, 4096, {55: 24}) == 55
+    assert variant_for(2, 256, 3, 4096, {36: 0, 46: 2, 55: 24}) == 46  # v36 first, then v46
+    assert variant_for(1, 256, 2, 4096, {}) == 55  # v55 is the last word even when nothing fits
+    assert variant_for(1, 256, 2, 4096, None) == 26  # no fit: every build fits (H100 / H200)
+
+
+def test_preference_lists_end_with_the_build_that_takes_every_shape():
+    for m in range(1, 33):
+        for k in (2, 3):
+            for i in (256, 2048):
+                prefs = preference(m, i, k)
+                assert prefs[0] == variant_for(m, i, k) and prefs[-1] == 55 and len(set(prefs)) == len(prefs)
+    assert served(256, 4096) == [26, 46, 55, 36] and served(2048, 4096) == [55]

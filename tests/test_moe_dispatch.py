@@ -94,10 +94,12 @@ class FakeExt:
     """Stand-in for the compiled lna2 extension (needs a GPU), with the real module's API."""
 
     def __init__(self, layers: list[tuple[torch.nn.Module, ref.ExpertLayer]], ceiling: int = CEILING,
-                 fail: Exception | None = None) -> None:
+                 fail: Exception | None = None, fit: dict[int, int] | None = None) -> None:
         self.layers = layers
         self.ceiling = ceiling
         self.fail = fail
+        self.fit = fit  # variant -> the most rows that fit the device (None: every build fits, an H200)
+        self.fit_queries: list[tuple] = []
         self.seen: list[dict] = []
 
     def lna2_moe_max_rows(self) -> int:
@@ -111,6 +113,10 @@ class FakeExt:
 
     def lna2_build_id(self) -> str:
         return "fake-0"
+
+    def lna2_moe_fit(self, variant, bits, codebook, hidden, inter, top_k, n_experts) -> int:
+        self.fit_queries.append((variant, bits, codebook, hidden, inter, top_k, n_experts))
+        return self.ceiling if self.fit is None else self.fit.get(variant, 0)
 
     def _which(self, gate_trellis: torch.Tensor) -> torch.nn.Module:
         for m, _ in self.layers:
@@ -533,3 +539,54 @@ def test_every_layer_is_checked_against_the_builds_limits():
     summary = h.prepare()
     assert summary.lna2_layers == 1
     assert any(f"top_k {TOP_K + 1} above the build's max_top_k {TOP_K}" in r for r in summary.not_ready)
+
+
+# --- shared memory per block (sm_120 cards allow 99 KB) -------------------------------------------
+
+
+def test_the_device_fit_is_asked_once_per_shape_with_the_layers_own_facts():
+    """Two layers of one shape: one lna2_moe_fit query per build the policy may pick for it, with the
+    layer's bits, codebook, hidden, intermediate, top-k and local expert count; where every build
+    fits (an H200) nothing is said about it."""
+    h = Harness()
+    assert h.prepare().lna2_layers == 2
+    assert h.grep("lna2 fit") == []
+    from dsv4serve.lna2 import policy
+
+    cb = 1  # make_layer's mcg
+    assert h.ext.fit_queries == [(v, 2, cb, H, I, TOP_K, E) for v in policy.served(I, H)]
+
+
+def test_a_device_where_no_build_fits_is_not_ready_with_the_reason(tmp_path):
+    """v55 (which takes every shape) not fitting at one row: the layer is declined at load, said
+    once, and every call goes to the incumbent; strict refuses at load instead."""
+    h = Harness(fit={55: 0}, tmp_path=tmp_path)
+    s = h.prepare()
+    assert s.lna2_layers == 0
+    (reason,) = s.not_ready
+    assert reason.startswith("no lna2 build fits this device's shared memory per block for bits=2 "
+                             f"hidden={H} intermediate={I}"), reason
+    h.call(0, 1)
+    assert h.ext.seen == [] and h.counters.calls == {"lna2": 0, "incumbent": 1}
+    assert h.grep("dsv4serve plugin lna2 fit") == [f"dsv4serve plugin lna2 fit rank=0/1 bits=2 hidden={H} "
+                                                   f"intermediate={I}: v55 fits 0 of {CEILING} rows (shared memory "
+                                                   "per block); the policy serves the next build that fits"]
+    with pytest.raises(md.Lna2NotReadyError, match="no lna2 build fits this device's shared memory"):
+        Harness(fit={55: 0}, strict=1).prepare()
+
+
+def test_rows_past_what_fits_are_declined_not_launched(tmp_path):
+    """v55 fits four rows here: five are a decline (strict 0) or an error (strict 1), never a launch
+    the driver would refuse mid-step."""
+    h = Harness(fit={55: 4}, tmp_path=tmp_path)
+    h.prepare()
+    h.call(0, 4)
+    h.call(0, 5)
+    assert [s["rows"] for s in h.ext.seen] == [4]
+    assert h.counters.calls == {"lna2": 1, "incumbent": 1}
+    assert any("rows=5 need more shared memory per block than this device has for v55 (it fits 4 rows)" in ln
+               for ln in h.lines), h.lines
+    hs = Harness(fit={55: 4}, strict=1)
+    hs.prepare()
+    with pytest.raises(md.Lna2DispatchError, match="rows=5 need more shared memory"):
+        hs.call(0, 5)

@@ -168,6 +168,11 @@ class FakeLna2:
         return {"max_rows": self.max_rows, "max_top_k": 8, "max_experts": 256, "concurrent_streams": 1,
                 "scratch_bytes": self.lna2_moe_scratch_bytes(hidden, intermediate)}
 
+    def lna2_moe_fit(self, variant: int, bits: int, codebook: int = 1, hidden: int = 4096, intermediate: int = 256,
+                     top_k: int = 6, n_experts: int = 256) -> int:
+        assert variant in KNOWN_VARIANTS and bits in (2, 3) and codebook in (1, 2)
+        return self.max_rows  # an H200: every build fits at every row count
+
     def lna2_moe_decode(self, x, out, gate_trellis, gate_suh, gate_svh, up_trellis, up_suh, up_svh, down_trellis,
                         down_suh, down_svh, expert_ids, routing_weights, bits, swiglu_limit, scratch,
                         intermediate=256, codebook=1, variant=0):

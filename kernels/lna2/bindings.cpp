@@ -236,6 +236,39 @@ std::map<std::string, int64_t> lna2_moe_info(int64_t bits, int64_t codebook, int
     };
 }
 
+// The most rows (1 .. MAX_ROWS) at which a launch of `variant` on a layer of this shape fits the
+// shared memory a block may have (smem_limit, or this device's opt-in maximum when 0); 0 when one row
+// does not. A launch's shared memory grows with its rows (the pointer cache, the cluster kernel's
+// partial buffers), so every row count up to the answer fits. sm_120 cards allow 99 KB a block,
+// where the cluster kernel's K3 builds do not fit: the dispatch asks this before the policy picks.
+int64_t lna2_moe_fit(int64_t variant, int64_t bits, int64_t codebook, int64_t hidden, int64_t intermediate,
+                     int64_t top_k, int64_t n_experts, int64_t smem_limit) {
+    TORCH_CHECK_VALUE(bits == 2 || bits == 3, message("lna2_moe_fit: bits must be 2 or 3, got ", bits));
+    TORCH_CHECK_VALUE(top_k >= 1 && top_k <= lna2::MAX_TOPK && n_experts >= 1 && n_experts <= lna2::MAX_EXPERTS,
+                      message("lna2_moe_fit: top_k must be 1..", lna2::MAX_TOPK, " and n_experts 1..",
+                              lna2::MAX_EXPERTS, ", got ", top_k, " and ", n_experts));
+    TORCH_CHECK_VALUE(smem_limit >= 0, message("lna2_moe_fit: smem_limit must be >= 0 (0: this device's), got ",
+                                               smem_limit));
+    int dev = 0, limit = static_cast<int>(smem_limit);
+    TORCH_CHECK(cudaGetDevice(&dev) == cudaSuccess, "lna2_moe_fit: no CUDA device");
+    if (limit == 0)
+        TORCH_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess,
+                    "lna2_moe_fit: cannot read the device's shared memory per block");
+    int fit = 0;
+    for (int m = 1; m <= lna2::MAX_ROWS; m++) {
+        int bytes = 0;
+        const cudaError_t err = lna2::smem_bytes(static_cast<int>(bits), static_cast<int>(codebook), static_cast<int>(variant),
+                                                 static_cast<int>(n_experts), m, static_cast<int>(top_k),
+                                                 static_cast<int>(hidden), static_cast<int>(intermediate), &bytes);
+        TORCH_CHECK_VALUE(err == cudaSuccess, message("lna2_moe_fit: variant ", variant, " does not take bits=", bits,
+                                                      " codebook=", codebook, " hidden=", hidden, " intermediate=",
+                                                      intermediate, " (", cudaGetErrorString(err), ")"));
+        if (bytes > limit) break;
+        fit = m;
+    }
+    return fit;
+}
+
 std::string lna2_build_id() { return lna2::build_id(); }
 
 // Benchmarks only: v2 resident CTAs per SM (0: as many as fit), the gate/up item target and
@@ -279,6 +312,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("lna2_moe_info", &lna2_moe_info, "named facts of this build on the current device", py::arg("bits"),
           py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG), py::arg("hidden") = kDefaultHidden,
           py::arg("intermediate") = kDefaultInter);
+    m.def("lna2_moe_fit", &lna2_moe_fit,
+          "the most rows (0: none) at which a launch of variant fits a block's shared memory (0: this device's)",
+          py::arg("variant"), py::arg("bits"), py::arg("codebook") = static_cast<int64_t>(lna2::CB_MCG),
+          py::arg("hidden") = kDefaultHidden, py::arg("intermediate") = kDefaultInter, py::arg("top_k") = 6,
+          py::arg("n_experts") = 256, py::arg("smem_limit") = 0);
     m.def("lna2_build_id", &lna2_build_id);
     m.def("lna2_set_tuning", &lna2_set_tuning, "benchmarks: v2 CTAs per SM (-1 = keep; for v7 0 = auto, 1 = one CTA per SM, 2 = as many as fit), item target x8 (0 = keep), paired down items (-1 = keep)",
           py::arg("ctas_per_sm") = -1, py::arg("items_x8") = 0, py::arg("pair_down") = -1);

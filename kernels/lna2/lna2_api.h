@@ -218,6 +218,16 @@ void v7_set_stop(int stage);  // benchmarks: v26 K2 MCG stops after its prologue
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
                          int* num_sms);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);
+// Shared memory one CTA of `variant` asks for at a launch of m rows (static + dynamic, before the
+// cluster kernel's one-CTA-per-SM padding, which is capped by the SM's own size), for the v2 family
+// (variants 2..6, 50 and later) and the cluster kernel; other variants: cudaErrorInvalidValue.
+// sm_120 cards allow 99 KB a block, where the cluster kernel's K3 builds do not fit: the policy
+// asks this before it picks (kernels/lna2/NOTES.md, session 33).
+cudaError_t smem_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k, int hidden, int inter,
+                       int* bytes);
+cudaError_t v2_smem_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k, int* bytes);
+cudaError_t v7_smem_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k, int hidden, int inter,
+                          int* bytes);
 const char* build_id();
 
 }  // namespace lna2

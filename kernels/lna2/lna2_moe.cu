@@ -805,6 +805,14 @@ cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_exp
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, THREADS, dyn);
 }
 
+cudaError_t smem_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k, int hidden, int inter,
+                       int* bytes) {
+    if (is_cluster_variant(variant) && !is_ablation(variant))
+        return v7_smem_bytes(bits, codebook, variant, n_experts, m, top_k, hidden, inter, bytes);
+    if (variant >= 2 && !is_cluster_variant(variant)) return v2_smem_bytes(bits, codebook, variant, n_experts, m, top_k, bytes);
+    return cudaErrorInvalidValue;
+}
+
 cudaError_t launch(const Args& a_in, int grid, cudaStream_t stream) {
     if (is_cluster_variant(a_in.variant)) return v7_launch(a_in, stream);  // sizes its own cluster grid
     if (a_in.variant >= 2) return v2_launch(a_in, grid, stream);

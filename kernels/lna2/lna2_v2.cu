@@ -948,6 +948,16 @@ static int v2_dyn_bytes(int bits, int codebook, int variant, int n_experts, int 
         .total;
 }
 
+cudaError_t v2_smem_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k, int* bytes) {
+    KernelFn fn = pick_v2(bits, codebook, variant);
+    if (!fn) return cudaErrorInvalidValue;
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
+    if (err != cudaSuccess) return err;
+    *bytes = int(attr.sharedSizeBytes) + v2_dyn_bytes(bits, codebook, variant, n_experts, m, top_k);
+    return cudaSuccess;
+}
+
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                          int* blocks_per_sm, int* num_sms) {
     KernelFn fn = pick_v2(bits, codebook, variant);

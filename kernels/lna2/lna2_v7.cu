@@ -799,6 +799,18 @@ void v7_set_spread(int ctas_per_sm) {
 // kernels are not recompiled.
 void v7_set_stop(int stage) { g_stop = stage >= 1 && stage <= 4 ? stage : 0; }
 
+cudaError_t v7_smem_bytes(int bits, int codebook, int variant, int n_experts, int m, int top_k, int hidden, int inter,
+                          int* bytes) {
+    KernelFn fn = pick_v7(bits, codebook, variant);
+    Geo g;
+    if (!fn || !geometry(hidden, inter, g)) return cudaErrorInvalidValue;
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
+    if (err != cudaSuccess) return err;
+    *bytes = int(attr.sharedSizeBytes) + layout_of(variant, bits, g, n_experts, m, top_k).total;
+    return cudaSuccess;
+}
+
 // Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                          int* blocks_per_sm, int* num_sms) {

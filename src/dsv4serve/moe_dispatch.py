@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from dsv4serve.errors import first_line
+from dsv4serve.lna2 import policy
 from dsv4serve.lna2.policy import variant_for
 from dsv4serve.lna2.reference import MCG_MARKER, MUL1_MARKER
 from dsv4serve.plugin_counters import Counters
@@ -55,7 +57,8 @@ _EXL3_KERNEL_VALUES = {"lna2": "lna2", "exllamav3": "incumbent", "auto": "incumb
 CODEBOOKS = {"mcg": (1, MCG_MARKER), "mul1": (2, MUL1_MARKER)}  # lna2 codebook id, marker value
 TABLES = ("gate_trellis", "gate_suh", "gate_svh", "up_trellis", "up_suh", "up_svh",
           "down_trellis", "down_suh", "down_svh")
-EXT_API = ("lna2_moe_decode", "lna2_moe_max_rows", "lna2_moe_scratch_bytes", "lna2_moe_info", "lna2_build_id")
+EXT_API = ("lna2_moe_decode", "lna2_moe_max_rows", "lna2_moe_scratch_bytes", "lna2_moe_info", "lna2_moe_fit",
+           "lna2_build_id")
 # lna2 wants a finite positive clamp; vllm-exl3 passes "no limit" to exl3_moe as 0.0 (no clamp).
 # A clamp at 3e38 changes no finite fp32 value, so it is the same function.
 NO_CLAMP = 3.0e38
@@ -333,6 +336,7 @@ class LayerState:
     geometry: Geometry | None = None  # set when lna2 serves this layer
     tables: tuple[torch.Tensor, ...] = ()
     not_ready: str | None = None  # why lna2 does not serve it (kernel lna2, strict 0)
+    fit: dict[int, int] | None = None  # per build the policy may pick: the most rows that fit the device
 
 
 @dataclass
@@ -377,6 +381,7 @@ class Runtime:
         self.ceiling = 0
         self.build_id = "?"
         self._limits: dict[str, dict[str, Any]] = {}  # lna2_moe_info per geometry
+        self._fits: dict[str, dict[int, int]] = {}  # lna2_moe_fit per shape and build
         self._active_logged = False
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -494,10 +499,37 @@ class Runtime:
         if g.n_experts > int(info.get("max_experts", KERNEL_MAX_EXPERTS)):
             raise ContractError(f"{g.n_experts} local experts above the build's max_experts "
                                 f"{info.get('max_experts')}")
+        fit = self._fit(ext, g)
         nbytes = max(int(info.get("scratch_bytes", 0)), int(ext.lna2_moe_scratch_bytes(g.hidden, g.inter)))
         tables = pointer_tables(st.layer, g)
         self.scratch.ensure(g.device, nbytes)
-        st.geometry, st.tables = g, tuple(tables[n] for n in TABLES)
+        st.geometry, st.tables, st.fit = g, tuple(tables[n] for n in TABLES), fit
+
+    def _fit(self, ext: Any, g: Geometry) -> dict[int, int]:
+        """Per build the policy may pick for this shape, the most rows whose launch fits the device's
+        shared memory per block: sm_120 cards allow 99 KB, where the cluster kernel's K3 builds do not
+        fit (the policy then picks the next build). One query per shape and device."""
+        key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}/{g.top_k}/{g.n_experts}"
+        if key not in self._fits:
+            try:
+                with _on_device(g.device):
+                    self._fits[key] = {v: int(ext.lna2_moe_fit(v, g.bits, g.codebook, g.hidden, g.inter, g.top_k,
+                                                               g.n_experts))
+                                       for v in policy.served(g.inter, g.hidden)}
+            except Exception as e:  # noqa: BLE001 - a build of other sources, or a shape it refuses
+                raise ContractError(f"lna2 extension cannot size its launches on {g.device}: {first_line(e)}") \
+                    from None
+            short = {v: n for v, n in self._fits[key].items() if n < self.ceiling}
+            if short:  # said once per shape: which builds this card cannot launch at which rows
+                self.emit(f"dsv4serve plugin lna2 fit {self.who} bits={g.bits} hidden={g.hidden} "
+                          f"intermediate={g.inter}: " + ", ".join(f"v{v} fits {n} of {self.ceiling} rows"
+                                                                  for v, n in short.items()) +
+                          " (shared memory per block); the policy serves the next build that fits")
+        fit = self._fits[key]
+        if fit.get(policy.SEAT_VARIANT, 0) < 1:
+            raise ContractError(f"no lna2 build fits this device's shared memory per block for bits={g.bits} "
+                                f"hidden={g.hidden} intermediate={g.inter} (v{policy.SEAT_VARIANT} needs more at one row)")
+        return fit
 
     def _wrap(self, st: LayerState) -> None:
         rt = self
@@ -595,7 +627,10 @@ class Runtime:
         if scratch is None:
             raise RuntimeError(f"no lna2 scratch for {g.device} (allocated at load only)")
         out = torch.empty_like(x2)
-        variant = variant_for(rows, g.inter, g.bits, g.hidden)
+        variant = variant_for(rows, g.inter, g.bits, g.hidden, st.fit)
+        if st.fit is not None and st.fit.get(variant, 0) < rows:
+            raise ContractError(f"rows={rows} need more shared memory per block than this device has for "
+                                f"v{variant} (it fits {st.fit.get(variant, 0)} rows)")
         self._ext.lna2_moe_decode(x2, out, *st.tables, ids, weights, g.bits, g.swiglu_limit, scratch,
                                   g.inter, g.codebook, variant)
         return out.view(x.shape)

@@ -118,9 +118,22 @@ grid; v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53
 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
-the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03)."""
+the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03).
+
+Every choice above was made on the H200 and H100, where a block may have 227 KB of shared memory.
+The seat's sm_120 cards allow 99 KiB (101,376 B), and the cluster kernel's K3 builds ask for more:
+v26 115,824 B at one row, v36 and v46 101,920 / 102,080 B from two rows (at one K3 row they fit:
+100,464 / 100,624 B). At K2 every cluster build fits where it serves (v26 to 24 rows, v36 and v46
+to 32), and v55 fits every shape to 32 rows (the binding's answers on an H100 at that limit, session
+33). So each point has a list of builds in preference order
+(`preference`), and the dispatch serves the first whose launch fits the device (the binding's
+`lna2_moe_fit`, per layer shape, at load): on sm_120 one K3 row goes to v46 and more to v55, and
+nothing that cannot launch is picked (session 33 found it; before, every K3 launch there would have
+failed)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 ONE_ROW_VARIANT = 26  # one row at any bits
@@ -138,13 +151,41 @@ def cluster_kernel_takes(hidden: int, inter: int) -> bool:
     return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
 
 
-def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -> int:
+def preference(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -> list[int]:
+    """The builds that may serve a call, best first (the H200's order above), ending with v55, which
+    takes every shape. The first whose shared memory fits the device serves (`variant_for`)."""
     if inter > CLUSTER_MAX_INTER or not cluster_kernel_takes(hidden, inter):
-        return SEAT_VARIANT
+        return [SEAT_VARIANT]
     if rows == 1:
-        return ONE_ROW_VARIANT
+        # v46 at one row is within 1 us of v26 on the H200 (session 32: 19.3 / 21.5 against 19.1 /
+        # 20.6) and still fits a 99 KB block at K3 where v26 does not
+        return [ONE_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT]
     if bits == 2 and rows <= CLUSTER_MAX_ROWS_K2:
-        return CLUSTER_VARIANT_K2
+        return [CLUSTER_VARIANT_K2, SEAT_VARIANT]
     if rows == 2:
-        return TWO_ROW_VARIANT
-    return CLUSTER_VARIANT if rows <= CLUSTER_MAX_ROWS else SEAT_VARIANT
+        return [TWO_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT]
+    return [CLUSTER_VARIANT, SEAT_VARIANT] if rows <= CLUSTER_MAX_ROWS else [SEAT_VARIANT]
+
+
+def served(inter: int = 256, hidden: int = 4096) -> list[int]:
+    """Every build `preference` may name for a layer of this shape, in a fixed order."""
+    out: list[int] = []
+    for rows in range(1, CLUSTER_MAX_ROWS_K2 + 2):
+        for bits in (2, 3):
+            out += [v for v in preference(rows, inter, bits, hidden) if v not in out]
+    return out
+
+
+def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,
+                fit: Mapping[int, int] | None = None) -> int:
+    """The build that serves `rows` rows. `fit`: per build, the most rows whose launch fits this
+    device's shared memory per block (the binding's lna2_moe_fit); None takes every build to fit,
+    as on the H100 / H200. On sm_120 cards (99 KB a block) the cluster kernel's K3 builds do not fit
+    from one row (v26) or two (v36, v46), and v55 serves them (kernels/lna2/NOTES.md, session 33)."""
+    prefs = preference(rows, inter, bits, hidden)
+    if fit is None:
+        return prefs[0]
+    for v in prefs[:-1]:
+        if fit.get(v, 0) >= rows:
+            return v
+    return prefs[-1]

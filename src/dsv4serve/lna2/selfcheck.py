@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 
 import statistics
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -37,6 +37,7 @@ HALF_TOL = 6e-3  # the same for an fp16 / bf16 output, the dispatch's (out = emp
 Runner = Callable[[Any, Any, Any, Any, int], Any]  # (x, ids32, w32, out, variant) -> out
 Timer = Callable[[dict[int, Callable[[], None]]], dict[int, float]]  # variant -> launch -> median us
 Grapher = Callable[[Callable[[], None]], Callable[[], None]]  # a launch -> its captured replay
+Fitter = Callable[[int, str], Mapping[int, int]]  # (K, codebook) -> build -> the most rows that fit the card
 GRAPH_REPLAYS = 2  # fresh inputs per captured pick (vLLM replays its decode graphs with new ones)
 
 
@@ -174,16 +175,17 @@ def parse_spec(hidden: int, inter: int, experts: int, top_k: int, bits: str, cod
                        hint="see `dsv4serve kernel check --help`") from None
 
 
-def candidates(rows: int, spec: CheckSpec, K: int) -> list[int]:
+def candidates(rows: int, spec: CheckSpec, K: int, fit: Optional[Mapping[int, int]] = None) -> list[int]:
     """The policy's pick first, then every other build the policy serves somewhere that takes this
-    shape: what a different choice on this card could be."""
-    pick = policy.variant_for(rows, spec.inter, K, spec.hidden)
+    shape and fits this card's shared memory at these rows (`fit`, as the dispatch reads it; None:
+    every build fits): what a different choice on this card could be."""
+    pick = policy.variant_for(rows, spec.inter, K, spec.hidden, fit)
     pool = [policy.SEAT_VARIANT]
     if spec.inter <= policy.CLUSTER_MAX_INTER and policy.cluster_kernel_takes(spec.hidden, spec.inter):
         pool += [policy.ONE_ROW_VARIANT, policy.CLUSTER_VARIANT_K2, policy.CLUSTER_VARIANT, policy.TWO_ROW_VARIANT]
     out = [pick]
     for v in pool:
-        if v not in out:
+        if v not in out and (fit is None or fit.get(v, 0) >= rows):
             out.append(v)
     return out
 
@@ -209,7 +211,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: int, device: Any,
-               timer: Optional[Timer], grapher: Optional[Grapher] = None) -> CaseResult:
+               timer: Optional[Timer], grapher: Optional[Grapher] = None,
+               fit: Optional[Mapping[int, int]] = None) -> CaseResult:
     import torch
 
     from dsv4serve.lna2.reference import moe_reference
@@ -273,7 +276,7 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
                                         "fault": _device_fault(e)})
         return v.model_copy(update={"graph_checked": True, "graph_worst_rel": worst})
 
-    variants = candidates(rows, spec, K) if timer else [policy.variant_for(rows, spec.inter, K, spec.hidden)]
+    variants = candidates(rows, spec, K, fit) if timer else [policy.variant_for(rows, spec.inter, K, spec.hidden, fit)]
     pick = variants[0]
     first = verdict(pick)
     if grapher and first.error is None:
@@ -298,8 +301,9 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
 
 def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], timer: Optional[Timer] = None,
           device_name: str = "", progress: Callable[[str], None] = lambda s: None,
-          grapher: Optional[Grapher] = None) -> CheckReport:
-    """Every (K, codebook, rows) of the spec on one layer per (K, codebook)."""
+          grapher: Optional[Grapher] = None, fitter: Optional[Fitter] = None) -> CheckReport:
+    """Every (K, codebook, rows) of the spec on one layer per (K, codebook). `fitter` gives, per
+    (K, codebook), the most rows each build fits on this card, as the dispatch asks the binding."""
     from dsv4serve.lna2.reference import random_expert_layer
 
     cases: list[CaseResult] = []
@@ -308,11 +312,12 @@ def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], ti
             layer = random_expert_layer(spec.experts, spec.hidden, spec.inter, K, cb, seed=spec.seed + K,
                                         device=device)
             run = make_runner(layer)
+            fit = fitter(K, cb) if fitter else None
             for rows in spec.rows:
                 where = f"K{K} {cb} {rows} row{'s' if rows > 1 else ''}"
                 progress(where)
                 cases.append(check_case(run, layer, spec, K, cb, rows, device, timer if spec.bench else None,
-                                        grapher))
+                                        grapher, fit))
                 if cases[-1].pick.fault:
                     return CheckReport(device=device_name or str(device), spec=spec, cases=cases,
                                        aborted=f"a device fault at {where}; the CUDA context is unusable after "
@@ -461,8 +466,13 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
                        hint="use the layer's per-rank expert count")
     name = f"cuda:{gpu} {torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
     try:
+        def fitter(K: int, cb: str) -> dict[int, int]:
+            return {v: int(ext.lna2_moe_fit(v, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k, spec.experts))
+                    for v in policy.served(spec.inter, spec.hidden)}
+
         return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
-                     cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device))
+                     cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device),
+                     fitter)
     except torch.cuda.OutOfMemoryError:
         free, total = torch.cuda.mem_get_info(device)
         raise JobFailed(f"GPU {gpu} ran out of memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)",
