@@ -1455,7 +1455,7 @@ def cmd_merge(args):
 
 # Each refusal: (name, what to break, a phrase the binding's one-line error must contain).
 REFUSALS = [
-    ("cluster-hidden", "variant 26 on a 1536-wide layer", "multiple of 1024"),
+    ("cluster-hidden", "variant 26 on a 1536-wide layer", "1024, 2048, 4096 or 8192"),
     ("unknown-variant", "variant 5", "variant must be"),
     ("bits", "bits 4", "bits must be 2 or 3"),
     ("flat-ids", "expert_ids flattened to [m*top_k]", "expert_ids must be"),

@@ -174,6 +174,19 @@ def test_on_a_99_kb_card_the_check_runs_what_the_dispatch_would():
     rep = selfcheck.check(spec, torch.device("cpu"), lambda layer: ReferenceRunner(layer, None), None, "cpu",
                           fitter=fitter)
     assert asked == [(3, "mcg")] and [c.variant for c in rep.cases] == [46, 55] and rep.ok
+    # where even v55 does not fit, the case says so and launches nothing, as the dispatch declines
+    launched = []
+
+    def runner(layer):
+        inner = ReferenceRunner(layer, None)
+        return lambda *a: (launched.append(a[-1]), inner(*a))[1]
+
+    rep = selfcheck.check(spec, torch.device("cpu"), runner, None, "cpu", fitter=lambda K, cb: {55: 1, 46: 1})
+    (one, two) = rep.cases
+    assert one.ok and one.variant == 46 and launched and set(launched) == {46}
+    assert not two.ok and two.variant == 55 and not rep.ok
+    assert two.pick.error == ("v55 does not fit this card's shared memory per block at 2 rows (it fits 1); the "
+                              "dispatch declines such calls to the incumbent")
 
 
 def _cli(*args):

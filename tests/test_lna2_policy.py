@@ -33,13 +33,18 @@ def test_the_tp8_slice_goes_to_the_cluster_kernel_up_to_where_v55_is_faster():
 def test_the_cluster_kernel_only_gets_layers_it_takes():
     assert variant_for(1, 256, 2, hidden=1536) == 55  # not whole 1024-column slices
     assert variant_for(1, 256, 2, hidden=16384) == 55
+    # multiples of 1024 that are not 1, 2, 4 or 8 blocks a CTA: the kernel's geometry() refuses them
+    # (the policy used to accept them, and the dispatch's fit query then refused the whole layer)
+    for hidden in (3072, 5120, 6144, 7168):
+        assert not cluster_kernel_takes(hidden, 256) and variant_for(1, 256, 2, hidden=hidden) == 55
+        assert served(256, hidden) == [55]
     assert cluster_kernel_takes(4096, 512) and not cluster_kernel_takes(4096, 640)
     assert not cluster_kernel_takes(512, 256)
 
 
 # What lna2_moe_fit answers at an sm_120 card's 99 KB (101,376 B) a block for the TP8 slice (H 4096,
 # I 256, 256 experts, top-k 6), as the binding said on an H100 in session 33 (scripts/lna2_device.py fit,
-# smem_limit=101376; results/2026-12-06-h100-s33-fit.json): the cluster kernel's K3 builds do not fit
+# smem_limit=101376; results/2026-12-06-h200-s33-fit-experiments.json): the cluster kernel's K3 builds do not fit
 # from one row (v26: 115,824 B) or two (v36, v46); v26 at K2 fits 24 rows (its two 8-row partial
 # buffers), every other K2 build and v55 all 32.
 SM120_FIT = {2: {26: 24, 36: 32, 46: 32, 55: 32}, 3: {26: 0, 36: 1, 46: 1, 55: 32}}

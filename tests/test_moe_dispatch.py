@@ -15,6 +15,7 @@ stand-ins carry these tests; the real pair ran on the H200 (kernels/lna2/NOTES.m
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -586,7 +587,30 @@ def test_rows_past_what_fits_are_declined_not_launched(tmp_path):
     assert h.counters.calls == {"lna2": 1, "incumbent": 1}
     assert any("rows=5 need more shared memory per block than this device has for v55 (it fits 4 rows)" in ln
                for ln in h.lines), h.lines
+    h.call(0, 6)  # another row count past the fit is the same cause: one counter, logged once
+    assert h.counters.declines == {"rows past the shared memory this device has for the build": 2}
+    assert len(h.grep("need more shared memory")) == 1
     hs = Harness(fit={55: 4}, strict=1)
     hs.prepare()
     with pytest.raises(md.Lna2DispatchError, match="rows=5 need more shared memory"):
         hs.call(0, 5)
+
+
+def test_on_a_99_kb_card_a_k3_layer_goes_to_the_builds_that_fit(monkeypatch):
+    """A shape the cluster kernel takes (1024 wide) at K3 with an sm_120's fit: one row goes to v46
+    (v26 does not fit), two and more to v55 (v36 and v46 fit one row only), as policy.variant_for says,
+    and every call is computed."""
+    monkeypatch.setattr(sys.modules[__name__], "H", 1024)
+    h = Harness(fit={26: 0, 36: 1, 46: 1, 55: 32}, n_layers=1)
+    m3, el3 = make_layer(K=3, seed=5)  # the harness's layer is K2: this test's one layer is K3
+    m3.quant_method = Exl3MoEMethod()
+    h.layers = [("model.layers.1.mlp.experts", m3, el3)]
+    h.ext.layers = [(m3, el3)]
+    assert h.prepare().lna2_layers == 1
+    for rows in (1, 2, 3):
+        out, want = h.call(0, rows)
+        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
+    assert [s["variant"] for s in h.ext.seen] == [46, 55, 55]
+    assert h.grep("lna2 fit") == ["dsv4serve plugin lna2 fit rank=0/1 bits=3 hidden=1024 intermediate=128: v26 fits 0 "
+                                  "of 24 rows, v46 fits 1 of 24 rows, v36 fits 1 of 24 rows (shared memory per block); "
+                                  "the policy serves the next build that fits"]

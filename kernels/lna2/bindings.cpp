@@ -64,23 +64,25 @@ void check_table(const torch::Tensor& t, const char* name, int64_t n_experts, co
 
 struct GridKey {
     int device, bits, codebook, variant, ucap;  // ucap: v2's pointer cache (0 for v0/v1)
+    int hidden, inter;                          // the cluster kernel's shared memory follows the layer's geometry
     bool operator<(const GridKey& o) const {
-        return std::tie(device, bits, codebook, variant, ucap) <
-               std::tie(o.device, o.bits, o.codebook, o.variant, o.ucap);
+        return std::tie(device, bits, codebook, variant, ucap, hidden, inter) <
+               std::tie(o.device, o.bits, o.codebook, o.variant, o.ucap, o.hidden, o.inter);
     }
 };
 
 std::mutex g_mu;
 std::map<GridKey, std::pair<int, int>> g_grid;  // -> (blocks_per_sm, num_sms)
 
-std::pair<int, int> grid_for(int device, int bits, int codebook, int variant, int n_experts, int m, int top_k) {
+std::pair<int, int> grid_for(int device, int bits, int codebook, int variant, int n_experts, int m, int top_k,
+                             int hidden = kDefaultHidden, int inter = kDefaultInter) {
     std::lock_guard<std::mutex> lk(g_mu);
     const int ucap = variant >= 2 ? std::min(n_experts, m * top_k) : 0;
-    GridKey k{device, bits, codebook, variant, ucap};
+    GridKey k{device, bits, codebook, variant, ucap, hidden, inter};
     auto it = g_grid.find(k);
     if (it != g_grid.end()) return it->second;
     int bps = 0, sms = 0;
-    cudaError_t err = lna2::occupancy(bits, codebook, variant, device, n_experts, m, top_k, &bps, &sms);
+    cudaError_t err = lna2::occupancy(bits, codebook, variant, device, n_experts, m, top_k, &bps, &sms, hidden, inter);
     TORCH_CHECK(err == cudaSuccess, "lna2: occupancy query failed: ", cudaGetErrorString(err),
                 " (is the extension built for this GPU's architecture?)");
     TORCH_CHECK(bps >= 1, "lna2: the kernel cannot be resident on this GPU (0 blocks per SM)");
@@ -147,7 +149,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     LNA2_CHECK(lna2::variant_known(static_cast<int>(variant)),
                "variant must be 0..4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, or 10..13 / 17..19 for a timing ablation (see lna2_api.h), got ", variant);
     LNA2_CHECK(!lna2::is_cluster_variant(static_cast<int>(variant)) || lna2::v7_supports(static_cast<int>(hidden), static_cast<int>(intermediate)),
-               "variants 7, 9, 20, 21, 26, 31, 36, 40 and 46 (the cluster kernel) need hidden a multiple of 1024 up to 8192 and intermediate <= 512, got ",
+               "variants 7, 9, 20, 21, 26, 31, 36, 40 and 46 (the cluster kernel) need hidden 1024, 2048, 4096 or 8192 and intermediate a multiple of 128 up to 512, got ",
                hidden, " x ", intermediate, "; use variant 4 for this layer");
     LNA2_CHECK(!lna2::is_ablation(static_cast<int>(variant)) || (bits == 2 && codebook == lna2::CB_MCG),
                "timing ablations (variants 10..13, 17..19) exist for K2 MCG only");
@@ -170,7 +172,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     const c10::cuda::CUDAGuard guard(dev);
     const auto [bps, sms] = grid_for(dev.index(), static_cast<int>(bits), static_cast<int>(codebook),
                                      static_cast<int>(variant), static_cast<int>(n_experts), static_cast<int>(m),
-                                     static_cast<int>(top_k));
+                                     static_cast<int>(top_k), static_cast<int>(hidden), static_cast<int>(intermediate));
     lna2::Args a{};
     a.x = x.data_ptr();
     a.out = out.data_ptr();

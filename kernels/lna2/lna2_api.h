@@ -197,7 +197,7 @@ inline bool variant_known(int v) {
 // Grid the kernel needs on `device` (all CTAs co-resident; it launches cooperatively).
 // `n_experts`, `m` and `top_k` size v2's shared memory (its pointer cache); v0/v1 ignore them.
 cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
-                      int* blocks_per_sm, int* num_sms);
+                      int* blocks_per_sm, int* num_sms, int hidden = 4096, int inter = 256);
 cudaError_t launch(const Args& a, int grid, cudaStream_t stream);
 
 // Process-wide v2 tuning for benchmarks: resident CTAs per SM (0: as many as fit, < 0 keeps the
@@ -209,17 +209,17 @@ void set_tuning(int ctas_per_sm, int items_x8, int pair_down);
 cudaError_t v2_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
                          int* blocks_per_sm, int* num_sms);
 cudaError_t v2_launch(const Args& a, int grid, cudaStream_t stream);
-// v7's own entry points (lna2_v7.cu). It needs hidden a multiple of 1024 up to 8192 and an
+// v7's own entry points (lna2_v7.cu). It needs hidden 1024, 2048, 4096 or 8192 and an
 // intermediate of at most 512 (4 blocks); it sizes its own (cluster) grid. v7_set_spread: 0 lets a
 // launch keep one CTA per SM when its units' clusters all fit that way, 1 always, 2 never.
 bool v7_supports(int hidden, int inter);
 void v7_set_spread(int ctas_per_sm);
 void v7_set_stop(int stage);  // benchmarks: v26 K2 MCG stops after its prologue (1), route plan (2), not (3); 0 off
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k, int* blocks_per_sm,
-                         int* num_sms);
+                         int* num_sms, int hidden = 4096, int inter = 256);
 cudaError_t v7_launch(const Args& a, cudaStream_t stream);
 // Shared memory one CTA of `variant` asks for at a launch of m rows (static + dynamic, before the
-// cluster kernel's one-CTA-per-SM padding, which is capped by the SM's own size), for the v2 family
+// cluster kernel's one-CTA-per-SM padding to half an SM, which stays under a block's limit), for the v2 family
 // (variants 2..6, 50 and later) and the cluster kernel; other variants: cudaErrorInvalidValue.
 // sm_120 cards allow 99 KB a block, where the cluster kernel's K3 builds do not fit: the policy
 // asks this before it picks (kernels/lna2/NOTES.md, session 33).

@@ -790,9 +790,9 @@ static cudaError_t prepare_fn(KernelFn fn, int variant, int bits, int device, si
 }
 
 cudaError_t occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
-                      int* blocks_per_sm, int* num_sms) {
+                      int* blocks_per_sm, int* num_sms, int hidden, int inter) {
     if (is_cluster_variant(variant))
-        return v7_occupancy(bits, codebook, variant, device, n_experts, m, top_k, blocks_per_sm, num_sms);
+        return v7_occupancy(bits, codebook, variant, device, n_experts, m, top_k, blocks_per_sm, num_sms, hidden, inter);
     if (variant >= 2)
         return v2_occupancy(bits, codebook, variant, device, n_experts, m, top_k, blocks_per_sm, num_sms);
     KernelFn fn = pick(bits, codebook, variant);

@@ -20,7 +20,7 @@
 //    once the down MMAs are. No CTA ever waits on another cluster, so any residency is safe.
 // Unit = (group of <= 8 rows of one expert, intermediate block ib); a down projection over one
 // block is a k-split of the whole, so an entry's output is the sum over blocks of its y rows:
-// intermediate <= 4 blocks (512), hidden a multiple of 1024 up to 8192 (v7_geometry).
+// intermediate <= 4 blocks (512), hidden 1024, 2048, 4096 or 8192 (geometry: 1, 2, 4 or 8 128-blocks a CTA).
 
 #include <cooperative_groups.h>
 
@@ -811,12 +811,14 @@ cudaError_t v7_smem_bytes(int bits, int codebook, int variant, int n_experts, in
     return cudaSuccess;
 }
 
-// Reported residency (lna2_moe_prepare / info): the seat's TP8 geometry; each launch sizes its own.
+// Residency at a layer's geometry (the decode call's; lna2_moe_prepare / info report the seat's TP8 one).
 cudaError_t v7_occupancy(int bits, int codebook, int variant, int device, int n_experts, int m, int top_k,
-                         int* blocks_per_sm, int* num_sms) {
+                         int* blocks_per_sm, int* num_sms, int hidden, int inter) {
     KernelFn fn = pick_v7(bits, codebook, variant);
     Geo g;
-    if (!fn || !geometry(4096, 256, g)) return cudaErrorInvalidValue;
+    // the layer's own geometry: sized at the seat's 4096 x 256, a 2048-wide K3 layer on a 99 KB card
+    // asked for more shared memory than its launch needs and was refused (session 33's review)
+    if (!fn || !geometry(hidden, inter, g)) return cudaErrorInvalidValue;
     cudaError_t err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
     const int dyn = layout_of(variant, bits, g, n_experts, m, top_k).total;

@@ -72,7 +72,12 @@ class PluginConfigError(ValueError):
 
 
 class ContractError(ValueError):
-    """Why a layer cannot be served by lna2 (the text is the logged reason)."""
+    """Why a layer cannot be served by lna2 (the text is the logged reason). `key`: the counted
+    decline reason when the text varies per call (a row count), so one cause is one counter."""
+
+    def __init__(self, text: str, key: str | None = None) -> None:
+        super().__init__(text)
+        self.key = key or text
 
 
 class Lna2NotReadyError(RuntimeError):
@@ -575,7 +580,7 @@ class Runtime:
         except ContractError as e:
             if self.env.strict >= 1:
                 raise Lna2DispatchError(f"lna2 dispatch failed: {self.who} layer={st.name}: {e}") from None
-            self._decline(st, str(e), str(e))
+            self._decline(st, e.key, str(e))
             self.counters.call("incumbent")
             return st.orig_apply(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - strict decides; never swallowed silently
@@ -630,7 +635,8 @@ class Runtime:
         variant = variant_for(rows, g.inter, g.bits, g.hidden, st.fit)
         if st.fit is not None and st.fit.get(variant, 0) < rows:
             raise ContractError(f"rows={rows} need more shared memory per block than this device has for "
-                                f"v{variant} (it fits {st.fit.get(variant, 0)} rows)")
+                                f"v{variant} (it fits {st.fit.get(variant, 0)} rows)",
+                                key="rows past the shared memory this device has for the build")
         self._ext.lna2_moe_decode(x2, out, *st.tables, ids, weights, g.bits, g.swiglu_limit, scratch,
                                   g.inter, g.codebook, variant)
         return out.view(x.shape)

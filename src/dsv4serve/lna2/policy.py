@@ -38,7 +38,7 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   - K3, two rows: v36 (the same without per-row arrivals): 27.7 us against v40's 28.4 in session 19
     run 2, 27.6-28.0 in all six of session 18's runs, and 27.9 against v46's 28.3 in session 24.
     At 24 K3 rows (one CTA per SM for every cluster build) v4 takes 180 us against v40's 219.
-  It takes hidden sizes that are a multiple of 1024 up to 8192 and intermediates up to 512 (the
+  It takes hidden sizes 1024, 2048, 4096 and 8192 and intermediates up to 512 (the
   binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
   fits fewer clusters per pass, and nothing here has been timed on one.
 * v55 serves everything else, every TP1 point included, and from session 28 also 13-24 K2 and 9-24
@@ -146,9 +146,10 @@ CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
 
 
 def cluster_kernel_takes(hidden: int, inter: int) -> bool:
-    """lna2_v7.cu's geometry (every cluster variant): whole 1024-column slices for its 8 CTAs,
-    <= 4 intermediate blocks."""
-    return hidden % 1024 == 0 and 1024 <= hidden <= 8192 and inter % 128 == 0 and inter <= 512
+    """lna2_v7.cu's geometry (every cluster variant): one, two, four or eight 128-column blocks for
+    each of its 8 CTAs, <= 4 intermediate blocks. (A multiple of 1024 such as 3072 or 7168 is not one:
+    the binding refuses it, and so would lna2_moe_fit.)"""
+    return hidden in (1024, 2048, 4096, 8192) and inter % 128 == 0 and 128 <= inter <= 512
 
 
 def preference(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -> list[int]:

@@ -278,6 +278,12 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
 
     variants = candidates(rows, spec, K, fit) if timer else [policy.variant_for(rows, spec.inter, K, spec.hidden, fit)]
     pick = variants[0]
+    if fit is not None and fit.get(pick, 0) < rows:
+        # the dispatch declines these calls to the incumbent rather than launch: so does the check
+        nofit = Verdict(error=f"v{pick} does not fit this card's shared memory per block at {rows} rows (it fits "
+                              f"{fit.get(pick, 0)}); the dispatch declines such calls to the incumbent")
+        return CaseResult(K=K, codebook=cb, rows=rows, x_dtype=str(xdt).removeprefix("torch."), variant=pick,
+                          pick=nofit, ok=False, failed_variants=[], timings_us=None, fastest=None)
     first = verdict(pick)
     if grapher and first.error is None:
         first = graph_verdict(pick, first)
@@ -467,8 +473,12 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
     name = f"cuda:{gpu} {torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
     try:
         def fitter(K: int, cb: str) -> dict[int, int]:
-            return {v: int(ext.lna2_moe_fit(v, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k, spec.experts))
-                    for v in policy.served(spec.inter, spec.hidden)}
+            try:
+                return {v: int(ext.lna2_moe_fit(v, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k,
+                                                spec.experts)) for v in policy.served(spec.inter, spec.hidden)}
+            except (RuntimeError, ValueError) as e:  # a build of other sources, or a shape it refuses
+                raise JobFailed(f"lna2 cannot size its launches for K{K} {cb} on this GPU: {_first_line(e)}",
+                                hint="rebuild it with `dsv4serve kernel build`") from None
 
         return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
                      cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device),
