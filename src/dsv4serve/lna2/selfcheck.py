@@ -180,9 +180,8 @@ def candidates(rows: int, spec: CheckSpec, K: int, fit: Optional[Mapping[int, in
     shape and fits this card's shared memory at these rows (`fit`, as the dispatch reads it; None:
     every build fits): what a different choice on this card could be."""
     pick = policy.variant_for(rows, spec.inter, K, spec.hidden, fit)
-    pool = [policy.SEAT_VARIANT]
-    if spec.inter <= policy.CLUSTER_MAX_INTER and policy.cluster_kernel_takes(spec.hidden, spec.inter):
-        pool += [policy.ONE_ROW_VARIANT, policy.CLUSTER_VARIANT_K2, policy.CLUSTER_VARIANT, policy.TWO_ROW_VARIANT]
+    # the fallback first, then the policy's own list, so a build the policy adds is checked here too
+    pool = [policy.SEAT_VARIANT] + [v for v in policy.served(spec.inter, spec.hidden) if v != policy.SEAT_VARIANT]
     out = [pick]
     for v in pool:
         if v not in out and (fit is None or fit.get(v, 0) >= rows):
