@@ -157,6 +157,18 @@ def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shap
     assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
 
 
+def test_every_build_the_policy_serves_for_the_shape_is_a_candidate():
+    """The check compares the pick with each build the dispatch could serve for the layer, so a build
+    the policy gains is timed here without a second list to update."""
+    for spec in (selfcheck.CheckSpec(), selfcheck.CheckSpec(inter=2048), selfcheck.CheckSpec(hidden=2048, inter=512)):
+        want = set(policy.served(spec.inter, spec.hidden))
+        for rows in (1, 2, 4, 8, 12, 16, 24):
+            for K in (2, 3):
+                got = selfcheck.candidates(rows, spec, K)
+                assert set(got) == want and len(got) == len(want), (spec, rows, K, got)
+                assert got[0] == policy.variant_for(rows, spec.inter, K, spec.hidden)
+
+
 def test_on_a_99_kb_card_the_check_runs_what_the_dispatch_would():
     """With the card's fit (an sm_120's, where the cluster kernel's K3 builds do not fit), the pick is
     the dispatch's (v46 at one K3 row, v55 from two) and builds that cannot launch are not candidates."""
