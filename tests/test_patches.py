@@ -525,3 +525,73 @@ def test_a_path_with_brackets_is_printed_as_it_is(trees: Path, tmp_path: Path) -
         assert f"in {root};" in " ".join(r.stdout.split()), r.stdout
         r = _cli("apply", "--set-name", "vllm-0.28.0", "--root", str(root))  # refused: the error names the path
         assert r.exit_code in (1, 2) and "Traceback" not in r.output
+
+
+def test_a_symlinked_directory_on_the_way_is_refused_too(trees: Path, tmp_path: Path) -> None:
+    """A link one directory up sends the write outside the tree as surely as a linked file."""
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    target = root / pset.files[0].path
+    outside_dir = tmp_path / "outside-pkg"
+    shutil.move(str(target.parent), str(outside_dir))
+    target.parent.symlink_to(outside_dir, target_is_directory=True)
+    before = (outside_dir / target.name).read_bytes()
+    with pytest.raises(patches.PatchRefused, match="symlinked directory") as e:
+        patches.apply_set(pset, root)
+    assert "nothing was changed" in e.value.message
+    assert (outside_dir / target.name).read_bytes() == before
+
+
+def test_an_interrupt_right_after_a_rename_still_rolls_that_file_back(trees: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C landing after the second file's rename but before the writer noted it: the set must
+    still end all pristine, not with that file patched."""
+    pset = patches.load_set("exllamav3-1.4.5")
+    assert len(pset.files) >= 2
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    before = snapshot(root, pset)
+    real_write = patches._atomic_write
+    in_tree: list[Path] = []
+
+    def write_then_interrupt(path: Path, data: bytes) -> None:
+        """Stands in for a Ctrl-C delivered just after os.replace returned for the second file."""
+        real_write(path, data)
+        if path.is_relative_to(root):
+            in_tree.append(path)
+            if len(in_tree) == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(patches, "_atomic_write", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        patches.apply_set(pset, root)
+    monkeypatch.setattr(patches, "_atomic_write", real_write)
+    assert snapshot(root, pset) == before
+    assert states(patches.set_status(pset, root)) == ["pristine"] * len(pset.files)
+
+
+def test_a_revert_refuses_a_file_changed_after_its_check(trees: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edit landing between the status check under the lock and the read must be kept, not
+    overwritten from the backup (which would then be deleted)."""
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    patches.apply_set(pset, root)
+    target = root / pset.files[0].path
+    real_status = patches.set_status
+    calls = []
+
+    def status_then_edit(*a, **kw):
+        """The real status; after the second call (the one under the lock) someone edits the file."""
+        rows = real_status(*a, **kw)
+        calls.append(1)
+        if len(calls) == 2:
+            target.write_bytes(target.read_bytes() + b"# an edit\n")
+        return rows
+
+    monkeypatch.setattr(patches, "set_status", status_then_edit)
+    with pytest.raises(patches.PatchRefused, match="changed while the revert was checking"):
+        patches.revert_set(pset, root)
+    monkeypatch.setattr(patches, "set_status", real_status)
+    assert target.read_bytes().endswith(b"# an edit\n")
+    sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
+    assert (sdir / "backup" / pset.files[0].path).is_file()  # the pristine backup is still there

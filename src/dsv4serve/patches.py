@@ -410,6 +410,12 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
             _atomic_write(path, new)
             done.append((path, old))
     except BaseException as e:
+        # an interrupt between the rename and the append leaves the file new but not in `done`
+        if current is not None and len(done) < len(targets):
+            _path, new, old = targets[len(done)]
+            with contextlib.suppress(OSError):
+                if new != old and current.read_bytes() == new:
+                    done.append((current, old))
         failed_restores = []
         for path, old in reversed(done):
             try:
@@ -428,12 +434,20 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
 def _refuse_symlinks(targets: list[tuple[Path, bytes, bytes]], action: str, pset: PatchSet, tree: Path) -> None:
     """Writing by rename replaces a symlinked target with a file (and a revert never brings the
     link back); writing through it would change a file outside the tree. Neither is asked for."""
+    real_tree = tree.resolve()
     for path, _, _ in targets:
         if path.is_symlink():
             raise PatchRefused(f"{action} {pset.set} refused: {path.relative_to(tree)} is a symlink to "
                                f"{os.path.realpath(path)}; nothing was changed",
                                hint=f"replace the link with a copy of its target (cp --remove-destination "
                                     f"{os.path.realpath(path)} {path}), then run the command again")
+        # a symlinked directory on the way would send the write outside the tree just the same
+        real = path.parent.resolve()
+        if not real.is_relative_to(real_tree):
+            raise PatchRefused(f"{action} {pset.set} refused: {path.relative_to(tree)} lies under a symlinked "
+                               f"directory that leads out of {tree} (to {real}); nothing was changed",
+                               hint="patch a tree whose package directories are its own (a copy, not links), "
+                                    "then run the command again")
 
 
 def _record(sdir: Path, pset: PatchSet, tree: Path, action: str, changed: list[str]) -> None:
@@ -545,6 +559,11 @@ def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None 
         for r in (r for r in rows if r.state == "patched" and (only is None or str(Path(r.file)) in only)):
             spec = specs[r.file]
             current = (tree / r.file).read_bytes()
+            if sha256_bytes(current) != spec.patched_sha256:  # changed since the status read it
+                raise PatchRefused(f"revert {pset.set} refused: {r.file} changed while the revert was checking "
+                                   "it; nothing was changed",
+                                   hint="let whatever is writing it finish, then run `dsv4serve patch status` "
+                                        "and the revert again")
             backup = sdir / "backup" / r.file
             if backup.is_file() and sha256_file(backup) == spec.pristine_sha256:
                 old = backup.read_bytes()
