@@ -449,3 +449,73 @@ def test_lock_held_reads_the_kernels_lock_table_without_taking_the_lock(home):
     finally:
         lk.release()
     assert state.lock_held("cpu-demo") is False
+
+
+def test_a_forced_update_writes_over_stopping_but_never_brings_a_removed_state_back(home):
+    """The supervisor records a failed teardown even after `down` marked the seat stopping; but the
+    read and the write are one locked step, so a `down` that removes the state in between wins."""
+    import threading
+
+    st = make()
+    state.save(st)
+    assert state.mark_stopping("cpu-demo", st.run_id, "down").phase == "stopping"
+    assert state.update("cpu-demo", st.run_id, even_stopping=True, phase="failed").phase == "failed"
+
+    real_load = state.load
+    read = threading.Event()
+
+    def slow_load(seat):
+        """The real load, then a pause in which a concurrent `down` tries to remove the state."""
+        out = real_load(seat)
+        read.set()
+        time.sleep(0.5)
+        return out
+
+    state.load = slow_load
+    try:
+        t = threading.Thread(target=state.update, args=("cpu-demo", st.run_id),
+                             kwargs={"even_stopping": True, "phase_detail": "teardown not clean"})
+        t.start()
+        assert read.wait(5)
+        state.load = real_load
+        removed = state.remove("cpu-demo", st.run_id)  # waits for the update's lock, then removes
+        t.join(15)
+    finally:
+        state.load = real_load
+    assert removed and not state.state_path("cpu-demo").exists()
+    assert state.update("cpu-demo", st.run_id, even_stopping=True, phase="failed") is None
+    assert not state.state_path("cpu-demo").exists()
+
+
+def test_a_held_state_lock_is_named_as_such_not_as_a_disk_problem(home):
+    """filelock's Timeout is an OSError; the one line must say another dsv4serve holds the lock, not
+    'free space or fix that path'."""
+    from filelock import FileLock
+
+    st = make()
+    state.save(st)
+    lk = FileLock(str(state.seat_dir("cpu-demo") / "state.lock"))
+    lk.acquire()
+    try:
+        r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=90)
+    finally:
+        lk.release()
+    assert r.returncode != 0
+    err = json.loads(r.stdout)["error"]
+    assert err["type"] == "LockTimeout" and "held by another dsv4serve" in err["message"], err
+    assert "free space" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("run_json", ["[]", "null", '"argv"', '{"argv": 5}'])
+def test_logs_of_a_stopped_run_whose_run_json_is_not_a_record_still_print(home, tmp_path, run_json):
+    """run.json gives the stopped run's TP (how many rank streams to expect); a hand-edited one that
+    is valid JSON of another shape means 'unknown', not a traceback."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vllm.log").write_text("(Worker_TP0 pid=1) INFO hello from rank 0\n")
+    (run_dir / "run.json").write_text(run_json)
+    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down",
+                                 "log": str(run_dir / "vllm.log")})
+    r = cli("logs", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hello from rank 0" in r.stdout and "Traceback" not in r.stderr

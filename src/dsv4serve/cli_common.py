@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import typer
+from filelock import Timeout
 from rich.console import Console
 from rich.markup import escape
 
@@ -89,6 +90,12 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
         report_error(type(e).__name__, f"{e.strerror or e}{where}", "fix that path's permissions or type, then retry",
                      EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except Timeout as e:
+        # filelock's Timeout is an OSError, but the path is fine: another dsv4serve holds it
+        report_error("LockTimeout", f"{e.lock_file} is held by another dsv4serve", "wait for that command to "
+                     "finish (see `dsv4serve status`), then retry", EXIT_FAILED, json_out=json_out,
+                     event_lines=event_lines)
+        raise typer.Exit(EXIT_FAILED) from None
     except BrokenPipeError:
         # our reader went away (`dsv4serve logs | head`): nothing to tell it, and nobody to tell
         silence(sys.stdout)

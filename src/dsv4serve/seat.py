@@ -732,7 +732,7 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
             for flag in ("--tensor-parallel-size", "-tp"):
                 if flag in argv:
                     tp = int(argv[argv.index(flag) + 1])
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError, IndexError, AttributeError, TypeError):  # also JSON that is not a dict
             tp = 8  # unknown: wide enough for every rank the seat may have had
     want: str | None = None
     if rank is not None:

@@ -239,12 +239,14 @@ def set_aside(seat: str) -> Path | None:
     return dest
 
 
-def update(seat: str, run_id: str, **changes: Any) -> SeatState | None:
+def update(seat: str, run_id: str, *, even_stopping: bool = False, **changes: Any) -> SeatState | None:
     """Change fields of this run's state, unless `down` has taken the seat over (state gone, a
-    different run, or phase `stopping`): then nothing is written and None is returned."""
+    different run, or phase `stopping` unless `even_stopping`): then nothing is written and None is
+    returned. The read and the write are under one lock, so a `down` that removes the state in
+    between is never undone by writing it back."""
     with _state_lock(seat):
         st = load(seat)
-        if st is None or st.run_id != run_id or st.phase == "stopping":
+        if st is None or st.run_id != run_id or (st.phase == "stopping" and not even_stopping):
             return None
         st = st.model_copy(update=changes)
         atomic_write(state_path(seat), st.model_dump_json(indent=2))

@@ -415,7 +415,7 @@ class Supervisor:
         self.st = self._initial_state()
         try:
             state.save(self.st)
-            (self.run_dir / "run.json").write_text(json.dumps(
+            state.atomic_write(self.run_dir / "run.json", json.dumps(
                 {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
                  "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
                  "log": str(self.log_path)}, indent=2))
@@ -818,9 +818,7 @@ class Supervisor:
         return out
 
     def _force_update(self, **changes: Any) -> None:
-        st = state.load(self.seat)
-        if st is not None and st.run_id == self.spec.run_id:
-            state.save(st.model_copy(update=changes))
+        state.update(self.seat, self.spec.run_id, even_stopping=True, **changes)
 
     def _attached(self, intr: Interrupts, ready: Outcome) -> Outcome:
         """--foreground: echo the log, watch for a crash, tear down on Ctrl-C (twice: SIGKILL)."""
