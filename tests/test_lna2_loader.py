@@ -135,3 +135,18 @@ def test_a_directory_where_the_build_goes_is_not_called_missing(monkeypatch, tmp
     monkeypatch.setattr(loader, "_loaded", None)
     with pytest.raises(RuntimeError, match=rf"^extension does not load \({so} \(not a file\)\)"):
         loader.load()
+
+
+def test_the_built_module_is_installed_whole_executable_and_without_temp_files(tmp_path):
+    """The copy into --out goes by a temp name of its own and a rename (a real file stands in for
+    the compiled .so: the copy does not care what it holds)."""
+    built = tmp_path / "build" / "dsv4serve_lna2.cpython-311-x86_64-linux-gnu.so"
+    built.parent.mkdir()
+    built.write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "dsv4serve_lna2.so").write_bytes(b"an older build")
+    target = build.install_so(built, out)
+    assert target == out / "dsv4serve_lna2.so" and target.read_bytes() == built.read_bytes()
+    assert target.stat().st_mode & 0o777 == 0o755
+    assert sorted(p.name for p in out.iterdir()) == ["dsv4serve_lna2.so"]

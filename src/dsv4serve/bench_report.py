@@ -256,6 +256,12 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
         for _, final in temps:  # the one rename that fails on a healthy disk: check before any is done
             if final.is_dir():
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", str(final))
+        for tmp, _ in temps:  # on disk before any rename, so a crash never leaves a renamed empty file
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         for tmp, final in temps:
             os.replace(tmp, final)
         temps.clear()
@@ -276,12 +282,13 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
 
 def _keep_result(result: dict[str, Any], stem: str) -> Path | None:
     from dsv4serve import home
+    from dsv4serve.state import atomic_write
 
     try:
         d = home.home() / "bench"
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
-        path.write_text(strict_json(result, indent=2) + "\n")
+        atomic_write(path, strict_json(result, indent=2) + "\n")  # never a truncated rescue copy
         return path
     except (OSError, BadInput):  # the state dir is unusable too: the error still names --out
         return None

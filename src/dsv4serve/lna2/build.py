@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +63,25 @@ def default_out() -> Path:
     return home.cache_dir() / "lna2"
 
 
+def install_so(built: Path, out: Path) -> Path:
+    """Copy a built module into `out` as lna2's .so: under a temp name of its own (two builds into one
+    --out never share it), synced, then renamed, so a loader never maps a half-copied library."""
+    target = out / f"{MODULE}.so"
+    fd, tmp = tempfile.mkstemp(prefix=f".{MODULE}.so.", suffix=".tmp", dir=out)
+    try:
+        with os.fdopen(fd, "wb") as f, open(built, "rb") as src_f:
+            shutil.copyfileobj(src_f, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
 def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = None, verbose: bool = False) -> Path:
     # the user's own arguments first: a bad --arch or --out is said before any environment problem
     gencode = arch_flags(arch)
@@ -97,10 +118,7 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     built = next(build_dir.glob(f"{MODULE}*.so"), None)
     if built is None:
         raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
-    target = out / f"{MODULE}.so"
-    tmp = out / f".{MODULE}.so.tmp"
-    shutil.copy2(built, tmp)
-    os.replace(tmp, target)
+    target = install_so(built, out)
     meta = {"build_id": digest, "arch": arch, "torch": torch.__version__, "cuda": torch.version.cuda,
             "seconds": round(time.time() - t0, 1), "built_at": time.time()}
     atomic_write(out / f"{MODULE}.json", json.dumps(meta, indent=2))
