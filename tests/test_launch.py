@@ -171,7 +171,15 @@ def test_dry_run_names_what_up_would_refuse(tmp_path):
                        env={**os.environ, "DSV4SERVE_HOME": str(tmp_path / "home")})
     assert r.returncode == 0, r.stderr
     refuses = json.loads(r.stdout)["up_refuses"]
-    assert len(refuses) == 1 and "runtime.patch_root is not set" in refuses[0]
+    assert len(refuses) == 2 and "runtime.patch_root is not set" in refuses[0], refuses
+    # and the pre-launch checks up runs next: this machine has no NVIDIA driver and no pack
+    assert refuses[1].startswith("pre-launch checks failed (") and "machine/nvml" in refuses[1], refuses
+    assert refuses[1].endswith("; --skip-checks starts anyway"), refuses
+    r = subprocess.run([sys.executable, "-m", "dsv4serve", "up", "--profile", "8x16gb-380k", "--dry-run", "--json",
+                        "--no-validate", "--skip-checks"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "DSV4SERVE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    assert [x for x in json.loads(r.stdout)["up_refuses"] if "pre-launch" in x] == []  # up would skip them too
 
 
 def test_dry_run_names_a_port_in_use(tmp_path):
@@ -198,3 +206,23 @@ def test_a_docker_mount_path_with_a_colon_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ProfileError) as e:
         build("8x16gb-380k")
     assert "contains ':'" in e.value.message and "DSV4SERVE_HOME" in e.value.hint
+
+
+def test_dry_run_names_a_missing_pack_that_the_pre_launch_checks_refuse(tmp_path):
+    """up runs the pre-launch checks before it launches; a pack that is not there is refused there,
+    so the dry run lists it (on one line, even at 80 columns) and changes nothing."""
+    from .conftest import cli
+
+    home = tmp_path / "home"
+    args = ("up", "--profile", "cpu-demo", "--set", "model.demo=false", "--set", f"model.path={tmp_path / 'nopack'}",
+            "--dry-run", "--no-validate")
+    r = cli(*args, "--json", home=home, timeout=120)
+    assert r.returncode == 0, r.stderr
+    refuses = json.loads(r.stdout)["up_refuses"]
+    assert len(refuses) == 1 and refuses[0].startswith("pre-launch checks failed (1): pack/pack-dir: "), refuses
+    assert f"{tmp_path / 'nopack'} does not exist" in refuses[0]
+    r = cli(*args, home=home, timeout=120, env_extra={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("up would refuse")]
+    assert len(lines) == 1 and lines[0].endswith("--skip-checks starts anyway"), r.stdout
+    assert not home.exists()  # the plan started and wrote nothing

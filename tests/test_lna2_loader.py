@@ -150,3 +150,14 @@ def test_the_built_module_is_installed_whole_executable_and_without_temp_files(t
     assert target == out / "dsv4serve_lna2.so" and target.read_bytes() == built.read_bytes()
     assert target.stat().st_mode & 0o777 == 0o755
     assert sorted(p.name for p in out.iterdir()) == ["dsv4serve_lna2.so"]
+
+
+def test_kernel_info_without_a_build_is_one_line_per_field_even_piped(tmp_path):
+    """The error field holds a path; at 80 columns it was cut over two lines."""
+    from .conftest import cli
+
+    r = cli("kernel", "info", home=tmp_path / "home", timeout=120, env_extra={"COLUMNS": "80"})
+    assert r.returncode == 1
+    err = [ln for ln in r.stdout.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and err[0].endswith("run `dsv4serve kernel build`"), r.stdout
+    assert all(": " in ln for ln in r.stdout.splitlines()), r.stdout

@@ -234,8 +234,8 @@ def kernel_info(json_out: bool = typer.Option(False, "--json", help="machine-rea
         if json_out:
             emit_json(info)
         else:
-            for k, v in info.items():
-                console.print(f"{k}: {v}", highlight=False)
+            for k, v in info.items():  # one line each, piped or not: a path is never cut in two
+                console.print(f"{k}: {v}", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(0 if info.get("loadable") else 1)
 
 

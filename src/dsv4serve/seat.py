@@ -9,6 +9,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
+
 from dsv4serve import launch
 from dsv4serve.cli_common import console
 from dsv4serve.profile import Profile, load_profile
@@ -72,11 +74,11 @@ def dry_run(profile: Profile, validate: bool = True, *, apply_patches: bool = Fa
         "gates": launch.describe_gates(profile),
         "vllm_parser": parser,
         "up_flags": {"apply_patches": apply_patches, "skip_checks": skip_checks, "foreground": foreground},
-        "up_refuses": _up_refusals(profile, apply_patches),
+        "up_refuses": _up_refusals(profile, apply_patches, skip_checks),
     }
 
 
-def _up_refusals(profile: Profile, apply_patches: bool = False) -> list[str]:
+def _up_refusals(profile: Profile, apply_patches: bool = False, skip_checks: bool = False) -> list[str]:
     """What `up` refuses before launching whatever its flags. The dry run still prints its plan
     (exit 0: it is the plan, not the launch) with these listed, so it never reads as one that runs."""
     from dsv4serve import patches, state
@@ -104,12 +106,32 @@ def _up_refusals(profile: Profile, apply_patches: bool = False) -> list[str]:
         _check_port(profile)
     except BadInput as e:
         out.append(e.line())
+    if not skip_checks:
+        out += _prelaunch_refusals(profile)
     return out
 
 
+def _prelaunch_refusals(profile: Profile) -> list[str]:
+    """The pre-launch checks up runs (machine, pack, software, plan), read-only. A demo model up
+    would generate first is not a failure yet: its pack rows wait for the model."""
+    try:
+        from dsv4serve import checks
+    except ImportError:
+        return []
+    # the port is up's own first refusal (_check_port), listed already
+    bad = [r for r in checks.prelaunch(profile).failures() if (r.section, r.check) != ("machine", "port")]
+    if profile.model.demo:
+        from dsv4serve import demo_model
+
+        if not demo_model.is_complete(demo_model.default_dir(profile.model.demo_seed), profile.model.demo_seed):
+            bad = [r for r in bad if r.section != "pack"]
+    refusal = _checks_refusal(bad)
+    return [refusal.line()] if refusal is not None else []
+
+
 def render_plan(plan: dict[str, Any]) -> None:
-    console.print(f"[bold]dry run[/] profile {plan['profile']} ({plan['runtime']}, digest {plan['digest']}); "
-                  "nothing was started", highlight=False)
+    console.print(f"[bold]dry run[/] profile {escape(plan['profile'])} ({plan['runtime']}, digest {plan['digest']}); "
+                  "nothing was started", highlight=False, soft_wrap=True)
     console.print("\n[bold]command[/]")
     console.print(plan["command"], highlight=False, markup=False, soft_wrap=True)
     console.print("\n[bold]env delta[/]")
@@ -141,7 +163,7 @@ def render_plan(plan: dict[str, Any]) -> None:
     for text in said:
         console.print(f"\n[bold]up[/] {text}", highlight=False)
     for line in plan.get("up_refuses", []):
-        console.print(f"\n[bold red]up would refuse[/]: {line}", highlight=False)
+        console.print(f"\n[bold red]up would refuse[/]: {escape(line)}", highlight=False, soft_wrap=True)
 
 
 # =============================================================================================
@@ -221,9 +243,18 @@ def _check_port(profile: Profile) -> None:
         raise BadInput(refused.problem, hint=refused.fix)
 
 
-def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_events: bool) -> None:
+def _checks_refusal(bad: list[Any]) -> Any:
+    """up's refusal for failing pre-launch rows (a JobFailed naming the first), or None."""
     from dsv4serve.errors import JobFailed
 
+    if not bad:
+        return None
+    first = bad[0]
+    return JobFailed(f"pre-launch checks failed ({len(bad)}): {first.section}/{first.check}: {first.found}",
+                     hint=(first.fix or "see the table above") + "; --skip-checks starts anyway")
+
+
+def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_events: bool) -> None:
     if profile.patches:
         try:
             from dsv4serve import patches
@@ -244,7 +275,8 @@ def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_ev
              state="unavailable")
         return
     report = checks.prelaunch(profile)
-    if report.exit_code() != 0:
+    refusal = _checks_refusal(report.failures())
+    if refusal is not None:
         if json_events:
             from dsv4serve.cli_common import emit_json_line
 
@@ -254,10 +286,7 @@ def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_ev
                             "report": report.as_json()})
         else:
             checks.render(report)
-        bad = report.failures()
-        first = bad[0]
-        raise JobFailed(f"pre-launch checks failed ({len(bad)}): {first.section}/{first.check}: {first.found}",
-                        hint=(first.fix or "see the table above") + "; --skip-checks starts anyway")
+        raise refusal
     c = report.counts()
     _say(f"pre-launch checks: {c.get('ok', 0)} ok, {c.get('warn', 0)} warn, {c.get('n/a', 0)} n/a", json_events,
          event="checks", state="ok", counts=c)
