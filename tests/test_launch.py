@@ -143,6 +143,7 @@ def test_dry_run_json_shows_the_patched_file_mounts(tmp_path):
     import subprocess
 
     root = tmp_path / "image-site-packages"
+    root.mkdir()  # a copy of the image's site-packages that lacks the package
     r = subprocess.run([sys.executable, "-m", "dsv4serve", "up", "--profile", "8x16gb-380k", "--set",
                         f"runtime.patch_root={root}", "--dry-run", "--json", "--no-validate"],
                        capture_output=True, text=True, timeout=120,
@@ -226,3 +227,28 @@ def test_dry_run_names_a_missing_pack_that_the_pre_launch_checks_refuse(tmp_path
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("up would refuse")]
     assert len(lines) == 1 and lines[0].endswith("--skip-checks starts anyway"), r.stdout
     assert not home.exists()  # the plan started and wrote nothing
+
+
+def test_hints_name_a_profile_from_a_file_by_its_path(tmp_path):
+    """A profile read from YAML is found again by its path, not its name: the fix commands the dry run
+    and check-seat print must work as printed. A patch_root that does not exist is named as such."""
+    from .conftest import cli
+
+    root = tmp_path / "image-site-packages"
+    root.mkdir()
+    prof = tmp_path / "my profile.yaml"
+    prof.write_text(f"name: canon-pr\nextends: 8x16gb-380k\nruntime:\n  patch_root: {root}\n")
+    home = tmp_path / "home"
+    r = cli("up", "--profile", str(prof), "--dry-run", "--json", "--no-validate", home=home, timeout=120)
+    assert r.returncode == 0, r.stderr
+    patch_refusals = [x for x in json.loads(r.stdout)["up_refuses"] if "patch" in x]
+    assert patch_refusals and "--profile canon-pr" not in patch_refusals[0], patch_refusals
+    assert f"--profile '{prof}'" in patch_refusals[0], patch_refusals
+    r = cli("check-seat", "--profile", str(prof), "--json", home=home, timeout=180)
+    hints = [row["fix"] for row in json.loads(r.stdout)["rows"] if row["section"] == "live"]
+    assert hints and all("--profile canon-pr" not in h for h in hints) and f"--profile '{prof}'" in hints[0], hints
+
+    prof.write_text(f"name: canon-pr\nextends: 8x16gb-380k\nruntime:\n  patch_root: {tmp_path / 'nowhere'}\n")
+    r = cli("patch", "apply", "--profile", str(prof), home=home, timeout=120)
+    assert r.returncode == 2 and f"runtime.patch_root {tmp_path / 'nowhere'} is not a directory" in r.stderr, r.stderr
+    assert not (tmp_path / "nowhere").exists()

@@ -898,7 +898,7 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
         return
     if st is None:
         rep.add("live", "seat", "n/a", f"no running seat of profile {p.name}", "",
-                "start one with `dsv4serve up --profile " + p.name + "` to check it live")
+                "start one with `dsv4serve up --profile " + p.cli_ref() + "` to check it live")
         return
     from dsv4serve import state
 

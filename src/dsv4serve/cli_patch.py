@@ -67,12 +67,16 @@ def _targets(profile: Optional[str], set_names: Optional[List[str]], root: Optio
         if refusal is not None:  # the host's packages are not the seat's: acting on them would say nothing
             raise refusal
         r = root if root is not None else patches.profile_root(p)
+        if root is None and r is not None and not r.is_dir():  # as --root's check: not "package missing"
+            raise BadInput(f"profile {p.name}: runtime.patch_root {r} is not a directory",
+                           hint="point it at the site-packages tree to patch (for a docker seat, a `docker cp` "
+                                "of the image's), or pass --root")
         if not p.patches:
             if action == "status":  # a seat that needs no patches is in the state it wants
-                return _Targets([], r, p.name, note=f"profile {p.name} names no patch sets: nothing to verify")
+                return _Targets([], r, p.cli_ref(), note=f"profile {p.name} names no patch sets: nothing to verify")
             raise BadInput(f"profile {p.name} names no patch sets: nothing to {action}",
                            hint="name a set with --set-name NAME")
-        return _Targets([patches.load_set(n) for n in p.patches], r, p.name)
+        return _Targets([patches.load_set(n) for n in p.patches], r, p.cli_ref())
     return _Targets([patches.load_set(n) for n in set_names or []], root, None)
 
 

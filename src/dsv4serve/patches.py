@@ -301,7 +301,11 @@ def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None 
         target = tree / spec.path if tree else None
         found = sha256_file(target) if target is not None and target.is_file() else None
         state: State
-        if tree is None:
+        if tree is None and root is not None and not root.is_dir():  # a typo, not a missing package
+            state, fix = "package-missing", (
+                f"{root} is not a directory: point --root / runtime.patch_root at the site-packages tree that "
+                f"holds {pset.package} (for a docker seat, a `docker cp` of the image's)")
+        elif tree is None:
             state, fix = "package-missing", (
                 f"install {pset.package}=={pset.version} in {where}, or point --root / runtime.patch_root "
                 "at the tree that holds it")
@@ -604,16 +608,22 @@ def profile_root(profile: Any) -> Path | None:
     return Path(raw).expanduser()
 
 
+def _ref(profile: Any) -> str:
+    """What --profile takes to name this profile again (a YAML file's path where it came from one)."""
+    ref = getattr(profile, "cli_ref", None)
+    return ref() if callable(ref) else profile.name
+
+
 def apply_command(profile: Any) -> str:
     """The command that patches this profile's tree."""
-    return _fix_cmd(None, profile_root(profile), profile.name)
+    return _fix_cmd(None, profile_root(profile), _ref(profile))
 
 
 def profile_status(profile: Any, root: Path | None = None) -> list[FileStatus]:
     root = root if root is not None else profile_root(profile)
     rows: list[FileStatus] = []
     for name in profile.patches:
-        rows.extend(set_status(load_set(name), root, profile=profile.name))
+        rows.extend(set_status(load_set(name), root, profile=_ref(profile)))
     return rows
 
 
@@ -652,10 +662,10 @@ def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
         first = next(r for r in rows if r.state not in OK_PATCHED)
         raise BadInput(f"patch set {first.set}: {first.file} is {first.state}, not patched",
                        hint=(f"run `{apply_command(profile)}` or "
-                             f"`dsv4serve up --profile {profile.name} --apply-patches`"
+                             f"`dsv4serve up --profile {_ref(profile)} --apply-patches`"
                              + ("" if first.state == "pristine" else f"; first: {first.fix}")))
     root = profile_root(profile)
-    return apply_sets([load_set(n) for n in profile.patches], root, profile=profile.name)
+    return apply_sets([load_set(n) for n in profile.patches], root, profile=_ref(profile))
 
 
 def launch_refusal(profile: Any, apply: bool) -> BadInput | PatchRefused | None:
@@ -668,7 +678,7 @@ def launch_refusal(profile: Any, apply: bool) -> BadInput | PatchRefused | None:
         if not apply or patched_in_image(profile):
             return e
     try:
-        check_sets([load_set(n) for n in profile.patches], profile_root(profile), "apply", profile=profile.name)
+        check_sets([load_set(n) for n in profile.patches], profile_root(profile), "apply", profile=_ref(profile))
     except (BadInput, PatchRefused) as e:
         return e
     return None

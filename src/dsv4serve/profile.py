@@ -16,12 +16,13 @@ import hashlib
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator, \
-    model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError, \
+    field_validator, model_validator
 
 from dsv4serve.demo_model import MAX_SEED
 from dsv4serve.errors import ProfileError, first_line
@@ -288,6 +289,9 @@ class ReferenceSection(_Strict):
 
 
 class Profile(_Strict):
+    # how the user named it (a shipped name, or a YAML path): not part of the profile or its digest
+    _ref: str | None = PrivateAttr(default=None)
+
     name: str
     description: str = ""
     extends: str | None = None
@@ -358,6 +362,11 @@ class Profile(_Strict):
         if v == "max_model_len":
             return self.vllm.max_model_len
         return v
+
+    def cli_ref(self) -> str:
+        """What --profile takes to name this profile again: its shipped name, or the YAML file it was
+        loaded from (a hint saying `--profile NAME` would fail for a profile from a file)."""
+        return shlex.quote(self._ref) if self._ref else self.name
 
     def digest(self) -> str:
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -666,6 +675,9 @@ def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
     if not _SEAT_NAME.fullmatch(name):  # the error is about the name: call the profile by its file
         name = path.name
     try:
-        return Profile.model_validate(data)
+        prof = Profile.model_validate(data)
     except ValidationError as err:
         raise _format_validation(name, err, lambda loc: _source(loc, chain, overrides or [])) from None
+    if ref not in shipped_profiles():
+        prof._ref = str(path.resolve())
+    return prof

@@ -118,8 +118,11 @@ def _prelaunch_refusals(profile: Profile) -> list[str]:
         from dsv4serve import checks
     except ImportError:
         return []
-    # the port is up's own first refusal (_check_port), listed already
-    bad = [r for r in checks.prelaunch(profile).failures() if (r.section, r.check) != ("machine", "port")]
+    # the port and the patch sets are up's own refusals before these checks (_check_port,
+    # ensure_patched, or --apply-patches applied them), listed already
+    bad = [r for r in checks.prelaunch(profile).failures()
+           if (r.section, r.check) != ("machine", "port")
+           and not (r.section == "software" and r.check.startswith("patch"))]
     if profile.model.demo:
         from dsv4serve import demo_model
 
