@@ -141,6 +141,16 @@ def test_cpu_seat_gpu_rows_not_applicable():
     assert not GPU_ROWS & {r.check for r in rep.rows}
 
 
+def test_a_cpu_seat_with_more_ranks_than_usable_cpus_is_warned(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert _st(_machine(load_profile("cpu-demo")), "cpu-ranks").status == "ok"
+    row = _st(_machine(load_profile("cpu-demo", ["vllm.tensor_parallel_size=6"])), "cpu-ranks")
+    assert row.status == "warn" and row.found == "6 tensor-parallel ranks, 4 usable CPUs", row
+    assert row.fix == "set vllm.tensor_parallel_size to at most 4"
+
+
 def test_rtx_seat_with_a_foreign_process():
     p = load_profile("8x16gb-380k")
     rec = fake_nvml.rtx_pro_2000_seat(foreign={5: (4242, 3 * 1024**3, "python3")})

@@ -114,6 +114,9 @@ def test_set_overrides_are_typed():
     ("gates.timeouts.stall_s=.nan", "gates.timeouts.stall_s: Input should be a finite number (got NaN)"),
     ('reference.tok_s={"1": {en: .nan}}', "reference.tok_s.1.en: Input should be a finite number"),
     ("vllm.compilation_config={a: [1, -.inf]}", "vllm.compilation_config.a.1 is -inf, which JSON cannot carry"),
+    # a typo's rank count is a profile error, not a plan with 10**23 rank streams to tail
+    ("vllm.tensor_parallel_size=99999999999999999999999", "vllm.tensor_parallel_size: Input should be less than or equal to 1024"),
+    ("vllm.tensor_parallel_size=0", "vllm.tensor_parallel_size: Input should be greater than or equal to 1"),
 ])
 def test_bad_overrides_are_one_line_errors(override, needle):
     with pytest.raises(ProfileError) as e:

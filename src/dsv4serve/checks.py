@@ -199,10 +199,24 @@ def _guard(rep: Report, section: str, check: str, fn: Callable[[], None]) -> Non
 # machine
 
 
+def _cpu_ranks(rep: Report, ctx: Ctx) -> None:
+    """A CPU seat runs one worker per tensor-parallel rank, each wanting cores of its own: more ranks
+    than this process may run on oversubscribe them (slow, and vLLM's core binding may refuse). A
+    warning, not a refusal: a small demo still comes up that way, only slower."""
+    tp = ctx.profile.vllm.tensor_parallel_size
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if tp > usable:
+        rep.add("machine", "cpu-ranks", "warn", f"{tp} tensor-parallel ranks, {usable} usable CPUs",
+                f"<= {usable} ranks", f"set vllm.tensor_parallel_size to at most {usable}")
+    else:
+        rep.add("machine", "cpu-ranks", "ok", f"{tp} ranks on {usable} usable CPUs", f"<= {usable} ranks")
+
+
 def check_machine(rep: Report, ctx: Ctx) -> None:
     p = ctx.profile
     if not p.gpus.ids:
         rep.add("machine", "gpus", "n/a", "CPU seat (gpus.ids is empty)", "no GPU needed")
+        _guard(rep, "machine", "cpu-ranks", lambda: _cpu_ranks(rep, ctx))
     else:
         _guard(rep, "machine", "nvml", lambda: _gpu_rows(rep, ctx))
     _guard(rep, "machine", "shm", lambda: _shm(rep, ctx))

@@ -130,7 +130,9 @@ class VllmSection(_Strict):
 
     host: str = "127.0.0.1"
     port: Int = 8000
-    tensor_parallel_size: PosInt = 1
+    # bounded so a typo's 10**23 is a profile error, not a launch plan (vLLM serves at most a few
+    # hundred ranks; the machine checks hold it to the GPUs or CPUs there are)
+    tensor_parallel_size: Annotated[int, Strict(), Field(ge=1, le=1024)] = 1
     quantization: str | None = None
     dtype: str | None = None
     max_model_len: PosInt | None = None
