@@ -599,3 +599,30 @@ def test_an_out_that_became_a_file_during_the_run_keeps_the_result(tmp_path, mon
     assert "the result is kept in" in ei.value.line()
     kept = list((tmp_path / "home" / "bench").iterdir())
     assert len(kept) == 1 and json.loads(kept[0].read_text())["ppl"] == 2.0
+
+
+def test_a_web_page_instead_of_an_api_is_named_with_a_fix():
+    """A --base-url at some other web server answers /v1/models with an HTML 404: the error names the
+    page by its title (not its markup) and says what --base-url must be; a 5xx points at the log."""
+    import httpx
+
+    from dsv4serve import bench_client
+    from dsv4serve.errors import JobFailed
+
+    page = ("<!DOCTYPE HTML>\n<html lang=\"en\"><head><title>Error response</title></head>"
+            "<body><h1>Error response</h1><p>Error code: 404</p></body></html>\n")
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        """Stands in for `python -m http.server` (404 page) and for a server that fails (500)."""
+        if req.url.host == "web.test":
+            return httpx.Response(404, text=page, headers={"content-type": "text/html;charset=utf-8"})
+        return httpx.Response(500, json={"error": {"message": "EngineCore died"}})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(JobFailed) as e:
+            bench_client.list_models(client, "http://web.test:8000")
+        assert e.value.message == "GET http://web.test:8000/v1/models: HTTP 404: an HTML page titled 'Error response'"
+        assert "--base-url must be the server's root" in e.value.hint
+        with pytest.raises(JobFailed) as e:
+            bench_client.list_models(client, "http://api.test:8000")
+        assert e.value.message.endswith("HTTP 500: EngineCore died") and "dsv4serve logs" in e.value.hint

@@ -107,6 +107,11 @@ def _server_message(resp: httpx.Response) -> str:
 
 
 def _server_words(resp: httpx.Response) -> str:
+    text = resp.text
+    if "html" in resp.headers.get("content-type", "") or text.lstrip()[:15].lower().startswith(("<!doctype", "<html")):
+        # a web page, not an API error: its markup on the error line says nothing; its title may
+        title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
+        return "an HTML page" + (f" titled '{' '.join(title.group(1).split())}'" if title else "")
     try:
         body = resp.json()
     except ValueError:
@@ -144,9 +149,21 @@ def http_failure(base_url: str, e: Exception, what: str | None = None) -> JobFai
     return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {first_line(e, '')}")
 
 
+def status_hint(code: int) -> str:
+    """What to do about a non-200 from the endpoint, by its class."""
+    if code == 404:
+        return ("the endpoint is not an OpenAI-compatible server here: --base-url must be the server's root "
+                "(e.g. http://127.0.0.1:8000, a vLLM seat's endpoint from `dsv4serve status`)")
+    if code in (401, 403):
+        return "the server wants an API key, which bench does not send: measure a seat served without --api-key"
+    if code >= 500:
+        return "the server failed the request: see its log (`dsv4serve logs`)"
+    return "the server refused the request as sent: check --model and the token options against what it serves"
+
+
 def check_status(resp: httpx.Response, what: str) -> None:
     if resp.status_code != 200:
-        raise JobFailed(f"{what}: HTTP {resp.status_code}: {_server_message(resp)}")
+        raise JobFailed(f"{what}: HTTP {resp.status_code}: {_server_message(resp)}", hint=status_hint(resp.status_code))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +399,8 @@ def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], 
                            timeout=timeout(read_timeout_s)) as resp:
             if resp.status_code != 200:
                 resp.read()
-                raise StreamError(f"chat completion: HTTP {resp.status_code}: {_server_message(resp)}")
+                raise StreamError(f"chat completion: HTTP {resp.status_code}: {_server_message(resp)}",
+                                  hint=status_hint(resp.status_code))
             ctype = resp.headers.get("content-type", "")
             if "text/event-stream" not in ctype:
                 resp.read()
