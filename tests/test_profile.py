@@ -321,3 +321,38 @@ def test_nested_aliases_are_refused_before_they_expand(tmp_path):
                  + "".join(f"    {ln}\n" for ln in lines))
     with pytest.raises(ProfileError, match="expands to more than 100,000 values"):
         load_profile(str(f))
+
+
+def test_an_unclosed_bracket_names_the_line_it_opened_on_and_the_fix(tmp_path):
+    """PyYAML finds an unclosed bracket at the end of the file, a line past the last: the line to fix
+    is where it opened."""
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nextends: cpu-demo\nvllm:\n  port: 1\nenv:\n  A: '1'\npatches: [vllm-0.32.0\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p))
+    line = e.value.line()
+    assert "is not valid YAML" in line and "that starts at line 7" in line and "unclosed bracket" in e.value.hint
+
+
+def test_every_profile_structure_error_carries_a_fix(tmp_path):
+    cases = {
+        "list.yaml": "- name: x\n",
+        "extends-int.yaml": "name: x\nextends: 5\n",
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ProfileError) as e:
+            load_profile(str(tmp_path / name))
+        assert e.value.hint, (name, e.value.line())
+    write(tmp_path, {"extends": "b2.yaml", "model": {"served_name": "x"}}, "a2.yaml")
+    write(tmp_path, {"extends": "a2.yaml", "model": {"served_name": "x"}}, "b2.yaml")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(tmp_path / "a2.yaml"))
+    assert "cycle" in e.value.message and "remove the 'extends'" in e.value.hint
+
+
+def test_set_cannot_address_a_list_item_and_says_how_to_give_the_list():
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", ["gates.markers.0.ranks=5"])
+    assert e.value.message == "--set gates.markers.0.ranks: 'gates.markers' is a list, and --set cannot address one item"
+    assert "--set 'gates.markers=[...]'" in e.value.hint

@@ -477,11 +477,18 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or first_line(e)
-        raise ProfileError(f"profile {path}:{where} is not valid YAML ({problem})") from None
+        # an unclosed bracket or quote is found at the end of the file; where it opened is the line to fix
+        ctx, ctx_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if ctx and ctx_mark is not None and (mark is None or ctx_mark.line != mark.line):
+            problem += f"; {ctx} that starts at line {ctx_mark.line + 1}"
+        raise ProfileError(f"profile {path}:{where} is not valid YAML ({problem})",
+                           hint="fix that line (an unclosed bracket or quote, a tab, or a misaligned key), "
+                                "then run the command again") from None
     except OSError as e:
         raise ProfileError(f"cannot read profile {path}: {e.strerror}") from None
     if not isinstance(data, dict):
-        raise ProfileError(f"profile {path} must be a YAML mapping at the top level")
+        raise ProfileError(f"profile {path} must be a YAML mapping at the top level",
+                           hint="a profile is keys such as name:, model:, vllm: (see `dsv4serve profiles show cpu-demo`)")
     if _too_big(data, MAX_NODES):
         # aliases of aliases (a "billion laughs") load as shared references and explode later, in
         # the merge, the validation and every dump: refuse them here while they are still cheap
@@ -526,12 +533,14 @@ def load_raw(ref: str, _seen: tuple[str, ...] = (),
     path = _resolve_ref(ref, Path(_seen[-1]).parent if _seen else None)
     key = str(path.resolve())
     if key in _seen:
-        raise ProfileError(f"profile {path.name}: 'extends' forms a cycle")
+        raise ProfileError(f"profile {path.name}: 'extends' forms a cycle",
+                           hint=f"remove the 'extends' that leads back to {path.name}")
     data = _read_yaml(path)
     parent = data.get("extends")
     if parent is not None:
         if not isinstance(parent, str):
-            raise ProfileError(f"profile {path.name}: 'extends' must name a profile")
+            raise ProfileError(f"profile {path.name}: 'extends' must name a profile",
+                               hint="write `extends: NAME` with a shipped profile's name or a YAML file's path")
         try:
             base, _ = load_raw(parent, _seen + (key,), chain)
         except ProfileError as e:
@@ -583,6 +592,11 @@ def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
+        if isinstance(nxt, list):
+            where = ".".join(parts[: i + 1])
+            raise ProfileError(f"--set {'.'.join(parts)}: '{where}' is a list, and --set cannot address one item",
+                               hint=f"give the whole list (--set '{where}=[...]'), or write it in a YAML file that "
+                                    "extends this profile")
         if not isinstance(nxt, dict):
             raise ProfileError(f"--set {'.'.join(parts)}: '{'.'.join(parts[: i + 1])}' is not a section")
         node = nxt
