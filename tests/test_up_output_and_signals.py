@@ -162,6 +162,27 @@ def test_foreground_on_a_terminal_that_closes_stops_the_seat(fake):  # noqa: F81
     assert last["outcome"] == "stopped" and last["reason"].startswith("stopped by SIGHUP"), last
 
 
+def test_foreground_stopped_by_down_is_not_a_failure_when_the_ranks_die_first(fake):  # noqa: F811
+    """Real vLLM's ranks raise and exit the moment `down` signals them, so the attached `up` can see the
+    death before its next look at the state: that is still `down`'s stop (exit 0, said so), not
+    "stopped before the seat was ready" with exit 1 (found with real vLLM on the CPU seat)."""
+    for extra in ((), ("--json",)):
+        with reaped(start_up(fake, "--foreground", *extra, scenario="brittle")) as p:
+            lines = read_until(p, "attached:" if not extra else '"event":"ready"')
+            run_id, _ = spawn_info(lines)
+            d = fake.run("down", "--profile", fake.profile, "--json", scenario="brittle")
+            assert d.returncode == 0, d.stdout + d.stderr
+            out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, out[-2000:] + err
+        assert "before the seat was ready" not in out + err, out[-2000:] + err
+        if extra:
+            last = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
+            assert last["event"] == "stopped" and last["by"] == "down", last
+        else:
+            assert "seat fake-docker stopped by `dsv4serve down`; the stop report is down's" in out, out[-2000:]
+        assert_seat_gone(fake, run_id)
+
+
 def test_foreground_stopped_by_down_says_so_and_exits_0(fake):  # noqa: F811
     """`up --foreground` that `dsv4serve down` stops: the attached `up` used to exit 0 without a
     word, so the terminal it held showed nothing about why it ended. It names `down` now (a line for

@@ -349,6 +349,7 @@ class Supervisor:
         self._last_state_poll = 0.0
         self._saved: dict[str, Any] = {}
         self._tearing_down = False  # set once a teardown began: a crash after it must not start another
+        self._attached_ready = False  # --foreground, past ready: a `down` then is the user's stop, not a failure
         self._failing: Outcome | None = None  # the failure _fail is stopping the seat for
 
     # -- state ----------------------------------------------------------------------------------
@@ -751,6 +752,10 @@ class Supervisor:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=15)
+        if self._attached_ready:
+            # wherever it was noticed first (the takeover poll, or the rank death down's SIGTERM causes)
+            return Outcome(True, EXIT_OK, "stopped by `dsv4serve down`", None, time.time() - self.t0,
+                           taken_over=True)
         return Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` before the seat was ready", None,
                        time.time() - self.t0, taken_over=True)
 
@@ -826,6 +831,7 @@ class Supervisor:
         # drop, unchecked, whatever was written between the ready verdict and this point.
         tail = self.tail
         n_fatal = len(self.tracker.fatal)
+        self._attached_ready = True
         if not self.json_events:
             self.display.say("attached: Ctrl-C stops the seat (a second Ctrl-C kills it at once)")
         while True:
@@ -844,9 +850,7 @@ class Supervisor:
                 return self._stop_attached(intr, f"{self._output_lost()}: stopped the seat rather than leave it "
                                            "running with nobody watching", EXIT_FAILED, self._OUTPUT_HINT)
             if self._taken_over(now):
-                out = self._taken_over_outcome(intr)
-                out.ok, out.code, out.reason = True, EXIT_OK, "stopped by `dsv4serve down`"
-                return out
+                return self._taken_over_outcome(intr)
             if len(self.tracker.fatal) > n_fatal:
                 f = self.tracker.fatal[n_fatal]
                 return self._fail(Outcome(False, EXIT_FAILED, f"after ready: {f.stream}: {f.line}", f.hint,
