@@ -203,3 +203,27 @@ def test_foreground_stopped_by_down_says_so_and_exits_0(fake):  # noqa: F811
         else:
             assert "seat fake-docker stopped by `dsv4serve down`; the stop report is down's" in out, out[-2000:]
         assert_seat_gone(fake, run_id)
+
+
+def test_sigterm_before_the_launch_is_one_line_and_exits_143(tmp_path):
+    """Before vLLM starts (the checks, the demo model, vLLM's parser check) a SIGTERM used to end `up`
+    with exit 143 and not a word; it is one line now, and nothing is left (real CPU seat profile; the
+    signal lands while vLLM's parser is imported, which takes seconds)."""
+    from dsv4serve import ports
+
+    home = tmp_path / "home"
+    env = {**os.environ, "DSV4SERVE_HOME": str(home)}
+    p = subprocess.Popen([*DSV4SERVE, "up", "--profile", "cpu-demo", "--set", f"vllm.port={ports.free_port()}",
+                          "--skip-checks", "--json"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    with reaped(p):
+        read_until(p, '"event":"checks"', timeout=240)  # next: the parser check, then the launch
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 143, out[-2000:] + err
+    errs = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(errs) == 1 and "up stopped by SIGTERM before vLLM was started; nothing was started" in errs[0], err
+    last = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
+    assert last["event"] == "error" and last["exit_code"] == 143, last
+    assert load_state(home, "cpu-demo") is None
+    assert not [ln for ln in out.splitlines() if '"event":"spawn"' in ln]

@@ -46,3 +46,12 @@ class JobFailed(DsvError):
     """The job ran and failed: the seat did not come up, a gate or a check failed."""
 
     exit_code = EXIT_FAILED
+
+
+class Signalled(DsvError):
+    """A signal (SIGTERM, SIGHUP) ended a command before it had anything running to tear down: the
+    shell's convention for the exit code, 128 + the signal."""
+
+    def __init__(self, signum: int, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.exit_code = 128 + signum

@@ -371,6 +371,7 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
 
     name = profile.name
     lk = state.acquire(name, "up")  # held while bringing up (and while attached with --foreground)
+    old = _signals_raise()  # before the launch nothing runs: a SIGTERM then is a one-line exit, not a silent 143
     try:
         _clear_if_stale(name, json_events)
         _check_port(profile)  # before anything starts, and with the owner named
@@ -398,8 +399,30 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
                                     gpu_uuids=_gpu_uuids(profile), overrides=overrides)
         return sup.run().code
     finally:
+        _signals_restore(old)
         if lk.is_locked:
             lk.release()
+
+
+def _signals_raise() -> dict[int, Any]:
+    """SIGTERM / SIGHUP raise Signalled until the supervisor takes the signals over (it restores these
+    handlers when it is done; `_signals_restore` puts the originals back). Ctrl-C already raises."""
+    import signal
+
+    from dsv4serve.errors import Signalled
+
+    def raise_it(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise Signalled(signum, f"up stopped by {name} before vLLM was started; nothing was started")
+
+    return {s: signal.signal(s, raise_it) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _signals_restore(old: dict[int, Any]) -> None:
+    import signal
+
+    for s, h in old.items():
+        signal.signal(s, h)
 
 
 # =============================================================================================
