@@ -296,3 +296,15 @@ def test_a_checkpoint_is_resumed_from_not_rescanned(tmp_path, monkeypatch):
     fed.clear()
     ranklog.read_log(str(log), 2, [], [], checkpoint=ck)
     assert len(fed) > 100  # rescanned whole
+
+
+def test_vllm_refusing_its_own_command_line_is_the_fatal_line_with_a_fix():
+    """With --no-validate a bad flag reaches vLLM, whose argparse prints a usage block and one error
+    line, then exits 2: that line is the reason (it was 'no error line in the log')."""
+    tr = SeatTracker(2, [], [])
+    tr.feed("usage: api_server.py [-h] [--dtype {auto,half,float16,bfloat16,float,float32}]")
+    tr.feed("api_server.py: error: argument --dtype: invalid choice: 'bogus' (choose from auto, half, bfloat16)")
+    assert [f.kind for f in tr.fatal] == ["argv"]
+    assert tr.fatal[0].line.startswith("api_server.py: error: argument --dtype") and "--no-validate" in tr.fatal[0].hint
+    tr.feed("(APIServer pid=1) INFO 12-02 19:04:16 [api_server.py:1] vLLM API server version 0.32.0: error: none")
+    assert len(tr.fatal) == 1

@@ -69,6 +69,10 @@ _DIED = re.compile(r"Worker proc VllmWorker-(\d+) died")
 _ENGINE_UP = re.compile(r"init engine \(.*\) took")
 _API_SERVING = re.compile(r"Starting vLLM server on|Application startup complete")
 
+# argparse refusing vLLM's own command line (`api_server.py: error: argument --dtype: ...`): the
+# process exits 2 at once, and this line is the only one that says why
+ARGV_ERROR = re.compile(r"^[\w.-]+: error: (?:argument |unrecognized arguments|the following arguments)")
+
 FATAL = [
     ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|\bMemoryError\b")),
     ("max_model_len", MAXLEN_HINT),
@@ -82,6 +86,7 @@ FATAL = [
     # the docker client's own errors (exit 125-127): the engine never ran the container, so no
     # vLLM line follows to say why
     ("docker", re.compile(r"^docker: |^Error response from daemon: |Cannot connect to the Docker daemon")),
+    ("argv", ARGV_ERROR),
 ]
 
 
@@ -388,6 +393,9 @@ class SeatTracker:
         if low.startswith("docker: ") or "response from daemon" in low or "docker daemon" in low:
             return ("the docker engine did not run the container: fix docker (daemon up, access to its socket, "
                     "the image pulled, the NVIDIA runtime), then `dsv4serve up` again")
+        if ARGV_ERROR.match(line):
+            return ("vLLM refused its command line: fix that setting in the profile (up checks the flags with "
+                    "vLLM's own parser first, unless --no-validate)")
         if "died unexpectedly" in low:
             return "a rank process died: its own log lines come first (`dsv4serve logs --rank R`)"
         return None

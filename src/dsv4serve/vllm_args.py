@@ -46,7 +46,8 @@ def validate(vllm_args: list[str], profile_name: str = "") -> ParserCheck:
             args = parser.parse_args(list(vllm_args))
     except SystemExit:
         lines = [ln for ln in buf.getvalue().splitlines() if "error:" in ln]
-        msg = lines[-1].split("error:", 1)[1].strip() if lines else buf.getvalue().strip().splitlines()[-1:]
+        tail = buf.getvalue().strip().splitlines()  # no "error:" line: its last words, or say there were none
+        msg = lines[-1].split("error:", 1)[1].strip() if lines else (tail[-1] if tail else "(it printed nothing)")
         raise ProfileError(f"{who}vLLM {version} rejects the command line: {msg}",
                            hint="fix the vllm.* key that renders this flag") from None
     if getattr(args, "model_tag", None):
