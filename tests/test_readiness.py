@@ -34,3 +34,32 @@ def test_a_foreign_listener_fails_even_beside_ours(probes, owners):
     probes(owners)
     with pytest.raises(JobFailed, match=r"also served by pid \[200\]"):
         readiness.check("http://127.0.0.1:1", "m", None, 5.0, port=1, our_pids={100, 101})
+
+
+def test_a_port_taken_during_bring_up_fails_the_wait_at_once_naming_the_holder(tmp_path, monkeypatch):
+    """The /health wait used to run out its whole ready_s (minutes) when another process held the
+    seat's port, then blame /health. A socket of this test process listens on the port (the real
+    psutil scan sees it); the seat's own processes are none yet (stubbed), and /health never answers."""
+    import os
+    import socket
+
+    from dsv4serve import launch, procs, supervisor
+    from dsv4serve.profile import load_profile
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        profile = load_profile("cpu-demo", [f"vllm.port={port}", "gates.timeouts.ready_s=600"])
+        spec = launch.build(profile, run_id="cpu-demo-probe-test", run_dir=tmp_path / "run")
+        sup = supervisor.Supervisor(profile, spec, json_events=True, foreground=False)
+        sup.st = sup._initial_state()
+        monkeypatch.setattr(readiness, "health", lambda base, timeout=5.0: False)
+        monkeypatch.setattr(procs, "run_processes", lambda st: [])
+        sup._start_probe()
+        sup._probe.join(30)
+        assert not sup._probe.is_alive()
+    err = sup._probe_error
+    assert err is not None and err.message.startswith(f"port {port} is held by pid {os.getpid()} ("), err
+    assert "not by this seat" in err.message and "--set vllm.port=N" in err.hint

@@ -87,6 +87,22 @@ def listeners(port: int) -> set[int]:
     return {c.pid for c in conns if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
 
 
+def foreign_listeners(port: int, our_pids: set[int]) -> str | None:
+    """Who else listens on our port, as 'pid N (its command)' (None when nobody, or psutil cannot
+    see): a seat whose port another process holds never answers its own /health."""
+    foreign = sorted(listeners(port) - our_pids)
+    if not foreign:
+        return None
+    described = []
+    for pid in foreign:
+        try:
+            cmd = " ".join(psutil.Process(pid).cmdline())[:80]
+        except (psutil.Error, OSError):
+            cmd = ""
+        described.append(f"pid {pid}" + (f" ({cmd})" if cmd else ""))
+    return ", ".join(described)
+
+
 def check(base_url: str, model: str, canary_cfg: Any, timeout: float, port: int | None = None,
           our_pids: set[int] | None = None) -> dict[str, Any]:
     """/health, the served name, that the listener is one of our processes (when the caller can

@@ -41,6 +41,7 @@ from dsv4serve.state import RUN_ID_ENV, SeatState
 
 POLL_S = 0.2
 STATE_POLL_S = 0.5
+OWNER_CHECK_S = 5.0  # how often the readiness wait looks for a foreign listener on the seat's port
 # The demo plugin's marker comes before the API serves; lna2's ACTIVE line comes with the first
 # decode-shaped MoE call (trap 7), i.e. during the canary on an eager seat. The ranks write the
 # log file themselves, unbuffered, before the canary's answer leaves the server, so a short wait
@@ -596,11 +597,23 @@ class Supervisor:
         self.display.emit({"event": "http", "phase": "probing", "say": "API server serving: probing readiness"})
         base, deadline = self.spec_base_url(), time.time() + self.t.ready_s
 
+        native = self.spec.runtime == "native" and self.st is not None
+
         def probe() -> None:
             try:
+                owner_checked = 0.0
                 while not readiness.health(base, timeout=3.0):
                     if time.time() > deadline:
                         raise JobFailed(f"{base}/health did not answer 200 within {self.t.ready_s:.0f} s")
+                    if native and time.time() - owner_checked > OWNER_CHECK_S:
+                        # another process took the port after up's own check: say so now, not after ready_s
+                        owner_checked = time.time()
+                        ours = {p.pid for p in procs.run_processes(self.st)}
+                        other = readiness.foreign_listeners(self.spec.port, ours)
+                        if other:
+                            raise JobFailed(f"port {self.spec.port} is held by {other}, not by this seat, so its "
+                                            "/health cannot answer", hint="stop that process, or pick another port: "
+                                            "--set vllm.port=N")
                     time.sleep(0.5)
                 self.display.http = "canary"
                 ours = {p.pid for p in procs.run_processes(self.st)} if self.spec.runtime == "native" and self.st else None
