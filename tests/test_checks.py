@@ -682,3 +682,41 @@ def test_cli_gpu_profile_fails_honestly_here(demo_home):
     doc = json.loads(r.stdout)
     nvml = next(row for row in doc["rows"] if row["check"] == "nvml")
     assert nvml["status"] == "fail" and nvml["found"] == "no NVIDIA driver: NVML not found"
+
+
+def _counters_row(tmp_path, p, before_calls, now_calls):
+    """The counters row from per-rank call counts before and after the canary (files as the plugin
+    writes them)."""
+    def write(calls_by_rank):
+        for r, calls in calls_by_rank.items():
+            state.counters_path(tmp_path, r).write_text(json.dumps(
+                {"rank": r, "tp": len(calls_by_rank), "kernel": "lna2", "calls": calls, "declines": {}, "final": False}))
+        return state.read_counters(tmp_path, len(calls_by_rank))
+
+    before = write(before_calls)
+    write(now_calls)
+    ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=len(now_calls)))
+    rep = checks.Report(p.name)
+    old = checks.COUNTERS_WAIT_S
+    checks.COUNTERS_WAIT_S = 0.0
+    try:
+        checks._counters(rep, ctx, before, 0.0)
+    finally:
+        checks.COUNTERS_WAIT_S = old
+    return _st(rep, "counters")
+
+
+def test_lna2_must_serve_the_canary_not_only_the_warm_up(tmp_path):
+    """Warm-up and graph capture leave lna2 counts on every rank; a rank whose canary calls all went
+    elsewhere (the silent fallback this seat exists to catch) fails even so."""
+    p = load_profile("8x16gb-380k")
+    warm = {r: {"lna2": 120, "incumbent": 30} for r in range(8)}
+    healthy = {r: {"lna2": 160, "incumbent": 40} for r in range(8)}
+    assert _counters_row(tmp_path, p, warm, healthy).status == "ok"
+    fallen = {**healthy, 5: {"lna2": 120, "incumbent": 70}}
+    row = _counters_row(tmp_path, p, warm, fallen)
+    assert row.status == "fail" and "rank 5 ran the canary's MoE calls without lna2 (lna2 +0, other calls +40)" in row.fix
+    assert "r5 lna2: lna2 120 (+0), incumbent 70" in row.found
+    quiet = {**healthy, 2: {"lna2": 120, "incumbent": 30}}
+    row = _counters_row(tmp_path, p, warm, quiet)
+    assert row.status == "warn" and row.fix.startswith("rank 2 recorded no call of the canary"), row

@@ -1090,25 +1090,39 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
         return
     per = []
     bad = []
+    still = []  # lna2 ranks whose counters did not move during the canary
     for r, c in sorted(now.items()):
         calls = (c or {}).get("calls") or {}
         lna2, inc = int(calls.get("lna2", 0)), int(calls.get("incumbent", 0))
+        was = (before.get(r) or {}).get("calls") or {}
+        d_lna2 = lna2 - int(was.get("lna2", 0))
         declines = (c or {}).get("declines") or {}
-        per.append(f"r{r} {c.get('kernel', '?')}: lna2 {lna2}, incumbent {inc}"
+        per.append(f"r{r} {c.get('kernel', '?')}: lna2 {lna2} (+{d_lna2}), incumbent {inc}"
                    + (f", declines {sum(declines.values())}" if declines else ""))
         if p.moe.kernel == "lna2" and lna2 == 0:
             bad.append(f"rank {r} served no decode with lna2" + (f" (declines: {declines})" if declines else ""))
+        elif p.moe.kernel == "lna2" and _calls(c) > _calls(before.get(r)) and d_lna2 <= 0:
+            # warm-up and graph capture make the lifetime count non-zero on any rank; what proves the
+            # kernel serves is that it ran for the canary's own decode steps
+            bad.append(f"rank {r} ran the canary's MoE calls without lna2 (lna2 +0, other calls "
+                       f"+{_calls(c) - _calls(before.get(r))})" + (f" (declines: {declines})" if declines else ""))
+        elif p.moe.kernel == "lna2" and _calls(c) <= _calls(before.get(r)):
+            still.append(r)
         elif p.moe.kernel != "lna2" and lna2 > 0:
             bad.append(f"rank {r} ran lna2 on a {p.moe.kernel} seat")
         if c.get("final"):
             bad.append(f"rank {r} wrote its final counters (the worker shut down)")
     grew = any(_calls(now[r]) > _calls(before.get(r)) for r in now)
     found = "; ".join(per) + ("" if grew or p.moe.kernel == "none" else " (unchanged by the canary)")
-    exp = ("lna2 calls > 0 on every rank" if p.moe.kernel == "lna2" else
+    exp = ("lna2 calls > 0 on every rank, and more during the canary" if p.moe.kernel == "lna2" else
            f"every rank reports; kernel {p.moe.kernel}")
     if bad:
         rep.add("live", "counters", "fail", found, exp, "; ".join(bad)[:300] + ": run with VLLM_EXL3_MOE_STRICT=1 "
                 "and read the decline reasons", data={"counters": now})
+    elif still:
+        rep.add("live", "counters", "warn", found, exp + ", growing with the canary",
+                f"rank {','.join(map(str, still))} recorded no call of the canary within {COUNTERS_WAIT_S:g} s: "
+                "run check-seat again, and read `dsv4serve logs` if it stays so", data={"counters": now})
     else:
         rep.add("live", "counters", "ok", found, exp, data={"counters": now})
 
