@@ -356,3 +356,28 @@ def test_set_cannot_address_a_list_item_and_says_how_to_give_the_list():
         load_profile("cpu-demo", ["gates.markers.0.ranks=5"])
     assert e.value.message == "--set gates.markers.0.ranks: 'gates.markers' is a list, and --set cannot address one item"
     assert "--set 'gates.markers=[...]'" in e.value.hint
+
+
+def test_an_lna2_strict_seat_always_gates_on_its_proof(tmp_path):
+    """A profile that extends the canon and lists its own gates replaces the parent's lists: the ACTIVE
+    marker and the decline pattern went with them, and such a seat came up on any kernel. Under strict
+    mode the kernel choice brings them back; one rank of eight is refused; strict 0 adds nothing."""
+    import re
+
+    from dsv4serve.profile import LNA2_ACTIVE, LNA2_DECLINE_SAMPLE
+
+    child = write(tmp_path, {"extends": "8x16gb-380k", "name": "mine",
+                             "gates": {"markers": [{"text": "dsv4serve plugin ready", "ranks": "all"}],
+                                       "forbidden": ["LNA preflight FAILED"]}})
+    p = load_profile(str(child))
+    assert [(m.text, m.ranks) for m in p.gates.markers] == [("dsv4serve plugin ready", "all"), (LNA2_ACTIVE, "all")]
+    assert any(re.search(pat, LNA2_DECLINE_SAMPLE) for pat in p.gates.forbidden)
+    assert not any(re.search(pat, "LNA2 declined: rows=40 above the ceiling (rank=0/8)") for pat in p.gates.forbidden)
+    canon = load_profile("8x16gb-380k")
+    assert [m.text for m in canon.gates.markers].count(LNA2_ACTIVE) == 1 and len(canon.gates.forbidden) == 4
+    with pytest.raises(ProfileError) as e:
+        load_profile("8x16gb-380k", ['gates.markers=[{text: "LNA2 MoE kernel ACTIVE", ranks: 1}]'])
+    assert "1 of 8 ranks for the lna2 ACTIVE marker" in e.value.line() and 'use "all"' in e.value.line()
+    loose = load_profile("8x16gb-380k", ["moe.strict=0", "env.VLLM_EXL3_MOE_STRICT=0", "gates.markers=[]",
+                                          "gates.forbidden=[]"])
+    assert loose.gates.markers == [] and loose.gates.forbidden == []

@@ -208,6 +208,15 @@ class VllmSection(_Strict):
         return v
 
 
+# The plugin's proof lines (moe_dispatch): what an lna2 seat under strict mode always gates on.
+LNA2_ACTIVE = "LNA2 MoE kernel ACTIVE"
+LNA2_ACTIVE_SAMPLE = "LNA2 MoE kernel ACTIVE rank=0/8 layers=43 bits=2,3 ext=b0123456789ab"
+# a decline outside prefill shapes (rows above the ceiling are prefill, which the incumbent serves)
+LNA2_DECLINE = r"LNA2 declined: (?!rows=\d+ above the ceiling)"
+LNA2_DECLINE_SAMPLE = ("LNA2 declined: x dtype torch.float32 is not fp16 or bf16 (rank=0/8 "
+                       "layer=model.layers.3.mlp.experts; counted, not logged again)")
+
+
 class MoeSection(_Strict):
     kernel: Literal["lna2", "incumbent", "none"] = "incumbent"
     strict: Annotated[Literal[0, 1, 2], BeforeValidator(_no_bool)] = 0
@@ -338,6 +347,25 @@ class Profile(_Strict):
                                  "process, e.g. \"1.10\"")
             out[k] = str(val) if isinstance(val, int) else val  # floats were refused above
         return out
+
+    @model_validator(mode="after")
+    def _lna2_proof(self) -> "Profile":
+        # An lna2 seat under strict mode is only what it claims if every rank proves the kernel ran
+        # and no decline passes unseen: the kernel choice brings its proof, whatever gates a profile
+        # that extends another lists (lists replace, so a child's own markers dropped the parent's).
+        if self.moe.kernel != "lna2" or self.moe.strict < 1:
+            return self
+        tp = self.vllm.tensor_parallel_size
+        proving = [(i, m) for i, m in enumerate(self.gates.markers) if m.text in LNA2_ACTIVE_SAMPLE]
+        for i, m in proving:
+            if m.ranks != "all" and m.ranks < tp:
+                raise ValueError(f"gates.markers.{i}.ranks: {m.ranks} of {tp} ranks for the lna2 ACTIVE marker; "
+                                 "an lna2 seat under strict mode proves the kernel on every rank: use \"all\"")
+        if not proving:
+            self.gates.markers = [*self.gates.markers, Marker(text=LNA2_ACTIVE, ranks="all")]
+        if not any(re.search(pat, LNA2_DECLINE_SAMPLE) for pat in self.gates.forbidden):
+            self.gates.forbidden = [*self.gates.forbidden, LNA2_DECLINE]
+        return self
 
     @model_validator(mode="after")
     def _marker_ranks(self) -> "Profile":
