@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,8 +155,9 @@ class FakeExt:
 
 class Harness:
     def __init__(self, kernel: str = "lna2", strict: int = 0, n_layers: int = 2, ext: object | None = "fake",
-                 tmp_path=None, method_cls=Exl3MoEMethod, **ext_kw) -> None:
-        self.env = md.PluginEnv(run_id="t1", run_dir=str(tmp_path) if tmp_path else None, kernel=kernel, strict=strict)
+                 tmp_path=None, method_cls=Exl3MoEMethod, decode_rows: int | None = None, **ext_kw) -> None:
+        self.env = md.PluginEnv(run_id="t1", run_dir=str(tmp_path) if tmp_path else None, kernel=kernel, strict=strict,
+                                decode_rows=decode_rows)
         self.layers = []
         for i in range(n_layers):
             m, el = make_layer(seed=i)
@@ -403,6 +405,30 @@ def test_missing_extension_strict1_fails_at_load_before_wrapping():
         h.prepare()
     assert h.grep("dsv4serve plugin FAILED lna2 not ready")
     assert not hasattr(h.layers[0][1].quant_method, "_dsv4serve_state")  # nothing wrapped
+
+
+def test_a_build_below_the_seats_decode_rows_is_not_ready_under_strict():
+    """Every decode step above the build's ceiling would go to the incumbent as a prefill-shaped
+    decline, which the gates let through: strict mode refuses the build at load instead."""
+    h = Harness(strict=1, decode_rows=16, ceiling=8)
+    with pytest.raises(md.Lna2NotReadyError, match=r"the lna2 build takes at most 8 rows a call but this seat decodes 16"):
+        h.prepare()
+    assert not hasattr(h.layers[0][1].quant_method, "_dsv4serve_state")  # nothing wrapped
+    assert Harness(strict=1, decode_rows=16, ceiling=24).prepare() is not None
+    assert Harness(strict=0, decode_rows=16, ceiling=8).prepare() is not None  # strict 0: declines, counted
+
+
+def test_the_launcher_tells_the_plugin_the_seats_decode_rows():
+    from dsv4serve import launch
+    from dsv4serve.profile import load_profile
+
+    env = launch._plugin_env(load_profile("8x16gb-380k"), "r", Path("/tmp/x"))
+    assert env["DSV4SERVE_DECODE_ROWS"] == "16"  # 4 streams x (1 + 3 DSpark tokens)
+    assert md.read_env({"DSV4SERVE_RUN_ID": "r", **env}).decode_rows == 16
+    assert "DSV4SERVE_DECODE_ROWS" not in launch._plugin_env(load_profile("cpu-demo"), "r", Path("/tmp/x"))
+    for bad in ("0", "-4", "16.0", "x"):
+        with pytest.raises(md.PluginConfigError, match="DSV4SERVE_DECODE_ROWS"):
+            md.read_env({"DSV4SERVE_RUN_ID": "r", "DSV4SERVE_DECODE_ROWS": bad})
 
 
 def test_non_exl3_method_strict1_names_the_method():

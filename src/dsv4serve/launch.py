@@ -20,6 +20,7 @@ PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
 PLUGIN_ENV_RUN_DIR = "DSV4SERVE_RUN_DIR"
 PLUGIN_ENV_KERNEL = "DSV4SERVE_MOE_KERNEL"
 PLUGIN_ENV_STRICT = "VLLM_EXL3_MOE_STRICT"
+PLUGIN_ENV_DECODE_ROWS = "DSV4SERVE_DECODE_ROWS"  # rows of the seat's decode calls: the build must take them
 NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
 PUBLIC_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 
@@ -157,6 +158,9 @@ def check_plan(profile: Profile) -> None:
 def _plugin_env(profile: Profile, run_id: str, run_dir: Path) -> dict[str, str]:
     env = {PLUGIN_ENV_RUN_ID: run_id, PLUGIN_ENV_RUN_DIR: str(run_dir), PLUGIN_ENV_KERNEL: profile.moe.kernel,
            PLUGIN_ENV_STRICT: str(profile.moe.strict)}
+    if profile.moe.kernel == "lna2":
+        # the profile's row_ceiling is what the user typed; the worker holds the build that runs
+        env[PLUGIN_ENV_DECODE_ROWS] = str(profile.decode_rows())
     return env
 
 

@@ -97,6 +97,7 @@ class PluginEnv:
     run_dir: str | None
     kernel: str  # lna2 | incumbent | none
     strict: int  # 0 | 1 | 2
+    decode_rows: int | None = None  # rows of the seat's decode calls, when the launcher said
 
 
 def read_env(environ: Mapping[str, str]) -> PluginEnv | None:
@@ -118,8 +119,11 @@ def read_env(environ: Mapping[str, str]) -> PluginEnv | None:
     raw_strict = environ.get("VLLM_EXL3_MOE_STRICT", "0").strip() or "0"
     if raw_strict not in ("0", "1", "2"):
         raise PluginConfigError(f"VLLM_EXL3_MOE_STRICT={raw_strict!r} is not 0, 1 or 2")
+    raw_rows = environ.get("DSV4SERVE_DECODE_ROWS", "").strip()
+    if raw_rows and not (raw_rows.isascii() and raw_rows.isdigit() and int(raw_rows) > 0):
+        raise PluginConfigError(f"DSV4SERVE_DECODE_ROWS={raw_rows!r} is not a positive whole number")
     return PluginEnv(run_id=run_id, run_dir=environ.get("DSV4SERVE_RUN_DIR") or None, kernel=kernel,
-                     strict=int(raw_strict))
+                     strict=int(raw_strict), decode_rows=int(raw_rows) if raw_rows else None)
 
 
 # --- which layers ---------------------------------------------------------------------------------
@@ -488,6 +492,13 @@ class Runtime:
         if self.require_cuda and not torch.cuda.is_available():
             raise ContractError("no CUDA device in this process")
         ext = self._ext_or_reason()
+        rows = self.env.decode_rows
+        if self.env.strict >= 1 and rows and self.ceiling < rows:
+            # every decode step would go to the incumbent as "above the ceiling", which the gates
+            # let through as prefill: the seat would run, proven, on the wrong kernel
+            raise ContractError(f"the lna2 build takes at most {self.ceiling} rows a call but this seat decodes "
+                                f"{rows} (max_num_seqs x (1 + speculative tokens)); build with a higher "
+                                "LNA2_MAX_ROWS or lower vllm.max_num_seqs")
         g = validate_layer(st.layer, st.method, require_cuda=self.require_cuda)
         key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}"
         if key not in self._limits:
