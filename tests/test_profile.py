@@ -381,3 +381,17 @@ def test_an_lna2_strict_seat_always_gates_on_its_proof(tmp_path):
     loose = load_profile("8x16gb-380k", ["moe.strict=0", "env.VLLM_EXL3_MOE_STRICT=0", "gates.markers=[]",
                                           "gates.forbidden=[]"])
     assert loose.gates.markers == [] and loose.gates.forbidden == []
+
+
+def test_an_empty_mapping_in_a_child_clears_the_parents(tmp_path):
+    """The ppl seat runs without speculation; its `tok_s: {}` merged into the canon's kept the
+    speculative tok/s and acceptance references, so a correct spec-off run read as 0.53x."""
+    p = load_profile("8x16gb-ppl")
+    assert p.vllm.speculative_config is None
+    assert p.reference.tok_s == {} and p.reference.acceptance_length == {}
+    assert p.reference.ppl is not None and p.reference.ppl.value == 6.7159
+    child = write(tmp_path, {"extends": "cpu-demo", "name": "bare", "env": {}})
+    assert load_profile(str(child)).env == {}
+    kept = write(tmp_path, {"extends": "cpu-demo", "name": "more", "env": {"EXTRA": "1"}}, "more.yaml")
+    env = load_profile(str(kept)).env
+    assert env["EXTRA"] == "1" and set(load_profile("cpu-demo").env) <= set(env)
