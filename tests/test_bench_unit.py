@@ -99,6 +99,7 @@ def test_stream_counts_tokens_from_usage_not_chunks():
     assert r.ttft_s == pytest.approx(1.0)
     assert r.decode_s == pytest.approx(1.0)
     assert r.decode_tok_s == pytest.approx(11.0)
+    assert r.decode_tok_s_after_first == pytest.approx(10.0)  # the first token came from the prefill
     assert r.wall_s == pytest.approx(3.0)
 
 
@@ -284,6 +285,13 @@ def test_ppl_takes_the_actual_tokens_logprob_not_the_max():
     nll, n = window_nll(prompt, plp)
     assert (nll, n) == (5.0, 2)
     assert math.exp(nll / n) == pytest.approx(math.exp(2.5))
+
+
+def test_ppl_reads_vllms_clamped_minus_inf_as_a_zero_probability_token():
+    """vLLM returns -9999.0 for a -inf prompt logprob; scored as a number it silently multiplies
+    the perplexity of a long text instead of saying a token had zero probability."""
+    nll, n = window_nll([5, 7, 9], [None, {"7": {"logprob": -2.0}}, {"9": {"logprob": -9999.0}}])
+    assert n == 2 and nll == math.inf
 
 
 def test_ppl_rejects_a_misaligned_or_incomplete_answer():

@@ -314,6 +314,18 @@ class StreamResult:
         return self.completion_tokens / d
 
     @property
+    def decode_tok_s_after_first(self) -> float | None:
+        """Tokens decoded after the first over the time they took: the prefill made the first token at
+        t_first, so n tokens span n - 1 decode steps. The needle's answer is ~10 tokens, where
+        n / (n - 1) would overstate the rate by ~12 %; a 256-token stream keeps decode_tok_s, the
+        reference instrument's definition."""
+        d = self.decode_s
+        n = self.completion_tokens or 0
+        if d is None or d <= 0 or n < 2 or self.burst:
+            return None
+        return (n - 1) / d
+
+    @property
     def wall_s(self) -> float | None:
         return None if self.t_end is None else self.t_end - self.t_start
 

@@ -87,6 +87,7 @@ def windows(ids: list[int], ctx: int, chunks: int, bos: int | None) -> list[list
 
 
 LOGPROB_SLACK = 1e-4  # float rounding of a log-softmax at a near-certain token, never more
+ZERO_PROB_LOGPROB = -9999.0  # what vLLM returns for a -inf prompt logprob
 
 
 def window_nll(prompt: list[int], prompt_logprobs: Any) -> tuple[float, int]:
@@ -109,6 +110,8 @@ def window_nll(prompt: list[int], prompt_logprobs: Any) -> tuple[float, int]:
         if math.isnan(logprob) or logprob > LOGPROB_SLACK:
             raise JobFailed(f"prompt_logprobs at position {pos} has logprob {logprob!r}, which no probability has",
                             hint="a log-probability is at most 0: the server's scores are broken")
+        if logprob <= ZERO_PROB_LOGPROB:
+            logprob = -math.inf  # vLLM clamps -inf to -9999.0: a token the model ruled out, not a score
         total -= float(logprob)
     return total, len(prompt) - 1
 
