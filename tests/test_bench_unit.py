@@ -251,6 +251,22 @@ def test_cell_summary_compares_with_the_profile_reference():
     assert c["completion_tokens"] == [110, 106]
 
 
+def test_no_tok_s_ratio_when_the_run_is_not_measured_as_the_references_were():
+    """An aggregate includes TTFT: at 32 tokens (or with reasoning on) the seat is not slower, the
+    method is different, so the reference is shown without a ratio and the run says why."""
+    from dsv4serve.bench import reference_method_differs
+
+    prof = load_profile("8x16gb-380k")
+    runs = [RunResult(1, "code", 1, [_stream(0.0, 0.1, 1.1, 1.1, 110)], SpecDelta(20, 10, 30))]
+    c = summarize_cell(runs, prof, comparable=False)
+    assert c["reference"]["tok_s"] == 108.6 and c["ratio"]["tok_s"] is None
+    assert c["ratio"]["acceptance_length"] is not None  # a ratio of the draft, not of time
+    assert reference_method_differs(BenchSettings([1], ["en"])) is None
+    assert reference_method_differs(BenchSettings([1], ["en"], max_tokens=32)) == \
+        "--max-tokens 32 (the references used 256)"
+    assert "--thinking" in reference_method_differs(BenchSettings([1], ["en"], thinking=True))
+
+
 def test_cell_without_reference_for_that_stream_count():
     prof = load_profile("8x16gb-380k")
     c = summarize_cell([RunResult(2, "en", 1, [_stream(0, 0.1, 1.1, 1.2, 10)], None)], prof)

@@ -347,7 +347,23 @@ class BenchSettings:
                            f"{endpoint.max_model_len} with a prompt", hint=f"use at most {endpoint.max_model_len // 2}")
 
 
-def summarize_cell(runs: list[RunResult], profile: Profile | None) -> dict[str, Any]:
+# How the profiles' reference tok/s were measured (seat-reference §5: bench-streams, thinking off):
+# an aggregate includes TTFT, so another budget or reasoning on changes the figure, not the seat.
+REF_MAX_TOKENS = 256
+REF_THINKING = False
+
+
+def reference_method_differs(settings: "BenchSettings") -> str | None:
+    """Why this run's tok/s cannot be set beside the references, or None when it can."""
+    why = []
+    if settings.max_tokens != REF_MAX_TOKENS:
+        why.append(f"--max-tokens {settings.max_tokens} (the references used {REF_MAX_TOKENS})")
+    if settings.thinking != REF_THINKING:
+        why.append("--thinking (the references ran with thinking off)")
+    return "; ".join(why) or None
+
+
+def summarize_cell(runs: list[RunResult], profile: Profile | None, comparable: bool = True) -> dict[str, Any]:
     streams, suite = runs[0].streams, runs[0].suite
     agg = Stat.of([r.aggregate_tok_s for r in runs])
     ttft = Stat.of([r.ttft_max_s for r in runs])
@@ -367,7 +383,7 @@ def summarize_cell(runs: list[RunResult], profile: Profile | None) -> dict[str, 
         "completion_tokens": [r.completion_tokens for r in runs],
         "reference": {"tok_s": ref_tok, "acceptance_length": ref_acc},
         "ratio": {
-            "tok_s": (agg.mean / ref_tok) if agg and ref_tok else None,
+            "tok_s": (agg.mean / ref_tok) if agg and ref_tok and comparable else None,
             "acceptance_length": (acc.mean / ref_acc) if acc and ref_acc else None,
         },
         "runs": [r.to_dict() for r in runs],
@@ -416,7 +432,11 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
     if bursts:
         notes.append(f"{bursts} stream(s) received all their tokens in one burst (client or server starved of CPU): "
                      "their decode rate is not measurable and is left out of the per-stream figures")
-    summaries = [summarize_cell(cells[(s, q)], target.profile) for s in settings.streams for q in settings.suites]
+    differs = reference_method_differs(settings)
+    if differs and target.profile is not None and target.profile.reference.tok_s:
+        notes.append(f"no tok/s ratio against the reference: {differs}")
+    summaries = [summarize_cell(cells[(s, q)], target.profile, comparable=differs is None)
+                 for s in settings.streams for q in settings.suites]
     if all(c["acceptance_length"] is None for c in summaries):
         notes.append("acceptance length n/a: the server exposes no speculative-decoding counters "
                      "(speculation off, or /metrics absent)")
