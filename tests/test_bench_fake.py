@@ -395,6 +395,28 @@ def test_ppl_reads_the_prompt_tokens_logprob(fake):
         assert isinstance(b["prompt"], list) and len(b["prompt"]) == 64
 
 
+def test_ppl_compares_with_the_reference_only_on_windows_cut_as_its_were(fake, tmp_path):
+    """The ppl references scored ctx*4-character windows capped at ctx tokens; exact token windows
+    score other spans with longer contexts, so only --windows chars gives a ratio."""
+    f = tmp_path / "wiki.test.raw"
+    f.write_text(("The quick brown fox jumps over the lazy dog near the river bank. " * 600)[:40000])
+    args = ("ppl", "--base-url", fake.url, "--ctx", "512", "--chunks", "16", "--text", str(f), "--json",
+            "--profile", "8x16gb-ppl")
+    doc = json.loads(run(*args).stdout)
+    assert doc["windows"] == "tokens" and doc["reference"]["comparable"] is False and doc["ratio"] is None
+    assert any("pass --windows chars" in n for n in doc["notes"])
+    fake.completion_bodies.clear()
+    res = run(*args, "--windows", "chars")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["windows"] == "chars" and doc["chunks"] == 16 and doc["reference"]["comparable"] is True
+    assert doc["ratio"] == pytest.approx(math.exp(2.0) / 6.7159)
+    # 2,048 characters tokenize to 683 here (the fake's 3 characters a token), capped at 512
+    assert [len(b["prompt"]) for b in fake.completion_bodies] == [512] * 16
+    bad = run("ppl", "--base-url", fake.url, "--windows", "words")
+    assert bad.exit_code == 2 and "--windows 'words' is not tokens or chars" in one_line_error(bad)
+
+
 def test_ppl_text_too_short(fake, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("only a few words here")

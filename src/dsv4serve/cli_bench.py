@@ -240,10 +240,13 @@ def ppl(ctx: typer.Context,
         text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text, e.g. wikitext-2-raw wiki.test.raw "
                                                                    "(default: a shipped sample, not comparable)"),
         timeout: float = typer.Option(600.0, "--timeout", help="seconds per window request"),
+        windows: str = typer.Option("tokens", "--windows", help="tokens: exact --ctx-token windows; chars: "
+                                    "--ctx*4-character windows capped at --ctx tokens, as the profiles' references "
+                                    "were cut (needed to compare with them)"),
         base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
         profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
         json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
-    """Perplexity over disjoint token windows via /v1/completions prompt_logprobs.
+    """Perplexity over disjoint windows via /v1/completions prompt_logprobs.
 
     prompt_logprobs gathers full-vocabulary logits, which can run a full seat out of memory: use profile 8x16gb-ppl.
     """
@@ -254,7 +257,7 @@ def ppl(ctx: typer.Context,
     with handled(sh.json_out):
         if sh.misplaced is not None:
             raise sh.misplaced
-        settings = PplSettings(ctx=ctx_len, chunks=chunks, text=text, read_timeout_s=timeout)
+        settings = PplSettings(ctx=ctx_len, chunks=chunks, text=text, read_timeout_s=timeout, windows=windows)
         _check_inputs(sh, settings)
         with _session(sh) as (client, target):
             with _progress(not sh.json_out, chunks) as step:
