@@ -257,6 +257,10 @@ def test_a_missing_shard_fails_on_its_files_not_on_the_dense_entries_it_held(tmp
     (lambda c: {**c, "vision_n_layers": "x"}, 'vision_n_layers is "x", not a whole number'),
     (lambda c: {**c, "quantization_config": [1]}, "quantization_config is [1], not a JSON object"),
     (lambda c: {**c, "compress_ratios": 4}, "compress_ratios is 4, not a JSON list"),
+    (lambda c: {**c, "compress_ratios": ["4"] * len(c["compress_ratios"])}, 'compress_ratios holds "4", not whole numbers'),
+    # the checks enumerate each layer's experts: these exhausted memory before any row was written
+    (lambda c: {**c, "n_routed_experts": 100_000_000}, "n_routed_experts is 100,000,000, beyond any model (65,536 at most)"),
+    (lambda c: {**c, "num_hidden_layers": 1_000_000_000}, "num_hidden_layers is 1,000,000,000, beyond any model (65,536 at most)"),
 ])
 def test_a_config_of_the_wrong_shape_is_one_config_failure_not_a_crash(tmp_path, clean, edit, found):
     import shutil
@@ -318,3 +322,38 @@ def test_layer_bits_that_is_not_a_mapping_fails_instead_of_being_ignored(tmp_pat
     rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
     f = rep.get("routed-bits")
     assert f.status == "fail" and f.found == "quantization_config.layer_bits is [2, 3]" and f.fix
+
+
+@pytest.mark.parametrize("where", ["sub/{name}", "../elsewhere/{name}", ".{name}"])
+def test_an_index_naming_files_outside_the_top_level_fails(tmp_path, clean, where):
+    """vLLM reads the top level's *.safetensors only (and a docker seat mounts nothing else): a
+    weight_map entry that is a path, or a hidden file, names tensors that are never loaded."""
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    doc = json.loads((p / pack.INDEX).read_text())
+    name = sorted(set(doc["weight_map"].values()))[3]
+    moved = where.format(name=name)
+    (p / moved).parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(p / name), str(p / moved))
+    doc["weight_map"] = {k: (moved if v == name else v) for k, v in doc["weight_map"].items()}
+    (p / pack.INDEX).write_text(json.dumps(doc))
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    row = rep.get("index")
+    assert row.status == "fail" and f"outside the pack's top level: {moved}" in row.found, row
+    assert "move those files into the pack directory" in row.fix
+
+
+def test_a_missing_quantization_config_is_one_failure_not_five(tmp_path, clean):
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    cfg = json.loads((p / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (p / "config.json").write_text(json.dumps(cfg))
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    assert set(_bad(rep, ("fail",))) == {"quant-method"}, [(f.check, f.found) for f in rep.findings if f.status == "fail"]
+    for name in ("codebook", "dense-bits", "routed-bits", "mtp"):
+        assert rep.get(name).status == "n/a" and "see quant-method" in rep.get(name).found

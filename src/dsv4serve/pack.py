@@ -332,6 +332,9 @@ def _config(rep: PackReport, root: Path) -> dict[str, Any] | None:
     return cfg
 
 
+CONFIG_COUNT_MAX = 65_536  # layers, experts or groups: DeepSeek-V4 has 61 layers and 256 experts
+
+
 def _config_problem(cfg: Any) -> str | None:
     """What makes a config.json unusable to these checks (and to vLLM), or None: each field they
     read, if present, has the type they read it as."""
@@ -340,10 +343,19 @@ def _config_problem(cfg: Any) -> str | None:
     arch = cfg.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
         return f"architectures is {json.dumps(arch)}, not a list of class names"
-    for key in ("num_hidden_layers", "vision_n_layers", "o_groups"):
+    for key in ("num_hidden_layers", "vision_n_layers", "o_groups", "n_routed_experts"):
         v = cfg.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             return f"{key} is {json.dumps(v)}, not a whole number"
+        if v is not None and v > CONFIG_COUNT_MAX:
+            # the checks enumerate every layer's experts: an absurd count is a broken config, and
+            # would exhaust memory before any row is written
+            return f"{key} is {v:,}, beyond any model ({CONFIG_COUNT_MAX:,} at most)"
+    ratios = cfg.get("compress_ratios")
+    odd = next((r for r in ratios if not isinstance(r, int) or isinstance(r, bool)), None) \
+        if isinstance(ratios, list) else None
+    if odd is not None:  # read as layer counts below: "4" would read as a layer without its modules
+        return f"compress_ratios holds {json.dumps(odd)}, not whole numbers"
     for key, kind in (("quantization_config", dict), ("compress_ratios", list)):
         v = cfg.get(key)
         if v is not None and not isinstance(v, kind):
@@ -374,6 +386,14 @@ def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
             raise ValueError(f"weight_map[{odd!r}] is {json.dumps(wm[odd])}, not a file name")
         if not wm:
             raise ValueError("weight_map is empty: vLLM would load no tensor")
+        # vLLM loads the top level's *.safetensors only (a docker seat mounts nothing else): a file
+        # named by a path, or a hidden one its glob skips, is a tensor it never reads
+        outside = sorted({v for v in wm.values() if "/" in v or "\\" in v or v.startswith(".")})
+        if outside:
+            rep.add("index", "fail", f"{INDEX} names {_n(len(outside), 'file')} outside the pack's top level: "
+                    f"{_few(outside, 3)}", "plain file names in the pack directory",
+                    "move those files into the pack directory and name them plainly in the weight_map")
+            return {}
     except FileProblem as e:
         rep.add("index", "fail", f"{INDEX} unreadable ({e})", "a JSON weight_map",
                 e.fix if "permission" in str(e) else "rebuild the index from the shard headers")
@@ -575,6 +595,13 @@ def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | Non
     mods = _modules(rep.tensors)
     _exl3_tensors(rep, mods)
     _markers(rep, mods)
+    if not qc:
+        # every stamp below is read from it: four more failures would only repeat quant-method's
+        for name in ("codebook", "dense-bits", "routed-bits", "mtp"):
+            rep.add(name, "n/a", "config.json has no quantization_config (see quant-method)", "",
+                    "checked once quantization_config is restored")
+        _wo_a(rep, cfg, mods, wo_a_slices)
+        return
     _codebook(rep, qc, mods)
     nr = qc.get("non_routed_exl3") if isinstance(qc.get("non_routed_exl3"), dict) else None
     entries = _entries(rep, nr)
@@ -879,7 +906,7 @@ def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods:
     mix = Counter(next(iter(ks)) for ks in per_layer.values() if len(ks) == 1)
     summary = ", ".join(f"{c} layers {_kstr(k)}" for k, c in sorted(mix.items()))
     if wrong or mixed:
-        rep.add("routed-bits", "fail", "; ".join(_few(wrong, 3).split("; ") + mixed[:2]),
+        rep.add("routed-bits", "fail", "; ".join(([_few(wrong, 3)] if wrong else []) + mixed[:2]),
                 f"bits {base}, layer_bits {json.dumps(lb_raw, separators=(',', ':'))} = expert trellis widths "
                 "(32 -> K2, 48 -> K3)",
                 "correct quantization_config.layer_bits (or bits) to the stored widths, or re-bake the odd layers")
