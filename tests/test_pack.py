@@ -357,3 +357,33 @@ def test_a_missing_quantization_config_is_one_failure_not_five(tmp_path, clean):
     assert set(_bad(rep, ("fail",))) == {"quant-method"}, [(f.check, f.found) for f in rep.findings if f.status == "fail"]
     for name in ("codebook", "dense-bits", "routed-bits", "mtp"):
         assert rep.get(name).status == "n/a" and "see quant-method" in rep.get(name).found
+
+
+def test_the_short_form_dense_stamp_is_checked_too(tmp_path, clean):
+    """non_routed_exl3 without a layers map (bits / layer_bits / modules) used to be 'not checked':
+    a 6-bit bake stamped 4 there (trap 1) passed with a warning."""
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    cfg = json.loads((p / "config.json").read_text())
+    nr = cfg["quantization_config"]["non_routed_exl3"]
+    real = {v["bits"] if isinstance(v, dict) else v for v in nr["layers"].values()}
+    assert len(real) == 1
+    (k,) = real
+
+    def short(bits):
+        cfg["quantization_config"]["non_routed_exl3"] = {"codebook": nr.get("codebook", "mcg"), "bits": bits,
+                                                         "modules": ["attn", "ffn.shared_experts"]}
+        (p / "config.json").write_text(json.dumps(cfg))
+        return pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8).get("dense-bits")
+
+    ok = short(k)
+    assert ok.status == "ok" and ok.found.startswith("short form: ") and f"match bits {k}" in ok.found, ok
+    wrong = 4 if k != 4 else 6
+    bad = short(wrong)
+    assert bad.status == "fail" and f"bits {wrong}, trellis K{k}" in bad.found and "trap 1" in bad.fix, bad
+    cfg["quantization_config"]["non_routed_exl3"] = {"layers": ["x"]}
+    (p / "config.json").write_text(json.dumps(cfg))
+    row = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8).get("dense-bits")
+    assert row.status == "fail" and 'non_routed_exl3.layers is ["x"], not a map' in row.found

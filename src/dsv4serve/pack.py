@@ -741,9 +741,12 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
         else:
             rep.add("dense-bits", "n/a", "no dense EXL3 modules (dense layers stored as plain weights)")
         return
-    if not isinstance(nr.get("layers"), dict):
-        rep.add("dense-bits", "warn", "non_routed_exl3 uses the short form (no layers map); not checked",
-                "a layers map {module prefix: {bits}}", "")
+    if "layers" in nr and not isinstance(nr.get("layers"), dict):
+        rep.add("dense-bits", "fail", f"non_routed_exl3.layers is {json.dumps(nr.get('layers'))[:60]}, not a map",
+                "a layers map {module prefix: {bits}}", "restore the merged config.json (dense_bake --merge)")
+        return
+    if "layers" not in nr:
+        _dense_short_form(rep, nr, dense, mods)
         return
 
     default_bits = nr.get("bits")
@@ -846,6 +849,36 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
         diff = [f"{k} {f}≠{e}" for k, f, e in zip(DENSE_KINDS, found, expected) if f != e]
         rep.add("dense-entry-counts", "fail", f"{f_s} ({_few(diff, 3)})", f"{e_s} from {basis}{canon}",
                 "rebuild non_routed_exl3.layers: one entry per layer for each fused module the layer has")
+
+
+def _dense_short_form(rep: PackReport, nr: dict[str, Any], dense: dict[tuple[int, str], str], mods: _Modules) -> None:
+    """non_routed_exl3 without a layers map: `bits` for every dense module, `layer_bits` per layer.
+    The stamp is what vLLM sizes the module by, so trap 1 (a 6-bit bake stamped 4) fails here too."""
+    base = nr.get("bits")
+    lb = nr.get("layer_bits") if isinstance(nr.get("layer_bits"), dict) else {}
+    if base is None and not lb:
+        rep.add("dense-bits", "warn", "non_routed_exl3 short form without bits or layer_bits; not checked",
+                "bits (and layer_bits) for the dense modules", "restore the merged config.json (dense_bake --merge)")
+        return
+    wrong = []
+    checked = 0
+    for (n, _path), m in sorted(dense.items()):
+        want = lb.get(str(n), lb.get(n, base))
+        if want is None:
+            continue
+        checked += 1
+        tr = mods.trellis(m)
+        k = _k(tr) if tr else 0.0
+        if not _bits_eq(want, k):
+            wrong.append(f"{m}: bits {want}, trellis {_kstr(k)} (last dim {int(k * 16)})")
+    if wrong:
+        rep.add("dense-bits", "fail", f"{len(wrong)} dense modules disagree with the short-form stamp: {_few(wrong, 2)}",
+                "every non_routed_exl3 bits = trellis last dim / 16",
+                "correct non_routed_exl3.bits / layer_bits to the stored widths (trap 1: a bake merged without "
+                "its --bits), or re-bake")
+    else:
+        rep.add("dense-bits", "ok", f"short form: {_n(checked, 'dense module')} match bits {base}"
+                + (f" and {len(lb)} layer_bits" if lb else ""))
 
 
 def _expected_counts(cfg: dict[str, Any], dense: dict[tuple[int, str], str]) -> tuple[list[int], str]:
