@@ -214,9 +214,11 @@ def test_an_up_taken_over_by_down_stops_its_child_if_down_missed_it(monkeypatch)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
         monkeypatch.setattr(supervisor, "TAKEN_OVER_WAIT_S", 0.3)
-        fake_sup = SimpleNamespace(proc=child, t0=time.time())
+        # a stand-in for the Supervisor: the fields _taken_over_outcome reads (a bring-up, not attached)
+        fake_sup = SimpleNamespace(proc=child, t0=time.time(), _attached_ready=False)
         out = supervisor.Supervisor._taken_over_outcome(fake_sup, None)
         assert out.taken_over and child.poll() is not None
+        assert out.code == 1 and out.reason == "stopped by `dsv4serve down` before the seat was ready"
     finally:
         if child.poll() is None:
             child.kill()

@@ -14,7 +14,7 @@ from filelock import Timeout
 from rich.console import Console
 from rich.markup import escape
 
-from dsv4serve.errors import EXIT_BAD_INPUT, EXIT_FAILED, DsvError
+from dsv4serve.errors import EXIT_BAD_INPUT, EXIT_FAILED, DsvError, Signalled
 from dsv4serve.jsonout import strict_json
 
 console = Console()
@@ -78,6 +78,9 @@ def handled(json_out: bool = False, *, event_lines: bool = False) -> Iterator[No
     except FileNotFoundError as e:
         report_error("FileNotFoundError", str(e), None, EXIT_BAD_INPUT, json_out=json_out, event_lines=event_lines)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    except Signalled as e:
+        report_error("Signalled", e.message, e.hint, e.exit_code, json_out=json_out, event_lines=event_lines)
+        raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         # typer turns an escaping Ctrl-C into a silent exit 130: say it, and give a --json caller
         # its one document (a bench interrupted mid-run has no result to print)

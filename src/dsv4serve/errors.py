@@ -48,10 +48,16 @@ class JobFailed(DsvError):
     exit_code = EXIT_FAILED
 
 
-class Signalled(DsvError):
+class Signalled(BaseException):
     """A signal (SIGTERM, SIGHUP) ended a command before it had anything running to tear down: the
-    shell's convention for the exit code, 128 + the signal."""
+    shell's convention for the exit code, 128 + the signal. A BaseException, like KeyboardInterrupt:
+    it is raised wherever the signal lands, and code that catches Exception (vLLM's own imports do)
+    must not swallow it and carry on."""
 
     def __init__(self, signum: int, message: str, *, hint: str | None = None):
-        super().__init__(message, hint=hint)
+        super().__init__(message)
+        self.message, self.hint = message, hint
         self.exit_code = 128 + signum
+
+    def line(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
