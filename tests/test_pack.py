@@ -387,3 +387,27 @@ def test_the_short_form_dense_stamp_is_checked_too(tmp_path, clean):
     (p / "config.json").write_text(json.dumps(cfg))
     row = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8).get("dense-bits")
     assert row.status == "fail" and 'non_routed_exl3.layers is ["x"], not a map' in row.found
+
+
+def test_a_shard_linked_from_outside_the_pack_is_dead_in_the_container(tmp_path, clean):
+    """A docker seat mounts only model.path: a symlink to a file outside it resolves on the host
+    and is dead in the container, so there it fails; a native seat only gets trap 10's warning."""
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    name = sorted(x.name for x in p.glob("*.safetensors"))[2]
+    outside = tmp_path / "base"
+    outside.mkdir()
+    shutil.move(str(p / name), str(outside / name))
+    (p / name).symlink_to(outside / name)
+    kw = {"expect_shards": clean.expect_shards, "model_class": VISION, "wo_a_slices": 8}
+    row = pack.validate(p, mounted_only=True, **kw).get("symlinks")
+    assert row.status == "fail" and f"1 symlinked out of the pack: {name}" in row.found and "mounts only" in row.fix
+    assert pack.validate(p, **kw).get("symlinks").status == "warn"
+    inside = tmp_path / "q"
+    shutil.copytree(clean.path, inside)
+    (inside / "sub").mkdir()
+    shutil.move(str(inside / name), str(inside / "sub" / name))
+    (inside / name).symlink_to(inside / "sub" / name)  # a link that stays inside the mount is visible there
+    assert pack.validate(inside, mounted_only=True, **kw).get("symlinks").status == "warn"

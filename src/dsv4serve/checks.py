@@ -479,7 +479,8 @@ def check_pack(rep: Report, ctx: Ctx) -> None:
         pr = pack.validate(path, exl3=False)
     else:
         pr = pack.validate(path, expect_shards=p.model.expect_shards, model_class=p.model.model_class,
-                           wo_a_slices=p.model.wo_a_rank_slices, exl3=p.vllm.quantization == "exl3")
+                           wo_a_slices=p.model.wo_a_rank_slices, exl3=p.vllm.quantization == "exl3",
+                           mounted_only=p.runtime.kind == "docker")
     ctx.pack_report = pr
     for f in pr.findings:
         rep.add("pack", f.check, f.status, f.found, f.expected, f.fix)

@@ -242,9 +242,10 @@ def _bits_eq(a: Any, b: float) -> bool:
 
 
 def validate(path: str | Path, *, expect_shards: int | None = None, model_class: str | None = None,
-             wo_a_slices: int | None = None, exl3: bool = True) -> PackReport:
+             wo_a_slices: int | None = None, exl3: bool = True, mounted_only: bool = False) -> PackReport:
     """Every finding about the pack at `path`. `exl3=False` (the demo seat) checks a plain
-    safetensors pack: files, headers, index coverage, config, tokenizer; no EXL3 rules."""
+    safetensors pack: files, headers, index coverage, config, tokenizer; no EXL3 rules.
+    `mounted_only`: the seat sees only this directory (a docker mount), so a link out of it is dead."""
     root = Path(path)
     rep = PackReport(path=str(root))
     if not root.is_dir():
@@ -267,7 +268,15 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     files = sorted(set(weight_map.values())) if weight_map else sorted(on_disk)
     rep.files = files
     _resolve(rep, root, files, dead)
-    if live_links:
+    real_root = root.resolve()
+    escaping = [e for e in live_links if not Path(os.path.realpath(e)).is_relative_to(real_root)]
+    if mounted_only and escaping:
+        targets = sorted({str(Path(os.path.realpath(e)).parent) for e in escaping})
+        rep.add("symlinks", "fail", f"{len(escaping)} symlinked out of the pack: {_few(e.name for e in escaping)} -> "
+                f"{_few(targets, 2)}", "files inside the mounted pack directory",
+                "the container mounts only model.path, where these links are dead: copy the targets in "
+                "(cp --remove-destination) or hardlink them")
+    elif live_links:
         targets = sorted({str(Path(os.path.realpath(e)).parent) for e in live_links})
         rep.add("symlinks", "warn", f"{len(live_links)} symlinked: {_few(e.name for e in live_links)} -> {_few(targets, 2)}",
                 "real files or hardlinks",
