@@ -706,16 +706,17 @@ def _counters_row(tmp_path, p, before_calls, now_calls):
     return _st(rep, "counters")
 
 
-def test_lna2_must_serve_the_canary_not_only_the_warm_up(tmp_path):
-    """Warm-up and graph capture leave lna2 counts on every rank; a rank whose canary calls all went
-    elsewhere (the silent fallback this seat exists to catch) fails even so."""
+def test_lna2_is_asked_to_serve_the_canary_not_only_the_warm_up(tmp_path):
+    """Warm-up and graph capture leave lna2 counts on every rank, so an ok needs lna2 to grow with
+    the canary. A rank whose counted canary calls all went elsewhere is a warning, not a failure:
+    CUDA-graph replays of the decode are never counted, and a long prefill is the incumbent's."""
     p = load_profile("8x16gb-380k")
     warm = {r: {"lna2": 120, "incumbent": 30} for r in range(8)}
     healthy = {r: {"lna2": 160, "incumbent": 40} for r in range(8)}
     assert _counters_row(tmp_path, p, warm, healthy).status == "ok"
     fallen = {**healthy, 5: {"lna2": 120, "incumbent": 70}}
     row = _counters_row(tmp_path, p, warm, fallen)
-    assert row.status == "fail" and "rank 5 ran the canary's MoE calls without lna2 (lna2 +0, other calls +40)" in row.fix
+    assert row.status == "warn" and "rank 5: lna2 +0, other calls +40" in row.fix and "CUDA-graph" in row.fix
     assert "r5 lna2: lna2 120 (+0), incumbent 70" in row.found
     quiet = {**healthy, 2: {"lna2": 120, "incumbent": 30}}
     row = _counters_row(tmp_path, p, warm, quiet)

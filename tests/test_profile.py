@@ -378,6 +378,12 @@ def test_an_lna2_strict_seat_always_gates_on_its_proof(tmp_path):
     with pytest.raises(ProfileError) as e:
         load_profile("8x16gb-380k", ['gates.markers=[{text: "LNA2 MoE kernel ACTIVE", ranks: 1}]'])
     assert "1 of 8 ranks for the lna2 ACTIVE marker" in e.value.line() and 'use "all"' in e.value.line()
+    # a fragment of the ACTIVE line ("MoE" is in ordinary vLLM lines too) is not the proof, and a
+    # marker on a few ranks that is not the proof is the user's own business
+    frag = load_profile("8x16gb-380k", ['gates.markers=[{text: "MoE", ranks: all}, {text: "rank=", ranks: 1}]',
+                                        'gates.forbidden=["LNA2 declined: x dtype"]'])
+    assert [m.text for m in frag.gates.markers] == ["MoE", "rank=", LNA2_ACTIVE]
+    assert frag.gates.forbidden[-1] == "LNA2 declined: (?!rows=\\d+ above the ceiling)"
     loose = load_profile("8x16gb-380k", ["moe.strict=0", "env.VLLM_EXL3_MOE_STRICT=0", "gates.markers=[]",
                                           "gates.forbidden=[]"])
     assert loose.gates.markers == [] and loose.gates.forbidden == []
@@ -395,3 +401,10 @@ def test_an_empty_mapping_in_a_child_clears_the_parents(tmp_path):
     kept = write(tmp_path, {"extends": "cpu-demo", "name": "more", "env": {"EXTRA": "1"}}, "more.yaml")
     env = load_profile(str(kept)).env
     assert env["EXTRA"] == "1" and set(load_profile("cpu-demo").env) <= set(env)
+
+
+def test_decode_rows_without_max_num_seqs_are_vllms_default_batch():
+    """Unset, vLLM batches up to 256 sequences: decode rows of 1 x (1 + k) let an lna2 plan pass
+    that declines every full batch."""
+    p = load_profile("8x16gb-380k", ["vllm.max_num_seqs=null"])
+    assert p.decode_rows() == 256 * 4

@@ -308,3 +308,5 @@ def test_vllm_refusing_its_own_command_line_is_the_fatal_line_with_a_fix():
     assert tr.fatal[0].line.startswith("api_server.py: error: argument --dtype") and "--no-validate" in tr.fatal[0].hint
     tr.feed("(APIServer pid=1) INFO 12-02 19:04:16 [api_server.py:1] vLLM API server version 0.32.0: error: none")
     assert len(tr.fatal) == 1
+    tr.feed("vllm serve: error: unrecognized arguments: --bogus")  # the docker seat's entrypoint names itself so
+    assert [f.kind for f in tr.fatal] == ["argv", "argv"]

@@ -213,3 +213,25 @@ def test_a_ready_seat_whose_endpoint_does_not_answer_is_unhealthy(home, tmp_path
     assert "dsv4serve logs --profile cpu-demo --rank api" in row["problem"]
     seat.render_status([row])
     assert "unhealthy" in capsys.readouterr().out
+
+
+def test_a_signal_ignored_by_whoever_started_up_stays_ignored():
+    """`nohup dsv4serve up`: SIGHUP is ignored on purpose, and neither up's pre-launch handlers nor
+    the supervisor's may turn a hangup back into a stop; SIGTERM still gets them."""
+    import signal
+
+    from dsv4serve import supervisor
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        old = seat._signals_raise()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.SIGHUP not in old
+        assert signal.getsignal(signal.SIGTERM) is not saved[signal.SIGTERM]
+        with supervisor.Interrupts():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        seat._signals_restore(old)
+        assert signal.getsignal(signal.SIGTERM) is saved[signal.SIGTERM]
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

@@ -179,12 +179,15 @@ def run_ppl(client: httpx.Client, target: Target, settings: PplSettings,
         wins = char_windows(text, settings.ctx, settings.chunks, tok) or []
     else:
         wins = windows(ids, settings.ctx, settings.chunks, bos)
+    unit = (f"{settings.ctx * 4} characters (--windows chars)" if settings.windows == "chars"
+            else f"{settings.ctx} tokens")
     if not wins:
-        raise BadInput(f"the text has {len(ids)} tokens, less than one window of --ctx {settings.ctx}",
+        size = f"{len(text):,} characters" if settings.windows == "chars" else f"{len(ids)} tokens"
+        raise BadInput(f"the text has {size}, less than one window of {unit}",
                        hint="use a longer --text or a smaller --ctx")
     notes = list(target.notes)
     if len(wins) < settings.chunks:
-        notes.append(f"the text holds only {len(wins)} windows of {settings.ctx} tokens, not {settings.chunks}")
+        notes.append(f"the text holds only {len(wins)} windows of {unit}, not {settings.chunks}")
     per_window: list[float | None] = []
     nll_sum = 0.0
     scored = 0

@@ -1067,6 +1067,11 @@ def _own_canary(base_url: str, model: str, cfg: Any, timeout: float) -> str:
     return (msg.get("content") or "") or (msg.get("reasoning_content") or msg.get("reasoning") or "")
 
 
+def _lna2_calls(c: dict[str, Any] | None) -> int:
+    v = ((c or {}).get("calls") or {}).get("lna2", 0)
+    return int(v) if isinstance(v, (int, float)) else 0
+
+
 def _calls(c: dict[str, Any] | None) -> int:
     return sum(int(v) for v in ((c or {}).get("calls") or {}).values() if isinstance(v, (int, float)))
 
@@ -1078,8 +1083,10 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
     # The plugin writes counters on its own cadence: give it a moment to record the canary.
     deadline = time.time() + COUNTERS_WAIT_S
     now = state.read_counters(st.run_dir, st.tp)
+    # an lna2 seat waits for lna2's own count (a prefill the incumbent served moves the total first)
+    count = _lna2_calls if p.moe.kernel == "lna2" else _calls
     while time.time() < deadline and any(
-            c is None or _calls(c) <= _calls(before.get(r)) for r, c in now.items()):
+            c is None or count(c) <= count(before.get(r)) for r, c in now.items()):
         time.sleep(0.5)
         now = state.read_counters(st.run_dir, st.tp)
     absent = [r for r, c in now.items() if c is None]
@@ -1092,6 +1099,7 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
     per = []
     bad = []
     still = []  # lna2 ranks whose counters did not move during the canary
+    elsewhere = []  # lna2 ranks whose canary calls all went to another path
     for r, c in sorted(now.items()):
         calls = (c or {}).get("calls") or {}
         lna2, inc = int(calls.get("lna2", 0)), int(calls.get("incumbent", 0))
@@ -1103,10 +1111,12 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
         if p.moe.kernel == "lna2" and lna2 == 0:
             bad.append(f"rank {r} served no decode with lna2" + (f" (declines: {declines})" if declines else ""))
         elif p.moe.kernel == "lna2" and _calls(c) > _calls(before.get(r)) and d_lna2 <= 0:
-            # warm-up and graph capture make the lifetime count non-zero on any rank; what proves the
-            # kernel serves is that it ran for the canary's own decode steps
-            bad.append(f"rank {r} ran the canary's MoE calls without lna2 (lna2 +0, other calls "
-                       f"+{_calls(c) - _calls(before.get(r))})" + (f" (declines: {declines})" if declines else ""))
+            # warm-up and graph capture make the lifetime count non-zero on any rank, so the canary's
+            # own calls are what can show the kernel serving. A warning, not a failure: CUDA-graph
+            # replays of the decode never re-enter Python (uncounted), and a canary prefill above
+            # the row ceiling is the incumbent's by design
+            elsewhere.append(f"rank {r}: lna2 +0, other calls +{_calls(c) - _calls(before.get(r))}"
+                             + (f" (declines: {declines})" if declines else ""))
         elif p.moe.kernel == "lna2" and _calls(c) <= _calls(before.get(r)):
             still.append(r)
         elif p.moe.kernel != "lna2" and lna2 > 0:
@@ -1120,6 +1130,11 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
     if bad:
         rep.add("live", "counters", "fail", found, exp, "; ".join(bad)[:300] + ": run with VLLM_EXL3_MOE_STRICT=1 "
                 "and read the decline reasons", data={"counters": now})
+    elif elsewhere:
+        rep.add("live", "counters", "warn", found, exp + ", growing with the canary",
+                f"lna2 served none of the canary's counted calls ({'; '.join(elsewhere)[:200]}): on a CUDA-graph "
+                "seat decode replays are not counted and a long prefill is the incumbent's; if the seat runs "
+                "eager or the prompt is short, read the decline reasons in `dsv4serve logs`", data={"counters": now})
     elif still:
         rep.add("live", "counters", "warn", found, exp + ", growing with the canary",
                 f"rank {','.join(map(str, still))} recorded no call of the canary within {COUNTERS_WAIT_S:g} s: "

@@ -208,9 +208,10 @@ class VllmSection(_Strict):
         return v
 
 
+VLLM_DEFAULT_MAX_NUM_SEQS = 256  # what vLLM batches up to when --max-num-seqs is not given
+
 # The plugin's proof lines (moe_dispatch): what an lna2 seat under strict mode always gates on.
 LNA2_ACTIVE = "LNA2 MoE kernel ACTIVE"
-LNA2_ACTIVE_SAMPLE = "LNA2 MoE kernel ACTIVE rank=0/8 layers=43 bits=2,3 ext=b0123456789ab"
 # a decline outside prefill shapes (rows above the ceiling are prefill, which the incumbent serves)
 LNA2_DECLINE = r"LNA2 declined: (?!rows=\d+ above the ceiling)"
 LNA2_DECLINE_SAMPLE = ("LNA2 declined: x dtype torch.float32 is not fp16 or bf16 (rank=0/8 "
@@ -356,14 +357,14 @@ class Profile(_Strict):
         if self.moe.kernel != "lna2" or self.moe.strict < 1:
             return self
         tp = self.vllm.tensor_parallel_size
-        proving = [(i, m) for i, m in enumerate(self.gates.markers) if m.text in LNA2_ACTIVE_SAMPLE]
+        proving = [(i, m) for i, m in enumerate(self.gates.markers) if LNA2_ACTIVE in m.text]
         for i, m in proving:
             if m.ranks != "all" and m.ranks < tp:
                 raise ValueError(f"gates.markers.{i}.ranks: {m.ranks} of {tp} ranks for the lna2 ACTIVE marker; "
                                  "an lna2 seat under strict mode proves the kernel on every rank: use \"all\"")
         if not proving:
             self.gates.markers = [*self.gates.markers, Marker(text=LNA2_ACTIVE, ranks="all")]
-        if not any(re.search(pat, LNA2_DECLINE_SAMPLE) for pat in self.gates.forbidden):
+        if LNA2_DECLINE not in self.gates.forbidden:  # a narrower pattern of the user's is not a substitute
             self.gates.forbidden = [*self.gates.forbidden, LNA2_DECLINE]
         return self
 
@@ -385,7 +386,7 @@ class Profile(_Strict):
 
     def decode_rows(self) -> int:
         """Rows per decode-shaped MoE call: sequences × (1 + speculative tokens)."""
-        return (self.vllm.max_num_seqs or 1) * (1 + self.spec_tokens())
+        return (self.vllm.max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS) * (1 + self.spec_tokens())
 
     def kv_min_tokens(self) -> int | None:
         v = self.gates.kv_cache_min_tokens

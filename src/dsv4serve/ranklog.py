@@ -71,7 +71,8 @@ _API_SERVING = re.compile(r"Starting vLLM server on|Application startup complete
 
 # argparse refusing vLLM's own command line (`api_server.py: error: argument --dtype: ...`): the
 # process exits 2 at once, and this line is the only one that says why
-ARGV_ERROR = re.compile(r"^[\w.-]+: error: (?:argument |unrecognized arguments|the following arguments)")
+ARGV_ERROR = re.compile(r"^[\w.-]+(?: [\w.-]+)?: error: (?:argument |unrecognized arguments|the following "
+                        r"arguments)")  # "api_server.py: error:" or "vllm serve: error:"
 
 FATAL = [
     ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|\bMemoryError\b")),

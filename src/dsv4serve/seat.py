@@ -128,7 +128,7 @@ def _prelaunch_refusals(profile: Profile) -> list[str]:
 
         if not demo_model.is_complete(demo_model.default_dir(profile.model.demo_seed), profile.model.demo_seed):
             bad = [r for r in bad if r.section != "pack"]
-    refusal = _checks_refusal(bad)
+    refusal = _checks_refusal(bad, "`dsv4serve check-seat` shows every row")  # the dry run prints no table
     return [refusal.line()] if refusal is not None else []
 
 
@@ -246,7 +246,7 @@ def _check_port(profile: Profile) -> None:
         raise BadInput(refused.problem, hint=refused.fix)
 
 
-def _checks_refusal(bad: list[Any]) -> Any:
+def _checks_refusal(bad: list[Any], table: str = "see the table above") -> Any:
     """up's refusal for failing pre-launch rows (a JobFailed naming the first), or None."""
     from dsv4serve.errors import JobFailed
 
@@ -254,7 +254,7 @@ def _checks_refusal(bad: list[Any]) -> Any:
         return None
     first = bad[0]
     return JobFailed(f"pre-launch checks failed ({len(bad)}): {first.section}/{first.check}: {first.found}",
-                     hint=(first.fix or "see the table above") + "; --skip-checks starts anyway")
+                     hint=(first.fix or table) + "; --skip-checks starts anyway")
 
 
 def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_events: bool) -> None:
@@ -415,7 +415,12 @@ def _signals_raise() -> dict[int, Any]:
         name = signal.Signals(signum).name
         raise Signalled(signum, f"up stopped by {name} before vLLM was started; nothing was started")
 
-    return {s: signal.signal(s, raise_it) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is signal.SIG_IGN:
+            continue  # `nohup dsv4serve up`: a hangup was meant to be ignored, not to stop up
+        old[s] = signal.signal(s, raise_it)
+    return old
 
 
 def _signals_restore(old: dict[int, Any]) -> None:

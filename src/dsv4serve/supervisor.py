@@ -135,6 +135,8 @@ class Interrupts:
 
     def __enter__(self) -> "Interrupts":
         for s in self.SIGNALS:
+            if signal.getsignal(s) is signal.SIG_IGN:
+                continue  # ignored by whoever started us (`nohup`): that choice stands
             self._old[s] = signal.signal(s, self._handler)
         return self
 
