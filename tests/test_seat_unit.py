@@ -225,13 +225,37 @@ def test_a_signal_ignored_by_whoever_started_up_stays_ignored():
     saved = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        old = seat._signals_raise()
+        old, _ = seat._signals_raise()
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.SIGHUP not in old
         assert signal.getsignal(signal.SIGTERM) is not saved[signal.SIGTERM]
         with supervisor.Interrupts():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         seat._signals_restore(old)
         assert signal.getsignal(signal.SIGTERM) is saved[signal.SIGTERM]
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_a_signal_after_the_launch_began_does_not_claim_nothing_was_started():
+    """Once the supervisor has run (a ready seat left running, as up leaves it), a late SIGTERM is
+    said as such, with how to find and stop the seat."""
+    import signal
+
+    from dsv4serve.errors import Signalled
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        old, stage = seat._signals_raise()
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(Signalled) as e:
+            handler(signal.SIGTERM, None)
+        assert e.value.message.endswith("before vLLM was started; nothing was started") and e.value.exit_code == 143
+        stage["launched"] = True
+        with pytest.raises(Signalled) as e:
+            handler(signal.SIGTERM, None)
+        assert "after the launch began; the seat may be running" in e.value.message and "down" in e.value.hint
+        seat._signals_restore(old)
     finally:
         for s, h in saved.items():
             signal.signal(s, h)

@@ -371,7 +371,7 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
 
     name = profile.name
     lk = state.acquire(name, "up")  # held while bringing up (and while attached with --foreground)
-    old = _signals_raise()  # before the launch nothing runs: a SIGTERM then is a one-line exit, not a silent 143
+    old, stage = _signals_raise()  # before the launch nothing runs: a SIGTERM is a one-line exit, not a silent 143
     try:
         _clear_if_stale(name, json_events)
         _check_port(profile)  # before anything starts, and with the owner named
@@ -397,6 +397,7 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         _check_port(profile)  # again, just before the bind race window closes
         sup = supervisor.Supervisor(profile, spec, json_events=json_events, foreground=foreground,
                                     gpu_uuids=_gpu_uuids(profile), overrides=overrides)
+        stage["launched"] = True  # from here the supervisor owns the signals; after it, the seat may run on
         return sup.run().code
     finally:
         _signals_restore(old)
@@ -404,15 +405,21 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
             lk.release()
 
 
-def _signals_raise() -> dict[int, Any]:
+def _signals_raise() -> tuple[dict[int, Any], dict[str, bool]]:
     """SIGTERM / SIGHUP raise Signalled until the supervisor takes the signals over (it restores these
-    handlers when it is done; `_signals_restore` puts the originals back). Ctrl-C already raises."""
+    handlers when it is done; `_signals_restore` puts the originals back). Ctrl-C already raises.
+    `stage["launched"]` set: the message no longer says nothing was started."""
     import signal
 
     from dsv4serve.errors import Signalled
 
+    stage = {"launched": False}
+
     def raise_it(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        if stage["launched"]:  # past the supervisor's own handling: a ready seat runs on, as up leaves it
+            raise Signalled(signum, f"up stopped by {name} after the launch began; the seat may be running",
+                            hint="`dsv4serve status` shows it, `dsv4serve down` stops it")
         raise Signalled(signum, f"up stopped by {name} before vLLM was started; nothing was started")
 
     old = {}
@@ -420,7 +427,7 @@ def _signals_raise() -> dict[int, Any]:
         if signal.getsignal(s) is signal.SIG_IGN:
             continue  # `nohup dsv4serve up`: a hangup was meant to be ignored, not to stop up
         old[s] = signal.signal(s, raise_it)
-    return old
+    return old, stage
 
 
 def _signals_restore(old: dict[int, Any]) -> None:
