@@ -216,10 +216,14 @@ def test_sigterm_before_the_launch_is_one_line_and_exits_143(tmp_path):
     p = subprocess.Popen([*DSV4SERVE, "up", "--profile", "cpu-demo", "--set", f"vllm.port={ports.free_port()}",
                           "--skip-checks", "--json"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    with reaped(p):
-        read_until(p, '"event":"checks"', timeout=240)  # next: the parser check, then the launch
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
+    try:
+        with reaped(p):
+            read_until(p, '"event":"checks"', timeout=240)  # next: the parser check, then the launch
+            p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=60)
+    finally:
+        # a seat launched in spite of the signal (the bug this test guards) must not outlive it
+        subprocess.run([*DSV4SERVE, "down", "--profile", "cpu-demo"], env=env, capture_output=True, timeout=120)
     assert p.returncode == 143, out[-2000:] + err
     errs = [ln for ln in err.splitlines() if ln.strip()]
     assert len(errs) == 1 and "up stopped by SIGTERM before vLLM was started; nothing was started" in errs[0], err
