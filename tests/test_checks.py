@@ -587,16 +587,7 @@ def test_lna2_counters_must_show_lna2(tmp_path):
         state.counters_path(tmp_path, r).write_text(json.dumps(
             {"rank": r, "tp": 8, "kernel": "lna2", "calls": calls, "declines": {"rows=32 above the ceiling": 2}
              if r == 3 else {}, "final": False}))
-    ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8))
-    rep = checks.Report(p.name)
-    before = state.read_counters(tmp_path, 8)
-    old = checks.COUNTERS_WAIT_S
-    checks.COUNTERS_WAIT_S = 0.0
-    try:
-        checks._counters(rep, ctx, before, 0.0)
-    finally:
-        checks.COUNTERS_WAIT_S = old
-    r = _st(rep, "counters")
+    r = _judge_counters(tmp_path, p, state.read_counters(tmp_path, 8), 8)
     assert r.status == "fail" and "rank 3 served no decode with lna2" in r.fix
 
 
@@ -695,7 +686,12 @@ def _counters_row(tmp_path, p, before_calls, now_calls):
 
     before = write(before_calls)
     write(now_calls)
-    ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=len(now_calls)))
+    return _judge_counters(tmp_path, p, before, len(now_calls))
+
+
+def _judge_counters(tmp_path, p, before, tp):
+    """The counters row for the files now in tmp_path against `before`, without the live wait."""
+    ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=tp))
     rep = checks.Report(p.name)
     old = checks.COUNTERS_WAIT_S
     checks.COUNTERS_WAIT_S = 0.0
