@@ -1067,13 +1067,10 @@ def _own_canary(base_url: str, model: str, cfg: Any, timeout: float) -> str:
     return (msg.get("content") or "") or (msg.get("reasoning_content") or msg.get("reasoning") or "")
 
 
-def _lna2_calls(c: dict[str, Any] | None) -> int:
-    v = ((c or {}).get("calls") or {}).get("lna2", 0)
-    return int(v) if isinstance(v, (int, float)) else 0
-
-
-def _calls(c: dict[str, Any] | None) -> int:
-    return sum(int(v) for v in ((c or {}).get("calls") or {}).values() if isinstance(v, (int, float)))
+def _calls(c: dict[str, Any] | None, kind: str | None = None) -> int:
+    """A rank's MoE calls of one kind ("lna2", "incumbent"), or of every kind, from its counters."""
+    calls = (c or {}).get("calls") or {}
+    return sum(int(v) for k, v in calls.items() if (kind is None or k == kind) and isinstance(v, (int, float)))
 
 
 def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t0: float) -> None:
@@ -1084,9 +1081,9 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
     deadline = time.time() + COUNTERS_WAIT_S
     now = state.read_counters(st.run_dir, st.tp)
     # an lna2 seat waits for lna2's own count (a prefill the incumbent served moves the total first)
-    count = _lna2_calls if p.moe.kernel == "lna2" else _calls
+    kind = "lna2" if p.moe.kernel == "lna2" else None
     while time.time() < deadline and any(
-            c is None or count(c) <= count(before.get(r)) for r, c in now.items()):
+            c is None or _calls(c, kind) <= _calls(before.get(r), kind) for r, c in now.items()):
         time.sleep(0.5)
         now = state.read_counters(st.run_dir, st.tp)
     absent = [r for r, c in now.items() if c is None]

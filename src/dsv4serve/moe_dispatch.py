@@ -384,6 +384,7 @@ class Runtime:
         self._ext_loader = ext_loader
         self._ext: Any = None
         self._ext_error: str | None = None
+        self._rows_refusal: str | None = None  # strict: the build's row ceiling is below the seat's decode
         self.require_cuda = require_cuda
         self.scratch = ScratchPool(capturing)
         self.states: list[LayerState] = []
@@ -479,10 +480,19 @@ class Runtime:
                 self._ext = ext
                 self.ceiling = int(ext.lna2_moe_max_rows())
                 self.build_id = str(ext.lna2_build_id())
+                rows = self.env.decode_rows
+                if self.env.strict >= 1 and rows and self.ceiling < rows:
+                    # every decode step would go to the incumbent as "above the ceiling", which the
+                    # gates let through as prefill: the seat would run, proven, on the wrong kernel
+                    self._rows_refusal = (f"the lna2 build takes at most {self.ceiling} rows a call but this seat "
+                                          f"decodes {rows} (max_num_seqs x (1 + speculative tokens)); build with "
+                                          "a higher LNA2_MAX_ROWS or lower vllm.max_num_seqs")
             except (RuntimeError, OSError, ImportError) as e:
                 self._ext_error = str(e)
         if self._ext is None:
             raise ContractError(f"lna2 extension: {self._ext_error}")
+        if self._rows_refusal:
+            raise ContractError(self._rows_refusal)
         return self._ext
 
     def _make_ready(self, st: LayerState) -> None:
@@ -492,13 +502,6 @@ class Runtime:
         if self.require_cuda and not torch.cuda.is_available():
             raise ContractError("no CUDA device in this process")
         ext = self._ext_or_reason()
-        rows = self.env.decode_rows
-        if self.env.strict >= 1 and rows and self.ceiling < rows:
-            # every decode step would go to the incumbent as "above the ceiling", which the gates
-            # let through as prefill: the seat would run, proven, on the wrong kernel
-            raise ContractError(f"the lna2 build takes at most {self.ceiling} rows a call but this seat decodes "
-                                f"{rows} (max_num_seqs x (1 + speculative tokens)); build with a higher "
-                                "LNA2_MAX_ROWS or lower vllm.max_num_seqs")
         g = validate_layer(st.layer, st.method, require_cuda=self.require_cuda)
         key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}"
         if key not in self._limits:
@@ -529,9 +532,8 @@ class Runtime:
         if key not in self._fits:
             try:
                 with _on_device(g.device):
-                    self._fits[key] = {v: int(ext.lna2_moe_fit(v, g.bits, g.codebook, g.hidden, g.inter, g.top_k,
-                                                               g.n_experts))
-                                       for v in policy.served(g.inter, g.hidden)}
+                    self._fits[key] = policy.fit_table(ext, g.bits, g.codebook, g.hidden, g.inter, g.top_k,
+                                                       g.n_experts)
             except Exception as e:  # noqa: BLE001 - a build of other sources, or a shape it refuses
                 raise ContractError(f"lna2 extension cannot size its launches on {g.device}: {first_line(e)}") \
                     from None

@@ -134,6 +134,7 @@ failed)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 ONE_ROW_VARIANT = 26  # one row at any bits
@@ -175,6 +176,15 @@ def served(inter: int = 256, hidden: int = 4096) -> list[int]:
         for bits in (2, 3):
             out += [v for v in preference(rows, inter, bits, hidden) if v not in out]
     return out
+
+
+def fit_table(ext: Any, bits: int, codebook: int, hidden: int, inter: int, top_k: int,
+              n_experts: int) -> dict[int, int]:
+    """Per build `served` names for this shape, the most rows whose launch fits the current CUDA
+    device's shared memory per block (the extension's lna2_moe_fit), as `variant_for` takes it.
+    Raises whatever the extension raises (a build of other sources, a shape it refuses)."""
+    return {v: int(ext.lna2_moe_fit(v, bits, codebook, hidden, inter, top_k, n_experts))
+            for v in served(inter, hidden)}
 
 
 def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,

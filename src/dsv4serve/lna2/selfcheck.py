@@ -473,8 +473,7 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
     try:
         def fitter(K: int, cb: str) -> dict[int, int]:
             try:
-                return {v: int(ext.lna2_moe_fit(v, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k,
-                                                spec.experts)) for v in policy.served(spec.inter, spec.hidden)}
+                return policy.fit_table(ext, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k, spec.experts)
             except (RuntimeError, ValueError) as e:  # a build of other sources, or a shape it refuses
                 raise JobFailed(f"lna2 cannot size its launches for K{K} {cb} on this GPU: {_first_line(e)}",
                                 hint="rebuild it with `dsv4serve kernel build`") from None
