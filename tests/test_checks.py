@@ -171,6 +171,30 @@ def test_rtx_seat_idle():
     assert "15.48 GiB" in _st(rep, "gpu-memory").found
 
 
+def test_free_memory_below_what_vllm_asks_is_a_failure():
+    """vLLM's workers refuse to start below gpu_memory_utilization x total free; check-seat (and so
+    `up`, which refuses on any failed pre-launch row) says it first, with the UTIL that would fit."""
+    canon = load_profile("8x16gb-380k")
+    assert _st(_machine(canon, FakeNvml(fake_nvml.rtx_pro_2000_seat())), "gpu-free-memory").status == "ok"
+    # a foreign 3 GiB on GPU 5: that card only
+    rep = _machine(canon, FakeNvml(fake_nvml.rtx_pro_2000_seat(foreign={5: (4242, 3 * 1024**3, "python3")})))
+    r = _st(rep, "gpu-free-memory")
+    assert r.status == "fail" and r.found == "GPU 5: 12.19 GiB free of 15.48 GiB", r
+    assert "gpu_memory_utilization 0.97 × total (15.02 GiB)" in r.expected
+    assert "below 0.787" in r.fix and r.data["short"] == [5]
+    # a UTIL no idle card can give: every seat GPU is named
+    rep = _machine(load_profile("8x16gb-380k", ["vllm.gpu_memory_utilization=0.99"]),
+                   FakeNvml(fake_nvml.rtx_pro_2000_seat()))
+    r = _st(rep, "gpu-free-memory")
+    assert r.status == "fail" and r.found.count("15.19 GiB free of 15.48 GiB") == 8, r
+    assert "below 0.981" in r.fix
+    # a running seat holds its own memory: not judged against UTIL
+    held = fake_nvml.rtx_pro_2000_seat(foreign={i: (5000 + i, 14 * 1024**3, "VLLM::Worker") for i in (0, 1, 2, 3, 5, 7, 8, 9)})
+    rep = checks.Report(canon.name)
+    checks.check_machine(rep, checks.Ctx(profile=canon, nvml=FakeNvml(held), seat_pids={5000 + i for i in range(10)}))
+    assert _st(rep, "gpu-free-memory").status == "ok" and _st(rep, "foreign-processes").status == "ok"
+
+
 def test_no_p2p_without_the_remedies_is_advice():
     p = load_profile("8x16gb-380k", ["env.NCCL_P2P_DISABLE=0", "vllm.disable_custom_all_reduce=false"])
     rep = _machine(p, FakeNvml(fake_nvml.rtx_pro_2000_seat()))

@@ -318,7 +318,26 @@ def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu | None]) -> None:
                 "no compute process on the seat's GPUs", "check with nvidia-smi on the host")
     else:
         rep.add("machine", "foreign-processes", "ok", "none" + mine, "no compute process on the seat's GPUs")
-    if unexplained:
+    # vLLM's workers refuse to start when a card's free memory is below gpu_memory_utilization x
+    # total ("Free memory on device ... is less than desired GPU memory utilization"), after the
+    # weights would have been planned: say it here, before anything starts. Not for a running seat,
+    # whose own processes hold that memory.
+    util = ctx.profile.vllm.gpu_memory_utilization or DEFAULT_UTIL
+    short = [] if ctx.seat_pids else [
+        g for g in seat if g and g.memory_free is not None and g.memory_total and g.memory_free < util * g.memory_total]
+    if short:
+        worst = min(short, key=lambda g: g.memory_free / g.memory_total)
+        cap = int(worst.memory_free / worst.memory_total * 1000) / 1000
+        rep.add("machine", "gpu-free-memory", "fail",
+                "; ".join(f"GPU {g.index}: {_gib(g.memory_free)} free of {_gib(g.memory_total)}" for g in short)
+                + (f" ({'; '.join(unexplained)})" if unexplained else ""),
+                f"free ≥ gpu_memory_utilization {util:g} × total ({_gib(util * worst.memory_total)}): vLLM refuses "
+                "to start below it",
+                "free the card (the foreign-processes row names what holds it), or lower vllm.gpu_memory_utilization "
+                f"below {cap:g} (the worker's own CUDA context comes out of the free memory too; a smaller KV "
+                "window: see the plan rows)",
+                data={"gpu_memory_utilization": util, "short": [g.index for g in short]})
+    elif unexplained:
         rep.add("machine", "gpu-free-memory", "warn", "; ".join(unexplained), "an idle card's memory is free",
                 "a process in another namespace or container, or a hung collective, holds it (a GPU reset may be "
                 "needed)")

@@ -278,7 +278,9 @@ def rtx_pro_2000_seat(host_gpus: int = 10, foreign: dict[int, tuple[int, int, st
         "init": None, "driver_version": "580.95.05", "cuda_driver_version": 13000, "device_count": host_gpus,
         "devices": {}, "pairs": {}, "process_names": {},
     }
-    idle = 512 * 1024**2  # what an idle card shows as used (driver reservations); invented
+    # what an idle card shows as used (driver reservations); invented, but below 444 MiB: the canon
+    # seat boots at UTIL 0.972 (seat-reference), and vLLM needs that share of 15.48 GiB free
+    idle = 300 * 1024**2
     for i in range(host_gpus):
         procs = []
         used = idle
