@@ -604,6 +604,27 @@ def cmd_dispatch(args):
                 row[label] = statistics.median(ts)
             res["timing_us"].append(row)
             log("timing", row)
+    # the strict decode-rows check with the real build (DSV4SERVE_DECODE_ROWS, which launch sets from
+    # max_num_seqs x (1 + speculative tokens)): a seat decoding more rows than the build's ceiling
+    # is refused at load, one decoding exactly the ceiling is not
+    res["decode_rows"] = []
+    for rows_, refuse in ((rt.ceiling, False), (rt.ceiling + 1, True)):
+        env_r = md.PluginEnv(run_id="device-rows", run_dir=str(OUT / "dispatch-rows"), kernel="lna2", strict=1,
+                             decode_rows=rows_)
+        rt_r = md.Runtime(env_r, 0, 1, emit=lambda ln: None,
+                          counters=Counters(str(OUT / "dispatch-rows"), 0, 1, "lna2"), ext_loader=loader.load)
+        m_r, _ = make_layer(256, 2)
+        try:
+            rt_r.prepare([("model.layers.9.mlp.experts", m_r)], draft=False)
+            got = None
+        except md.Lna2NotReadyError as e:
+            got = str(e)
+        ok = (got is not None and f"takes at most {rt.ceiling} rows a call but this seat decodes {rows_}" in got) \
+            if refuse else got is None
+        res["decode_rows"].append({"decode_rows": rows_, "refused": got, "ok": ok})
+        log("decode rows", res["decode_rows"][-1])
+        if not ok:
+            res["fail"] += 1
     counters.write(final=True)
     res["counters"] = {"calls": dict(counters.calls), "declines": dict(counters.declines)}
     res["markers"] = [ln for ln in lines if "ACTIVE" in ln or "declined" in ln.lower()]
