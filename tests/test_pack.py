@@ -35,7 +35,7 @@ def test_clean_pack_passes(clean):
     names = [f.check for f in rep.findings]
     for check in ("files-resolve", "shard-count", "tensors-missing", "tensors-duplicated", "quant-method", "codebook",
                   "codebook-markers", "dense-bits", "dense-prefixes", "dense-entry-counts", "routed-bits",
-                  "tokenizer", "generation-config"):
+                  "tokenizer", "generation-config", "shapes"):
         assert check in names
     # the expectation is derived from the synthetic pack's own 5-layer schedule, not the real 43
     assert rep.get("dense-entry-counts").found == "5/5/5/5/3/2/2/5/5"
@@ -343,6 +343,28 @@ def test_an_index_naming_files_outside_the_top_level_fails(tmp_path, clean, wher
     row = rep.get("index")
     assert row.status == "fail" and f"outside the pack's top level: {moved}" in row.found, row
     assert "move those files into the pack directory" in row.fix
+
+
+@pytest.mark.parametrize("key, value, tensor, found", [
+    ("moe_intermediate_size", 256, "layers.0.ffn.experts.0.w1.trellis", "[16, 8], config says [16, 16]"),
+    ("hidden_size", 512, "embed.weight", "[1024, 256], config says [1024, 512]"),
+    ("vocab_size", 2048, "embed.weight", "[1024, 256], config says [2048, 256]"),
+    ("n_routed_experts", 8, "layers.0.ffn.gate.weight", "[4, 256], config says [8, 256]"),
+])
+def test_config_dimensions_against_the_stored_shapes(tmp_path, clean, key, value, tensor, found):
+    """A config.json of another export fails by name before an 86 GB load, not as one rank's shape
+    error minutes into it."""
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    cfg = json.loads((p / "config.json").read_text())
+    assert cfg[key] != value
+    cfg[key] = value
+    (p / "config.json").write_text(json.dumps(cfg))
+    f = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8).get("shapes")
+    assert f.status == "fail" and f"{tensor} {found}" in f.found, f
+    assert f"{key} {value}" in f.expected and "config.json is not this pack's" in f.fix
 
 
 def test_a_missing_quantization_config_is_one_failure_not_five(tmp_path, clean):

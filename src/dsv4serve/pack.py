@@ -604,6 +604,7 @@ def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | Non
     mods = _modules(rep.tensors)
     _exl3_tensors(rep, mods)
     _markers(rep, mods)
+    _shapes(rep, cfg, mods)
     if not qc:
         # every stamp below is read from it: four more failures would only repeat quant-method's
         for name in ("codebook", "dense-bits", "routed-bits", "mtp"):
@@ -619,6 +620,45 @@ def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | Non
     _routed_bits(rep, cfg, qc, mods)
     _mtp(rep, qc, mods)
     _wo_a(rep, cfg, mods, wo_a_slices)
+
+
+def _shapes(rep: PackReport, cfg: dict[str, Any], mods: _Modules) -> None:
+    """config.json's dimensions against the stored shapes vLLM will load them into: a config from
+    another export (or shards of another model) otherwise fails minutes into the load, as a bare
+    shape error from one rank."""
+    dims = {k: cfg.get(k) for k in ("hidden_size", "moe_intermediate_size", "vocab_size", "n_routed_experts")}
+    known = {k: v for k, v in dims.items() if type(v) is int and v > 0}
+    H, I, V, E = (known.get(k) for k in dims)
+    want: list[tuple[str, list[int], str]] = []  # (tensor, expected shape prefix, from which keys)
+    if H and I:
+        for m in mods.parts:
+            e = _EXPERT.match(m)
+            if e:
+                k, n = (I, H) if e.group(4) == "w2" else (H, I)
+                want.append((f"{m}.trellis", [k // 16, n // 16],
+                             "[moe_intermediate_size/16, hidden_size/16]" if e.group(4) == "w2"
+                             else "[hidden_size/16, moe_intermediate_size/16]"))
+    if H and V:
+        want += [(n, [V, H], "[vocab_size, hidden_size]") for n in ("embed.weight", "head.weight")]
+    if H and E:
+        want += [(n, [E, H], "[n_routed_experts, hidden_size]") for n in rep.tensors
+                 if re.fullmatch(r"(layers|mtp)\.\d+\.ffn\.gate\.weight", n)]
+    if not want:
+        rep.add("shapes", "n/a", "config.json gives none of hidden_size, moe_intermediate_size, vocab_size, "
+                "n_routed_experts", "", "")
+        return
+    bad = []
+    for name, shape, rule in sorted(want):
+        t = rep.tensors.get(name)
+        if t is not None and t.shape[:len(shape)] != shape:
+            bad.append(f"{name} {t.shape[:len(shape)]}, config says {shape} {rule}")
+    cfg_text = ", ".join(f"{k} {v}" for k, v in known.items())
+    if bad:
+        rep.add("shapes", "fail", f"{len(bad)} tensors disagree with config.json: {_few(bad, 2)}", cfg_text,
+                "config.json is not this pack's (restore the one shipped with these shards), or the shards "
+                "are of another export")
+    else:
+        rep.add("shapes", "ok", f"{len(want):,} tensors match config.json ({cfg_text})")
 
 
 def _model_class(rep: PackReport, cfg: dict[str, Any], want: str | None) -> None:
