@@ -77,6 +77,15 @@ def test_native_demo_argv_uses_this_interpreter():
     (["env.VLLM_EXL3_MOE_STRICT=2"], "moe.strict is 1"),
     (["env.LNA_DSV4_AUX_STREAMS=1"], "LNA_DSV4_AUX_STREAMS must be 0"),
     (["env.VLLM_DISABLE_SHARED_EXPERTS_STREAM=0"], "VLLM_DISABLE_SHARED_EXPERTS_STREAM must be 1"),
+    # a kernel that never prints the proof the inherited gates wait for
+    (["moe.kernel=incumbent", "env.VLLM_EXL3_MOE_KERNEL=null"],
+     "gates wait for 'LNA2 MoE kernel ACTIVE' but moe.kernel is incumbent, which never prints it; drop that "
+     "gates.markers entry"),
+    # no --gpus: the container would see no GPU
+    (["gpus.ids=[]"], "a docker seat needs gpus.ids (the container is given only those GPUs); set gpus.ids to the 8"),
+    (["env.CUDA_VISIBLE_DEVICES=0,1"], "env.CUDA_VISIBLE_DEVICES would override the seat's GPUs"),
+    (["env.NVIDIA_VISIBLE_DEVICES=all"], "drop env.NVIDIA_VISIBLE_DEVICES and set gpus.ids"),
+    (["gpus.ids=[0,1,2,3,5,7,8,8]"], "repeats GPU 8; list each GPU once"),
 ])
 def test_refusals_name_the_key_and_fix(overrides, needle):
     with pytest.raises(ProfileError) as e:

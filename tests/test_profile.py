@@ -117,6 +117,25 @@ def test_set_overrides_are_typed():
     # a typo's rank count is a profile error, not a plan with 10**23 rank streams to tail
     ("vllm.tensor_parallel_size=99999999999999999999999", "vllm.tensor_parallel_size: Input should be less than or equal to 1024"),
     ("vllm.tensor_parallel_size=0", "vllm.tensor_parallel_size: Input should be greater than or equal to 1"),
+    # docker would refuse these only at `docker run`, after the checks
+    ("runtime.container_name=my seat", "runtime.container_name: must be a docker container name"),
+    ("runtime.shm_size=lots", 'runtime.shm_size: must be a docker size such as "16g"'),
+    ("runtime.shm_size=\"16\"", "runtime.shm_size: must be a docker size"),  # a bare number is 16 bytes
+    # the type errors say how to write the value
+    ("gpus.ids=0,1", "gpus.ids: Input should be a valid list (got \"0,1\") (from --set gpus.ids); give a list in "
+                     "YAML's brackets: gpus.ids: [..] (with --set, quote it: 'gpus.ids=[..]')"),
+    ("runtime.shm_size=16", 'give text: quote the value (runtime.shm_size: "16")'),
+    ("vllm.max_num_seqs=x", "give vllm.max_num_seqs as a whole number"),
+    ("vllm.trust_remote_code=maybe", "give vllm.trust_remote_code as true or false"),
+    # options the launcher sets from a key: docker would take both, the later one winning
+    ('runtime.extra_args=["--gpus", "all"]', "runtime.extra_args: --gpus is set by the launcher from gpus.ids"),
+    ('runtime.extra_args=["-eLNA_DSV4_AUX_STREAMS=1"]', "-e is set by the launcher from env.NAME"),
+    ('runtime.extra_args=["--env=X=1"]', "--env is set by the launcher from env.NAME"),
+    ('runtime.extra_args=["-p", "0.0.0.0:8899:8000"]', "-p is set by the launcher from vllm.port and vllm.host"),
+    ('runtime.extra_args=["--network", "host"]', "--network is set by the launcher"),
+    ('runtime.extra_args=["-v", "/x:/usr/local/lib/python3.12"]', "-v is set by the launcher from runtime.mounts"),
+    ('runtime.extra_args=["--ulimit", "core=-1"]', "--ulimit is set by the launcher from runtime.core_dumps"),
+    ('runtime.extra_args=["-d"]', "the supervisor runs the container attached"),
 ])
 def test_bad_overrides_are_one_line_errors(override, needle):
     with pytest.raises(ProfileError) as e:
@@ -124,6 +143,12 @@ def test_bad_overrides_are_one_line_errors(override, needle):
     line = e.value.line()
     assert needle in line and "\n" not in line, line
     assert "(got dict)" not in line and "Value error" not in line
+
+
+def test_docker_options_the_launcher_does_not_set_pass_through():
+    p = load_profile("8x16gb-380k", ['runtime.extra_args=["--ulimit", "nofile=65536", "--device", "/dev/fuse", "-it"]',
+                                     'runtime.shm_size="16.5GiB"', "runtime.container_name=dsv4_seat.2"])
+    assert p.runtime.extra_args == ["--ulimit", "nofile=65536", "--device", "/dev/fuse", "-it"]
 
 
 def test_typo_in_a_yaml_file(tmp_path):

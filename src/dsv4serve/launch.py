@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from dsv4serve import home
 from dsv4serve.errors import ProfileError
-from dsv4serve.profile import Profile, VllmSection
+from dsv4serve.profile import LNA2_ACTIVE, Profile, VllmSection
 
 PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
 PLUGIN_ENV_RUN_DIR = "DSV4SERVE_RUN_DIR"
@@ -127,7 +127,17 @@ def check_plan(profile: Profile) -> None:
             f"profile {p.name}: gpus.ids lists {len(p.gpus.ids)} GPUs but vllm.tensor_parallel_size is {tp}",
             hint="give exactly one GPU id per tensor-parallel rank")
     if len(set(p.gpus.ids)) != len(p.gpus.ids):
-        raise ProfileError(f"profile {p.name}: gpus.ids {p.gpus.ids} repeats a GPU")
+        twice = sorted({i for i in p.gpus.ids if p.gpus.ids.count(i) > 1})
+        raise ProfileError(f"profile {p.name}: gpus.ids {p.gpus.ids} repeats GPU {','.join(map(str, twice))}",
+                           hint="list each GPU once, one per tensor-parallel rank")
+    if p.runtime.kind == "docker" and not p.gpus.ids:
+        # without --gpus the container sees no GPU at all, and vLLM fails after the image starts
+        raise ProfileError(f"profile {p.name}: a docker seat needs gpus.ids (the container is given only those GPUs)",
+                           hint=f"set gpus.ids to the {tp} host GPU indices of the seat")
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        if var in p.env:  # the launcher derives it from gpus.ids (native) or --gpus (docker)
+            raise ProfileError(f"profile {p.name}: env.{var} would override the seat's GPUs behind the checks' back",
+                               hint=f"drop env.{var} and set gpus.ids")
     if v.host in PUBLIC_HOSTS and not v.allow_public_host:
         raise ProfileError(
             f"profile {p.name}: vllm.host {v.host or '(empty)'} would expose the seat on every interface",
@@ -144,6 +154,12 @@ def check_plan(profile: Profile) -> None:
     elif env.get("VLLM_EXL3_MOE_KERNEL") == "lna2":
         raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL=lna2 but moe.kernel is {p.moe.kernel}",
                            hint="make moe.kernel and env.VLLM_EXL3_MOE_KERNEL agree")
+    else:
+        proof = next((m.text for m in p.gates.markers if LNA2_ACTIVE in m.text), None)
+        if proof is not None:  # a gate no seat of this kernel can pass: up would wait its whole timeout
+            raise ProfileError(f"profile {p.name}: gates wait for '{proof}' but moe.kernel is {p.moe.kernel}, which "
+                               "never prints it", hint="drop that gates.markers entry (the incumbent profile lists "
+                               "its own gates), or set moe.kernel=lna2")
     if v.quantization == "exl3":
         # Both are silent hangs (seat-reference trap 3a/3b), not errors vLLM would report.
         for var, want, why in (("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1", "two EXL3 kernels on two streams deadlock"),

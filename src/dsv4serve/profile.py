@@ -106,6 +106,21 @@ class Mount(_Strict):
     read_only: bool = False
 
 
+_DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+_DOCKER_SIZE = re.compile(r"\d+(\.\d+)?\s?[kKmMgGtTpP][iI]?[bB]?")  # a unit: a bare number is bytes
+# `docker run` options the launcher derives from a profile key
+_DOCKER_MANAGED = {
+    "--gpus": "gpus.ids", "--name": "runtime.container_name", "-e": "env.NAME", "--env": "env.NAME",
+    "--env-file": "env.NAME", "-p": "vllm.port and vllm.host", "--publish": "vllm.port and vllm.host",
+    "-P": "vllm.port and vllm.host", "--publish-all": "vllm.port and vllm.host",
+    "--network": "vllm.port and vllm.host", "--net": "vllm.port and vllm.host", "--ipc": "runtime.ipc_host",
+    "--shm-size": "runtime.shm_size", "--cap-add": "runtime.cap_add", "-v": "runtime.mounts",
+    "--volume": "runtime.mounts", "--mount": "runtime.mounts",
+    "-d": "nothing (the supervisor runs the container attached)", "--detach": "nothing (the supervisor runs the "
+    "container attached)",
+}
+
+
 class RuntimeSection(_Strict):
     kind: Literal["native", "docker"] = "native"
     image: str | None = None
@@ -123,6 +138,37 @@ class RuntimeSection(_Strict):
     patch_root: str | None = Field(
         None, description="host copy of the image's site-packages, where `patch status` checks a Docker seat's files"
     )
+
+    @field_validator("container_name")
+    @classmethod
+    def _container_name(cls, v: str) -> str:
+        if not _DOCKER_NAME.fullmatch(v):  # docker's own rule, refused here instead of at `docker run`
+            raise ValueError("must be a docker container name: a letter or digit, then letters, digits, '_', '.' "
+                             "or '-'")
+        return v
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size(cls, v: str) -> str:
+        if not _DOCKER_SIZE.fullmatch(v):
+            raise ValueError('must be a docker size such as "16g" or "16384m"')
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_not_managed(cls, v: list[str]) -> list[str]:
+        # docker keeps the later of two equal options (and adds a second --gpus / -e): an option the
+        # launcher sets from a key would override what the checks and the plan saw
+        for i, a in enumerate(v):
+            flag = a.split("=", 1)[0] if a.startswith("--") else a[:2] if a[:2] in ("-e", "-p", "-v", "-d") else a
+            key = _DOCKER_MANAGED.get(flag)
+            nxt = a.split("=", 1)[1] if "=" in a and a.startswith("--") else (v[i + 1] if i + 1 < len(v) else "")
+            if flag == "--ulimit" and nxt.startswith("core="):
+                key = "runtime.core_dumps"
+            if key is not None:
+                raise ValueError(f"{flag} is set by the launcher from {key}: set that instead (docker would take "
+                                 "both, behind the checks' back)")
+        return v
 
 
 class VllmSection(_Strict):
@@ -709,7 +755,17 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
     got = e.get("input")
     # A section's input is the whole mapping: "(got dict)" would name the wrong thing.
     got_s = f" (got {json.dumps(got)})" if isinstance(got, (str, int, float, bool, type(None))) else ""
-    return ProfileError(f"profile {name}: {where}{msg}{got_s}{where_from}")
+    kind = e.get("type", "")
+    hint = None
+    if kind == "list_type":
+        hint = f"give a list in YAML's brackets: {path}: [..] (with --set, quote it: '{path}=[..]')"
+    elif kind == "string_type" and isinstance(got, (int, float)):
+        hint = f"give text: quote the value ({path}: \"{got}\")"
+    elif kind in ("int_type", "int_parsing", "int_from_float"):
+        hint = f"give {path} as a whole number"
+    elif kind in ("bool_type", "bool_parsing"):
+        hint = f"give {path} as true or false"
+    return ProfileError(f"profile {name}: {where}{msg}{got_s}{where_from}", hint=hint)
 
 
 def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
