@@ -60,6 +60,7 @@ def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
     ({"arch": "\uff19.\uff10"}, "is not a compute capability"),  # full-width digits: int() reads them, nvcc not
     ({"arch": "9.0aa"}, "--arch: '9.0aa' is not a compute capability"),
     ({"jobs": -5}, "--jobs -5 must be 0 (all cores) or more"),
+    ({"arch": "13.0"}, "--arch: '13.0' is not a compute capability"),  # nvcc 13 builds to 12.x; torch refuses it
 ])
 def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, words):
     """On this CPU machine the build would refuse torch; a bad --arch or --out must be said first
@@ -73,6 +74,14 @@ def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, 
         build.build(**{"out": tmp_path / "out", **kw})
     assert words in e.value.message
     assert not (tmp_path / "out").exists()
+
+
+def test_arch_lists_are_normalised_as_torch_takes_them():
+    """TORCH_CUDA_ARCH_LIST refuses an empty or padded entry ("Unknown CUDA arch ()"): the build
+    hands torch the entries it checked."""
+    assert build.arch_list(" 9.0 ;; 12.0, ") == ["9.0", "12.0"]
+    assert build.arch_list("9.0a;12.0+PTX") == ["9.0a", "12.0+PTX"]
+    assert build.arch_flags("9.0, 12.0")[-2:] == ["-gencode", "arch=compute_120,code=compute_120"]
 
 
 def test_a_file_that_does_not_load_is_not_called_unbuilt(monkeypatch, tmp_path):

@@ -190,6 +190,15 @@ def test_plain_status_prints_each_ranks_counters(home, tmp_path, capsys):
     assert "rank 1 MoE calls: no counters file" in out
 
 
+def test_a_rank_whose_pid_is_not_known_yet_is_not_called_dead(home, tmp_path, capsys):
+    """While a seat loads, the log has not named its workers' pids: alive is unknown (-), not NO."""
+    st = _ready_state(tmp_path)
+    st.rank_pids = {0: os.getpid()}
+    state.save(st)
+    rows = seat.status("cpu-demo")
+    assert [(k["pid"], k["alive"]) for k in rows[0]["ranks"]] == [(os.getpid(), True), (None, None)]
+
+
 def test_plain_status_without_counters_says_so(home, tmp_path, capsys):
     state.save(_ready_state(tmp_path))
     seat.render_status(seat.status("cpu-demo"))

@@ -519,3 +519,71 @@ def test_logs_of_a_stopped_run_whose_run_json_is_not_a_record_still_print(home, 
     r = cli("logs", "--profile", "cpu-demo", home=home, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hello from rank 0" in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("field, value", [("pid", -5), ("pgid", 0), ("rank_pids", {"0": -1}), ("tp", 100000000)])
+def test_a_state_with_an_impossible_number_is_an_unreadable_row_not_a_traceback(home, field, value):
+    """A hand-edited pid of -5 reached psutil (ValueError, every status crashed); a TP of 10**8 made
+    readers allocate per rank until the OOM killer came."""
+    state.save(make("good"))
+    bad = json.loads(make("odd").model_dump_json())
+    bad[field] = value
+    state.seat_dir("odd").mkdir(parents=True)
+    state.state_path("odd").write_text(json.dumps(bad))
+    r = cli("status", "--json", home=home, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    rows = {row["seat"]: row for row in json.loads(r.stdout)}
+    assert rows["odd"]["phase"] == "unreadable" and field in rows["odd"]["problem"], rows["odd"]
+    assert rows["good"]["phase"] != "unreadable"
+    assert not state.pid_alive(-1) and not state.pid_alive(2**70)
+
+
+def test_a_stray_directory_among_the_seats_is_not_a_seat(home):
+    """`.trash` or `bad name` under seats/ made every status and logs refuse ("'.trash' is not a
+    seat name"), hiding the real seats."""
+    state.save(make("good"))
+    for stray in (".trash", "bad name"):
+        (home / "seats" / stray).mkdir(parents=True)
+        (home / "seats" / stray / "last.json").write_text("{}")
+    assert state.known_seats() == ["good"] and state.all_seats() == ["good"]
+    r = cli("status", "--json", home=home, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [row["seat"] for row in json.loads(r.stdout)] == ["good"]
+
+
+def test_a_fifo_state_file_is_unreadable_not_a_hang(home):
+    state.seat_dir("cpu-demo").mkdir(parents=True)
+    os.mkfifo(state.state_path("cpu-demo"))
+    os.mkfifo(state.last_path("cpu-demo"))
+    with pytest.raises(state.UnreadableState, match="not a regular file"):
+        state.load("cpu-demo")
+    assert state.load_last("cpu-demo") is None
+    r = cli("status", "--json", home=home, timeout=30)
+    assert r.returncode == 0 and json.loads(r.stdout)[0]["phase"] == "unreadable", r.stdout + r.stderr
+
+
+def test_a_corrupt_last_run_record_is_named_not_called_no_log(home, tmp_path):
+    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down", "log": str(tmp_path / "l")})
+    text = state.last_path("cpu-demo").read_text()
+    state.last_path("cpu-demo").write_text(text[:20])
+    r = cli("status", "--json", home=home, timeout=60)
+    row = json.loads(r.stdout)[0]
+    assert row["phase"] == "not running" and "last.json is unreadable" in row["problem"], row
+    r = cli("status", home=home, timeout=60)
+    assert len(row["problem"]) > 80 and row["problem"] in r.stdout, r.stdout  # one line when piped, not wrapped
+    r = cli("logs", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 2 and "last.json is unreadable" in r.stderr and "has no log" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("run_json", ['{"argv": ["-tp", "100000000"]}', '{"argv": ["-tp", "0"]}', '{"argv": ["-t'])
+def test_logs_of_a_run_whose_rank_count_is_unknown_or_absurd_say_so_and_still_print(home, tmp_path, run_json):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vllm.log").write_text("(Worker_TP5 pid=1) INFO hello from rank 5\n")
+    (run_dir / "run.json").write_text(run_json)
+    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down",
+                                 "log": str(run_dir / "vllm.log")})
+    r = cli("logs", "--profile", "cpu-demo", "--rank", "5", home=home, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hello from rank 5" in r.stdout
+    assert "does not give the run's rank count" in r.stderr and "Traceback" not in r.stderr

@@ -27,6 +27,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from dsv4serve.demo_model import MAX_SEED
 from dsv4serve.errors import ProfileError, first_line
 from dsv4serve.resources import configs_dir
+from dsv4serve.state import TP_MAX
 from dsv4serve.state import SEAT_NAME as _SEAT_NAME  # the state dir's own rule: a seat name is one path component
 
 # Strict: YAML `true` must not become 1 (a port, a TP size); a number is written as a number.
@@ -178,7 +179,7 @@ class VllmSection(_Strict):
     port: Int = 8000
     # bounded so a typo's 10**23 is a profile error, not a launch plan (vLLM serves at most a few
     # hundred ranks; the machine checks hold it to the GPUs or CPUs there are)
-    tensor_parallel_size: Annotated[int, Strict(), Field(ge=1, le=1024)] = 1
+    tensor_parallel_size: Annotated[int, Strict(), Field(ge=1, le=TP_MAX)] = 1
     quantization: str | None = None
     dtype: str | None = None
     max_model_len: PosInt | None = None

@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from dsv4serve import launch
 from dsv4serve.cli_common import console
-from dsv4serve.profile import Profile, load_profile
+from dsv4serve.profile import TP_MAX, Profile, load_profile
 
 if TYPE_CHECKING:
     from dsv4serve.errors import BadInput
@@ -544,48 +544,48 @@ def _down_unreadable(name: str) -> dict[str, Any]:
 
 def render_down(report: dict) -> None:
     if not report.get("seats"):
-        console.print(report.get("message", "nothing to stop"), highlight=False)
+        console.print(report.get("message", "nothing to stop"), highlight=False, soft_wrap=True)
         return
     for rep in report["seats"]:
         verdict = "[bold green]clean[/]" if rep.get("clean") else "[bold red]NOT clean[/]"
         if rep.get("unreadable_state"):
             console.print(f"seat {rep['seat']}: its state file was unreadable, set aside as {rep.get('set_aside')}; "
                           f"stopped {len(rep['signalled'])} processes tagged with its runs ({rep['run_id']}): {verdict}",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
             console.print("  a docker seat's container cannot be named without its state: check `docker ps`",
-                          highlight=False, markup=False)
+                          highlight=False, markup=False, soft_wrap=True)
             if rep.get("remaining"):
-                console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False)
+                console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False, soft_wrap=True)
             continue
         n = len(rep.get("signalled", []))
         console.print(f"seat {rep['seat']} (run {rep['run_id']}, was {rep.get('phase_before')}/{rep.get('was')}): "
                       f"stopped {n} processes in {rep.get('seconds', 0):.1f} s "
                       f"({len(rep.get('killed', []))} needed SIGKILL), removed {len(rep.get('leftovers_removed', []))} "
                       f"leftovers, port {'free' if rep.get('port_free') else 'in use by ' + str(rep.get('port_owner'))}: "
-                      f"{verdict}", highlight=False)
+                      f"{verdict}", highlight=False, soft_wrap=True)
         if rep.get("note"):
-            console.print(f"  {rep['note']}", highlight=False, markup=False)
+            console.print(f"  {rep['note']}", highlight=False, markup=False, soft_wrap=True)
         for d in rep.get("docker", []) or []:
             console.print(f"  {' '.join(d['argv'])}: rc {d.get('rc')} {d.get('error', '')}", highlight=False,
-                          markup=False)
+                          markup=False, soft_wrap=True)
         if rep.get("container_left") is True:
-            console.print(f"  [red]the container is still there[/]: `docker rm -f` it, then `dsv4serve down` again",
-                          highlight=False)
+            console.print("  [red]the container is still there[/]: `docker rm -f` it, then `dsv4serve down` again",
+                          highlight=False, soft_wrap=True)
         elif "container_left" in rep and rep["container_left"] is None:
             console.print("  [red]docker could not say whether the container is gone[/] (the docker calls above say "
-                          "why); the state is kept: fix docker access, then `dsv4serve down` again", highlight=False)
+                          "why); the state is kept: fix docker access, then `dsv4serve down` again", highlight=False, soft_wrap=True)
         if rep.get("remaining"):
-            console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False)
+            console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False, soft_wrap=True)
         if rep.get("unreaped"):
-            console.print(f"  [red]not reaped yet[/]: {rep['unreaped']}", highlight=False)
+            console.print(f"  [red]not reaped yet[/]: {rep['unreaped']}", highlight=False, soft_wrap=True)
         for f in rep.get("leftovers_failed", []):
-            console.print(f"  [red]could not remove[/] {f}", highlight=False, markup=False)
+            console.print(f"  [red]could not remove[/] {f}", highlight=False, markup=False, soft_wrap=True)
         gpu = rep.get("gpu") or {}
         if gpu.get("ours"):
-            console.print(f"  [red]still holding GPU memory[/]: {gpu['ours']}", highlight=False)
+            console.print(f"  [red]still holding GPU memory[/]: {gpu['ours']}", highlight=False, soft_wrap=True)
         elif gpu.get("checked"):
             console.print(f"  GPUs {rep.get('gpu_ids', '')}: no process of the run holds memory"
-                          + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False)
+                          + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False, soft_wrap=True)
 
 
 # =============================================================================================
@@ -618,7 +618,7 @@ def _row(name: str) -> dict[str, Any]:
         return {"seat": name, "phase": "unreadable", "problem": e.line(), "last_run": state.load_last(name)}
     if st is None:
         last = state.load_last(name)
-        return {"seat": name, "phase": "not running", "last_run": last}
+        return {"seat": name, "phase": "not running", "last_run": last, "problem": state.last_unreadable(name)}
     live = state.liveness(st)
     try:
         tr = read_log(st.log_path, st.tp, st.marker_texts(), st.forbidden(), checkpoint=state.log_checkpoint(st))
@@ -666,7 +666,8 @@ def _row(name: str) -> dict[str, Any]:
     ranks = []
     for r in range(st.tp):
         pid = st.rank_pids.get(r) or tr.ranks[r].pid
-        ranks.append({"rank": r, "pid": pid, "alive": state.pid_alive(pid) if st.runtime == "native" else None,
+        # no pid yet (still loading, or a container's): unknown, not dead
+        ranks.append({"rank": r, "pid": pid, "alive": state.pid_alive(pid) if st.runtime == "native" and pid else None,
                       "phase": "ready" if phase in ("ready", "unhealthy") else tr.ranks[r].phase,
                       "markers": sorted(tr.ranks[r].markers), "moe_calls": _moe_calls(counters.get(r))})
     now = time.time()
@@ -697,7 +698,7 @@ def _render_moe_calls(ranks: list[dict]) -> None:
     line per rank so it never wraps inside a narrow table."""
     if not any(k.get("moe_calls") for k in ranks):
         console.print("  MoE call counters: no file yet (the plugin writes one per rank once the model is loaded)",
-                      highlight=False, markup=False)
+                      highlight=False, markup=False, soft_wrap=True)
         return
     for k in ranks:
         c = k.get("moe_calls")
@@ -725,6 +726,8 @@ def render_status(rows: list[dict]) -> None:
                     + (f" ({last.get('reason')})" if last.get("reason") else "")
                     + (f", diagnostics {last['diagnostics']}" if last.get("diagnostics") else "")) if last else ""
             console.print(f"seat {r['seat']}: not running{tail}", highlight=False, markup=False, soft_wrap=True)
+            if r.get("problem"):
+                console.print(f"  {r['problem']}", highlight=False, markup=False, soft_wrap=True)
             continue
         if r["phase"] == "unreadable":
             console.print(f"seat {r['seat']}: {r['problem']}", highlight=False, markup=False, soft_wrap=True)
@@ -732,9 +735,9 @@ def render_status(rows: list[dict]) -> None:
         s = style.get(r["phase"], "white")
         console.print(f"seat [bold]{r['seat']}[/] [{s}]{r['phase']}[/]  run {r['run_id']}  up {r['uptime_s']:.0f} s  "
                       f"pid {r['pid']} pgid {r['pgid']}  {r['endpoint']} ({r['model']}, /health "
-                      f"{'200' if r['health'] else 'no'})", highlight=False)
+                      f"{'200' if r['health'] else 'no'})", highlight=False, soft_wrap=True)
         if r.get("problem"):
-            console.print(f"  [{s}]{r['problem']}[/]", highlight=False)
+            console.print(f"  [{s}]{escape(r['problem'])}[/]", highlight=False, soft_wrap=True)
         t = Table(show_edge=False, pad_edge=False)
         for col in ("rank", "pid", "alive", "phase", "markers"):
             t.add_column(col)
@@ -745,7 +748,8 @@ def render_status(rows: list[dict]) -> None:
         _render_moe_calls(r["ranks"])
         for text, m in (r.get("markers") or {}).items():
             ok = "[green]ok[/]" if m["ok"] else "[red]MISSING[/]"
-            console.print(f"  marker '{text}': ranks {m['ranks']} of {m['need']} needed: {ok}", highlight=False)
+            console.print(f"  marker '{escape(text)}': ranks {m['ranks']} of {m['need']} needed: {ok}", highlight=False,
+                          soft_wrap=True)
         kv, kmin = r.get("kv_cache_tokens"), r.get("kv_min_tokens")
         console.print(f"  KV cache: {f'{kv:,} tokens' if kv is not None else 'not reported'}"
                       + (f" (gate ≥ {kmin:,})" if kmin else ""), highlight=False)
@@ -760,7 +764,7 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     import time
     from collections import deque
 
-    from dsv4serve import state
+    from dsv4serve import home, state
     from dsv4serve.errors import BadInput
     from dsv4serve.ranklog import SeatTracker
 
@@ -784,13 +788,17 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
         path, tp, run_id = st.log_path, st.tp, st.run_id
     else:
         last = state.load_last(name)
+        broken = state.last_unreadable(name)
+        if broken:
+            raise BadInput(f"seat {name} is not running and its {broken}",
+                           hint=f"`ls {home.runs_dir()}` lists every run's log; `dsv4serve up --profile {name}` starts it")
         if not last or not isinstance(last.get("log"), str) or not last["log"]:
             known = state.known_seats()
             raise BadInput(f"seat {name} has no log",
                            hint=(f"known seats: {', '.join(known)}" if known and name not in known
                                  else f"start it with `dsv4serve up --profile {name}`"))
         path, run_id = last["log"], last.get("run_id")
-        tp = 1
+        tp: int | None = 1
         try:
             import json as _json
             from pathlib import Path
@@ -800,19 +808,23 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
                 if flag in argv:
                     tp = int(argv[argv.index(flag) + 1])
         except (OSError, ValueError, IndexError, AttributeError, TypeError):  # also JSON that is not a dict
-            tp = 8  # unknown: wide enough for every rank the seat may have had
+            tp = None
+        if tp is None or not 1 <= tp <= TP_MAX:  # as the profile bounds it: the router allocates per rank
+            print(f"note: {Path(path).parent / 'run.json'} does not give the run's rank count; ranks up to "
+                  f"{TP_MAX - 1} are read", file=sys.stderr)
+            tp = None
     want: str | None = None
     if rank is not None:
         if rank.isascii() and rank.isdigit():  # "²" and "١" are digits to str.isdigit, not to int()
             rank = str(int(rank))  # "01" is rank 1
-            if int(rank) >= tp:
+            if tp is not None and int(rank) >= tp:
                 raise BadInput(f"--rank {rank}: seat {name} has ranks 0..{tp - 1}")
             want = f"rank{rank}"
         elif rank in ("api", "engine"):
             want = rank
         else:
             raise BadInput(f"--rank {rank!r}: give a rank number, 'api' or 'engine'")
-    router = SeatTracker(tp, [], [])
+    router = SeatTracker(tp or TP_MAX, [], [])
 
     def keep(line: str) -> bool:
         stream = router.route(line)  # always routed, so pids are learnt in order

@@ -20,7 +20,8 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+import stat
+from typing import Annotated, Any, Literal
 
 import psutil
 from filelock import FileLock, Timeout
@@ -33,14 +34,18 @@ Phase = Literal["launching", "starting", "ready", "failed", "stopping", "stopped
 RUN_ID_ENV = "DSV4SERVE_RUN_ID"
 
 
+TP_MAX = 1024  # vLLM serves at most a few hundred ranks; past this a count is a typo, not a seat
+Pid = Annotated[int, Field(ge=1)]  # a hand-edited 0 or -1 would name a process group to psutil and kill
+
+
 class SeatState(BaseModel):
     seat: str = Field(description="seat name (the profile name)")
     run_id: str
     profile: str
     profile_digest: str
     runtime: Literal["native", "docker"]
-    pid: int | None = None
-    pgid: int | None = None
+    pid: Pid | None = None
+    pgid: Pid | None = None
     start_time: float | None = Field(None, description="psutil create_time() of pid, seconds since the epoch")
     container_name: str | None = None
     argv: list[str]
@@ -48,7 +53,7 @@ class SeatState(BaseModel):
     host: str
     port: int
     served_name: str
-    tp: int
+    tp: Annotated[int, Field(ge=1, le=TP_MAX)]  # as the profile bounds it: readers allocate per rank
     gpu_ids: list[int] = Field(default_factory=list)
     gpu_uuids: list[str] = Field(default_factory=list)
     run_dir: str
@@ -61,9 +66,10 @@ class SeatState(BaseModel):
     markers: dict[str, list[int]] = Field(default_factory=dict)
     dist_ids: list[str] = Field(default_factory=list)
     dist_paths: list[str] = Field(default_factory=list, description="vLLM's file:// rendezvous files of this run")
-    rank_pids: dict[int, int] = Field(default_factory=dict, description="TP rank -> worker pid, from the log")
-    engine_pid: int | None = None
-    supervisor_pid: int | None = Field(None, description="the `up` process watching the seat, while it runs")
+    rank_pids: dict[Annotated[int, Field(ge=0)], Pid] = Field(default_factory=dict,
+                                                              description="TP rank -> worker pid, from the log")
+    engine_pid: Pid | None = None
+    supervisor_pid: Pid | None = Field(None, description="the `up` process watching the seat, while it runs")
     gates: dict[str, Any] = Field(default_factory=dict, description="launch.describe_gates() of the run")
     overrides: list[str] = Field(default_factory=list, description="the --set overrides `up` was given")
 
@@ -211,9 +217,17 @@ class UnreadableState(BadInput):
         self.seat, self.path = seat, path
 
 
+def _regular(p: Path) -> bool:
+    """False for a FIFO, socket or device under the name (reading one would block or stream); raises
+    FileNotFoundError when there is nothing."""
+    return stat.S_ISREG(p.stat().st_mode)
+
+
 def load(seat: str) -> SeatState | None:
     p = state_path(seat)
     try:
+        if not _regular(p):
+            raise UnreadableState(seat, p, "not a regular file")
         return SeatState.model_validate_json(p.read_text())
     except FileNotFoundError:
         return None
@@ -312,28 +326,40 @@ def load_last(seat: str) -> dict[str, Any] | None:
     foreign last.json is no reason for status or logs to crash). Values it names are checked by
     their readers."""
     try:
-        data = json.loads(last_path(seat).read_text())
+        p = last_path(seat)
+        data = json.loads(p.read_text()) if _regular(p) else None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def all_seats() -> list[str]:
+def last_unreadable(seat: str) -> str | None:
+    """Why the seat's last.json exists but `load_last` cannot use it; None when it is fine or absent."""
+    p = last_path(seat)
+    if not os.path.lexists(p) or load_last(seat) is not None:
+        return None
+    return f"{p} is unreadable (not a JSON object: truncated or edited); the run logs are still under runs/"
+
+
+def _seat_entries() -> list[Path]:
     d = home.seats_dir()
     if not d.is_dir():
         return []
+    # only names a seat can have: a stray directory (an editor's backup, `.trash`) is not a seat, and
+    # naming it would make every status and logs refuse
+    return [p for p in d.iterdir() if SEAT_NAME.fullmatch(p.name)]
+
+
+def all_seats() -> list[str]:
     # exists(), not is_file(): a state.json that is a directory (or anything unreadable) is still a
     # seat's state; load() reports it as unreadable and `down` sets it aside, instead of the seat
     # vanishing from `status` without a word
-    return sorted(p.name for p in d.iterdir() if (p / "state.json").exists())
+    return sorted(p.name for p in _seat_entries() if (p / "state.json").exists())
 
 
 def known_seats() -> list[str]:
     """Seats with a state or a record of their last run."""
-    d = home.seats_dir()
-    if not d.is_dir():
-        return []
-    return sorted(p.name for p in d.iterdir() if (p / "state.json").exists() or (p / "last.json").is_file())
+    return sorted(p.name for p in _seat_entries() if (p / "state.json").exists() or (p / "last.json").exists())
 
 
 def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
@@ -343,7 +369,7 @@ def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
     try:
         proc = psutil.Process(st.pid)
         created = proc.create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, OverflowError, ValueError):  # no such pid can exist
         return "gone"
     except psutil.AccessDenied:
         return "unknown"
@@ -370,7 +396,7 @@ def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
 def pid_alive(pid: int | None) -> bool:
     try:
         return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+    except (psutil.Error, OverflowError, ValueError):
         return False
 
 

@@ -40,18 +40,28 @@ def build_tag(digest: str) -> str:
 _ARCH = re.compile(r"(?P<major>[0-9]{1,2})\.(?P<minor>[0-9])(?P<a>a)?(?:\+PTX)?", re.ASCII)
 
 
-def arch_flags(arch: str) -> list[str]:
-    """'9.0;12.0' -> nvcc -gencode flags (SASS for each; PTX of the last for newer GPUs)."""
-    flags = []
+def arch_list(arch: str) -> list[str]:
+    """'9.0, 12.0;' -> ['9.0', '12.0']: the entries, checked, as TORCH_CUDA_ARCH_LIST takes them
+    (torch refuses an empty entry or a padded one, and majors past the 12.x nvcc 13 builds)."""
     archs = [a.strip() for a in arch.replace(",", ";").split(";") if a.strip()]
     if not archs:
         raise BadInput(f"--arch '{arch}' names no architecture", hint='e.g. --arch "9.0;12.0"')
-    last = ""
     for a in archs:
         # ASCII digits only: int() also reads '９' and '٣', which nvcc would not
         m = _ARCH.fullmatch(a)
-        if m is None or not 3 <= int(m["major"]) <= 15:
-            raise BadInput(f"--arch: '{a}' is not a compute capability like 9.0 or 12.0") from None
+        if m is None or not 3 <= int(m["major"]) <= 12:
+            raise BadInput(f"--arch: '{a}' is not a compute capability like 9.0 or 12.0",
+                           hint='the seat\'s cards are 12.0, an H100 / H200 9.0: --arch "9.0;12.0"') from None
+    return archs
+
+
+def arch_flags(arch: str) -> list[str]:
+    """'9.0;12.0' -> nvcc -gencode flags (SASS for each; PTX of the last for newer GPUs)."""
+    flags = []
+    last = ""
+    for a in arch_list(arch):
+        m = _ARCH.fullmatch(a)
+        assert m is not None  # arch_list checked it
         cc = f"{int(m['major'])}{m['minor']}{m['a'] or ''}"  # 9.0a: arch-specific features
         flags += ["-gencode", f"arch=compute_{cc},code=sm_{cc}"]
         last = cc
@@ -104,7 +114,7 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     build_dir.mkdir(parents=True, exist_ok=True)
     if jobs:
         os.environ["MAX_JOBS"] = str(jobs)
-    os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace(",", ";")  # torch adds its own -gencode from this too
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(arch_list(arch))  # torch adds its own -gencode from this too
     t0 = time.time()
     try:
         load(name=MODULE, sources=[str(src / s) for s in SOURCES], extra_include_paths=[str(src)],
