@@ -365,6 +365,41 @@ def _software(profile) -> checks.Report:
     return rep
 
 
+def test_the_exllamav3_extension_that_will_run_is_read_for_the_patched_build(tmp_path, monkeypatch):
+    """The hash-checked .cu files never run: a docker seat runs the image's extension unless a
+    rebuilt one is mounted, and that one must carry what only the patched sources compile in."""
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    assert _st(_software(load_profile("cpu-demo")), "exl3-extension").status == "n/a"
+    r = _st(_software(load_profile("8x16gb-380k")), "exl3-extension")
+    assert r.status == "warn" and "the image's own exllamav3 extension runs" in r.found
+    assert "runtime.exl3_extension" in r.fix
+    so = tmp_path / "exllamav3_ext.cpython-312-x86_64-linux-gnu.so"
+
+    def row():
+        return _st(_software(load_profile("8x16gb-380k", [f"runtime.exl3_extension={so}"])), "exl3-extension")
+
+    r = row()
+    assert r.status == "fail" and r.found == f"{so}: not found", r
+    so.write_bytes(b"")
+    assert row().status == "fail" and row().found == f"{so}: empty"
+    # a build of the pristine sources: everything but the capture fix's warning
+    so.write_bytes(b"\x7fELF" + b"\0" * 4096 + b"[%s] untuned shape m=%d" + b"\0" * 64)
+    r = row()
+    assert r.status == "fail" and "was not built from the patched sources of exllamav3-1.4.5" in r.found, r
+    so.write_bytes(b"\x7fELF" + b"\0" * 4096 + b"[%s] untuned shape m=%d k=%d n=%d K=%d during CUDA graph capture; "
+                   b"using the static kernel choice (run this shape once before capture to tune it)\n\0")
+    r = row()
+    assert r.status == "ok" and "carries the CUDA fixes of exllamav3-1.4.5" in r.found, r
+    # the marker is what the patched source really compiles in (its fprintf literal), and the
+    # pristine source does not have it
+    from dsv4serve import patches
+
+    pset = patches.load_set("exllamav3-1.4.5")
+    added = "".join(ln[1:] for ln in (pset.folder / "exl3_gemm.cu.diff").read_text().splitlines()
+                    if ln.startswith("+") and not ln.startswith("+++"))
+    assert "during CUDA graph capture; \"" in added and "\"using the static kernel choice" in added
+
+
 def test_software_versions_against_the_stack():
     rep = _software(load_profile("cpu-demo"))
     v = _st(rep, "vllm")

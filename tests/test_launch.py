@@ -56,6 +56,21 @@ def test_canon_docker_argv_holds_every_flag_and_env():
     assert any(m.endswith("/dist-packages/dsv4serve_lna2.so:ro") for m in vols)  # the lna2 extension
     # the shell rendering round-trips
     assert shlex.split(spec.shell()) == spec.argv
+    # no rebuilt exllamav3 extension named: the image's own module runs (check-seat warns)
+    assert not any("exllamav3_ext" in m for m in vols)
+
+
+def test_a_rebuilt_exllamav3_extension_is_mounted_over_the_images_module():
+    so = "{cache}/exl3/exllamav3_ext.cpython-312-x86_64-linux-gnu.so"
+    a = build("8x16gb-380k", f"runtime.exl3_extension={so}").argv
+    vols = [a[i + 1] for i, x in enumerate(a) if x == "-v"]
+    want = "/usr/local/lib/python3.12/dist-packages/exllamav3_ext.cpython-312-x86_64-linux-gnu.so:ro"
+    (m,) = [m for m in vols if "exllamav3_ext" in m]
+    assert m.endswith(":" + want) and "{cache}" not in m, m
+    with pytest.raises(ProfileError, match="runtime.exl3_extension: must be a path to exllamav3_ext"):
+        build("8x16gb-380k", "runtime.exl3_extension=/x/exllamav3.so")
+    with pytest.raises(ProfileError, match="a native seat imports the installed exllamav3"):
+        build("cpu-demo", f"runtime.exl3_extension={so}")
 
 
 def test_native_demo_argv_uses_this_interpreter():

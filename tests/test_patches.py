@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import py_compile
 import shutil
 from pathlib import Path
@@ -101,6 +102,21 @@ def test_rebuild_reported_for_cuda_sources(trees: Path, tmp_path: Path) -> None:
     assert sorted(res.rebuild) == sorted(f.path for f in pset.files if f.path.endswith((".cu", ".cuh")))
     assert "exllamav3/modules/quant/exl3.py" not in res.rebuild and res.rebuild_hint
     assert patches.revert_set(pset, root).rebuild == res.rebuild
+
+
+def test_the_built_marker_is_in_the_patched_sources_only(trees: Path, tmp_path: Path) -> None:
+    """check-seat reads the extension that will run for the set's built_marker: it must be in no
+    pristine source of the package and in a patched CUDA source, as one C string literal."""
+    pset = patches.load_set("exllamav3-1.4.5")
+    assert pset.built_marker
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    sources = [p for p in root.rglob("*") if p.suffix in (".cu", ".cuh", ".cpp", ".h")]
+    assert sources and not [p for p in sources if pset.built_marker.encode() in p.read_bytes()]
+    patches.apply_set(pset, root)
+    text = (root / "exllamav3/exllamav3_ext/quant/exl3_gemm.cu").read_text()
+    # adjacent literals are one string in the binary: "... capture; " "using ..." compiles to the marker
+    joined = re.sub(r'"\s*\n\s*"', "", text)
+    assert pset.built_marker in joined
 
 
 def test_tampered_file_is_refused_untouched(trees: Path, tmp_path: Path, isolated_home: Path) -> None:

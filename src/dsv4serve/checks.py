@@ -533,6 +533,7 @@ def check_software(rep: Report, ctx: Ctx) -> None:
         _guard(rep, "software", key.replace("_", "-"), lambda key=key, names=names: _stack_row(rep, ctx, key, names))
     _guard(rep, "software", "torch-cuda-arch", lambda: _torch_arch(rep, ctx))
     _guard(rep, "software", "patches", lambda: _patches(rep, ctx))
+    _guard(rep, "software", "exl3-extension", lambda: _exl3_extension(rep, ctx))
     _guard(rep, "software", "lna2", lambda: _lna2(rep, ctx))
     _guard(rep, "software", "plugin-entry-point", lambda: _entry_point(rep, ctx))
     if p.runtime.kind == "docker":
@@ -659,6 +660,53 @@ def _patches(rep: Report, ctx: Ctx) -> None:
         rep.add("software", "patches", "warn", "the patch plan is empty", f"patch sets {', '.join(p.patches)}", "")
     for r in rows:
         _patch_row(rep, patches_mod.apply_command(p), r, ok_states)
+
+
+def _exl3_extension(rep: Report, ctx: Ctx) -> None:
+    """The patch sets' CUDA fixes run only from an extension rebuilt from the patched sources: the
+    hash-checked .cu files themselves are never executed. A set's `built_marker` is a literal only
+    those sources compile in, so the extension that will run can be read for it."""
+    from dsv4serve import patches as patches_mod
+
+    p = ctx.profile
+    sets = [s for s in (patches_mod.load_set(n) for n in p.patches)
+            if s.built_marker and any(f.rebuild for f in s.files)]
+    if not sets:
+        rep.add("software", "exl3-extension", "n/a", "no patch set of the profile changes compiled sources")
+        return
+    names = ", ".join(s.set for s in sets)
+    if p.runtime.kind != "docker":
+        rep.add("software", "exl3-extension", "n/a", f"native seat: {names} take effect when the installed "
+                "exllamav3 is rebuilt (`dsv4serve patch apply` prints how)")
+        return
+    path = launch.exl3_extension_path(p)
+    if path is None:
+        rep.add("software", "exl3-extension", "warn", f"the image's own exllamav3 extension runs: whether it "
+                f"carries the CUDA fixes of {names} cannot be checked", "a rebuilt extension, checked",
+                "set runtime.exl3_extension to the exllamav3_ext .so built from the patched sources (seat-reference "
+                "EXT_SO); up mounts it over the image's")
+        return
+    import mmap
+
+    fix = "build it (the patch set's rebuild hint: `dsv4serve patch status`), or fix runtime.exl3_extension"
+    if not os.path.isfile(path):  # a FIFO would block the read
+        rep.add("software", "exl3-extension", "fail",
+                f"{path}: {'not found' if not os.path.lexists(path) else 'not a regular file'}",
+                "the exllamav3_ext .so rebuilt from the patched sources", fix)
+        return
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            missing = [s.set for s in sets if mm.find(s.built_marker.encode()) < 0]
+    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
+        rep.add("software", "exl3-extension", "fail", f"{path}: {getattr(e, 'strerror', None) or 'empty'}",
+                "the exllamav3_ext .so rebuilt from the patched sources", fix)
+        return
+    if missing:
+        rep.add("software", "exl3-extension", "fail", f"{path} was not built from the patched sources of "
+                f"{', '.join(missing)}", "a build carrying the patch sets' CUDA fixes",
+                "rebuild exllamav3_ext after `dsv4serve patch apply` (up mounts exactly this file)")
+    else:
+        rep.add("software", "exl3-extension", "ok", f"{path} carries the CUDA fixes of {names}")
 
 
 def _patches_in_image(rep: Report, ctx: Ctx) -> None:

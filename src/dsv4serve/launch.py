@@ -167,6 +167,10 @@ def check_plan(profile: Profile) -> None:
             if env.get(var) != want:
                 raise ProfileError(f"profile {p.name}: env.{var} must be {want} for an EXL3 seat ({why})",
                                    hint=f"set env.{var}={want}")
+    if p.runtime.kind == "native" and p.runtime.exl3_extension:
+        raise ProfileError(f"profile {p.name}: runtime.exl3_extension is mounted into a docker seat's image; a native "
+                           "seat imports the installed exllamav3", hint="drop runtime.exl3_extension, and rebuild the "
+                           "installed exllamav3 after `dsv4serve patch apply`")
     if p.runtime.kind == "docker" and not p.runtime.image:
         raise ProfileError(f"profile {p.name}: runtime.image is required for the docker runtime")
 
@@ -253,7 +257,18 @@ def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, boo
         ext = profile.moe.extension or "{cache}/lna2/dsv4serve_lna2.so"
         ext = ext.replace("{cache}", str(home.cache_dir()))
         out.append((ext, f"{sp}/dsv4serve_lna2.so", True))
+    exl3 = exl3_extension_path(profile)
+    if exl3:  # over the image's own module of the same name: the patched CUDA fixes run only from a rebuild
+        out.append((exl3, f"{sp}/{Path(exl3).name}", True))
     return out
+
+
+def exl3_extension_path(profile: Profile) -> str | None:
+    """runtime.exl3_extension with {cache} / {home} expanded (None when unset)."""
+    v = profile.runtime.exl3_extension
+    if not v:
+        return None
+    return _expand(v, {"home": str(home.home()), "cache": str(home.cache_dir())}, "runtime.exl3_extension")
 
 
 def patched_file_mounts(profile: Profile) -> list[tuple[str, str, bool]]:

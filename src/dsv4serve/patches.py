@@ -85,6 +85,8 @@ class PatchSet(_Strict):
     pip_requirement: str = Field(description="what scripts/fetch_pristine.py downloads for the pristine files")
     summary: str = ""
     rebuild_hint: str | None = None
+    built_marker: str | None = Field(None, description="a literal only the patched sources compile into the "
+                                                       "extension: check-seat looks for it in the one that runs")
     files: list[FileSpec]
     not_applicable: list[NotApplicable] = Field(default_factory=list)
     folder: Path = Field(Path("."), exclude=True)

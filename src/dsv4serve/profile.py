@@ -139,6 +139,18 @@ class RuntimeSection(_Strict):
     patch_root: str | None = Field(
         None, description="host copy of the image's site-packages, where `patch status` checks a Docker seat's files"
     )
+    exl3_extension: str | None = Field(
+        None, description="host path of the exllamav3_ext .so rebuilt from the patched sources, mounted over the "
+                          "image's (seat-reference EXT_SO); {cache} and {home} expand")
+
+    @field_validator("exl3_extension")
+    @classmethod
+    def _exl3_extension(cls, v: str | None) -> str | None:
+        # mounted over {site_packages}/<its name>: another name would sit beside the image's module unused
+        if v is not None and not re.fullmatch(r"exllamav3_ext\.[^/]*\.so", v.rsplit("/", 1)[-1]):
+            raise ValueError("must be a path to exllamav3_ext.<python tag>.so, the module name the image imports "
+                             "(e.g. exllamav3_ext.cpython-312-x86_64-linux-gnu.so)")
+        return v
 
     @field_validator("container_name")
     @classmethod
