@@ -62,6 +62,30 @@ probe() {  # $1: label
     --json-out "$STATE/probe_$1.json" --timeout 300 ${PROBE_EXTRA[@]+"${PROBE_EXTRA[@]}"} >&2
 }
 
+marker() {  # $1: label. check-seat's exl3-extension row on the build just made, under the image's module name
+  log "check-seat's exl3-extension row on the $1 build"
+  PYTHONPATH="$REPO/src:$PYTHONPATH" "$PY" - "$TORCH_EXTENSIONS_DIR" > "$STATE/marker_$1.json" <<'EOF'
+import json, shutil, sys
+from pathlib import Path
+from dsv4serve import checks
+from dsv4serve.profile import load_profile
+built = sorted(Path(sys.argv[1]).rglob("exllamav3_ext*.so"))
+if not built:  # the CPU test's dry build compiles nothing
+    print(json.dumps({"so": None, "status": "no build", "found": f"no exllamav3_ext*.so under {sys.argv[1]}"}))
+    sys.exit(0)
+so = built[0]
+dst = Path("/tmp/exl3-ext-check/exllamav3_ext.cpython-312-x86_64-linux-gnu.so")
+dst.parent.mkdir(parents=True, exist_ok=True)
+shutil.copyfile(so, dst)
+p = load_profile("8x16gb-380k", [f"runtime.exl3_extension={dst}"])
+rep = checks.Report(p.name)
+checks._exl3_extension(rep, checks.Ctx(profile=p))
+row = rep.row("software", "exl3-extension")
+print(json.dumps({"so": str(so), "bytes": so.stat().st_size, "status": row.status, "found": row.found}))
+EOF
+  cat "$STATE/marker_$1.json" >&2
+}
+
 apply_patch() {
   log "applying patch set exllamav3-1.4.5 to $SITE"
   PYTHONPATH="$REPO/src:$PYTHONPATH" "$PY" - "$SITE" > "$STATE/patch_apply.json" <<'EOF'
@@ -94,7 +118,8 @@ state, out = Path(sys.argv[1]), Path(sys.argv[2])
 doc = {}
 for key, name in (("pristine", "probe_pristine.json"), ("patched", "probe_patched.json"),
                   ("patch_apply", "patch_apply.json"), ("build_pristine", "build_pristine.json"),
-                  ("build_patched", "build_patched.json")):
+                  ("build_patched", "build_patched.json"), ("marker_pristine", "marker_pristine.json"),
+                  ("marker_patched", "marker_patched.json")):
     p = state / name
     if p.is_file():
         text = p.read_text().strip().splitlines()
@@ -110,23 +135,30 @@ if "patched" in doc:
     verdict["patched_failed"] = [f"{r['case']}/{r['tune_cache']}: {r['error']}" for r in rows
                                  if not (r["capture_ok"] and r["replay_matches_eager"])]
     verdict["patched_warned"] = [f"{r['case']}/{r['tune_cache']}" for r in rows if r["warned_untuned_in_capture"]]
+# check-seat's exl3-extension row: a build of the pristine sources fails it, one of the patched passes
+for key, want in (("marker_pristine", "fail"), ("marker_patched", "ok")):
+    if key in doc and doc[key]["status"] != "no build":
+        verdict[f"{key}_row_as_expected"] = doc[key]["status"] == want
 doc["verdict"] = verdict
 out.write_text(json.dumps(doc, indent=1))
 print(json.dumps(verdict, indent=1))
-sys.exit(0 if verdict.get("patched_all_ok", True) else 1)
+sys.exit(0 if verdict.get("patched_all_ok", True) and all(v for k, v in verdict.items() if k.endswith("as_expected"))
+         else 1)
 EOF
 }
 
 install_wheels
 if [ "$PHASE" = all ] || [ "$PHASE" = pristine ]; then
-  rm -f "$STATE"/probe_*.json "$STATE"/patch_apply.json "$STATE"/build_*.json
+  rm -f "$STATE"/probe_*.json "$STATE"/patch_apply.json "$STATE"/build_*.json "$STATE"/marker_*.json
   ensure_pristine
   build pristine
+  marker pristine
   probe pristine
 fi
 if [ "$PHASE" = all ] || [ "$PHASE" = patched ]; then
   apply_patch
   build patched
+  marker patched
   probe patched
 fi
 summarize
