@@ -330,6 +330,21 @@ def test_pack_trap_reaches_the_report(tmp_path):
     assert r.status == "fail" and rep.exit_code() == 1
 
 
+def test_dsv4_seats_keep_the_fusion_off_and_the_indexer_cap_in_every_mode():
+    def row(ref, *sets):
+        rep = checks.Report(ref)
+        checks.check_plan(rep, checks.Ctx(profile=load_profile(ref, list(sets))))
+        return _st(rep, "dsv4-env", "plan")
+
+    for ref in ("8x16gb-380k", "8x16gb-380k-incumbent", "8x16gb-ppl"):
+        assert row(ref).status == "ok", (ref, row(ref))
+    assert row("cpu-demo").status == "n/a"
+    r = row("8x16gb-380k-incumbent", "env.VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=null",
+            "env.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB=null")
+    assert r.status == "warn" and r.found.startswith("VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=unset (the "), r
+    assert "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB=unset" in r.found and "incumbent included" in r.fix
+
+
 def _plan_with_weights(profile, gib_per_rank: float) -> checks.Report:
     # one tensor counted whole on every rank, sized to the per-rank figure we want
     t = pack.Tensor("unknown.blob", "f", "BF16", [1], int(gib_per_rank * checks.GIB))

@@ -847,12 +847,38 @@ def check_plan(rep: Report, ctx: Ctx) -> None:
     except DsvError as e:
         rep.add("plan", "launch-plan", "fail", e.message, "", e.hint or "")
     _guard(rep, "plan", "weights-per-gpu", lambda: _weights(rep, ctx))
+    _guard(rep, "plan", "dsv4-env", lambda: _dsv4_env(rep, ctx))
     if p.moe.kernel == "lna2":
         k = p.spec_tokens()
         rows = p.decode_rows()
         st = "ok" if rows <= p.moe.row_ceiling else "fail"
         rep.add("plan", "decode-rows", st, f"{p.vllm.max_num_seqs or 1} seqs x (1 + {k}) = {rows} rows",
                 f"≤ {p.moe.row_ceiling} (moe.row_ceiling)", "" if st == "ok" else "lower vllm.max_num_seqs")
+
+
+# seat-reference §1.6 / §8: what a DSV4 EXL3 seat keeps in every mode, incumbent included. Not
+# refusals like trap 3's two hangs (launch.check_plan): without them the seat runs, on another plan.
+DSV4_EXL3_ENV = {
+    "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION": ("1", "the shared experts stay EXL3 dense linears, as the "
+                                                       "pack stores them"),
+    "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": (None, "the sparse indexer's logits budget the KV window and DSpark 3 "
+                                                "were sized with"),
+}
+
+
+def _dsv4_env(rep: Report, ctx: Ctx) -> None:
+    p = ctx.profile
+    if p.vllm.quantization != "exl3" or "DeepseekV4" not in (p.model.model_class or ""):
+        rep.add("plan", "dsv4-env", "n/a", "not a DeepSeek-V4 EXL3 seat")
+        return
+    off = [f"{k}={p.env.get(k, 'unset')} ({why})" for k, (want, why) in DSV4_EXL3_ENV.items()
+           if (p.env.get(k) != want if want is not None else not p.env.get(k))]
+    if off:
+        rep.add("plan", "dsv4-env", "warn", "; ".join(off), ", ".join(f"{k}={v or '<MB>'}" for k, (v, _) in
+                                                                       DSV4_EXL3_ENV.items()),
+                "keep them in every mode, incumbent included (seat-reference §1.6): the canon profile sets both")
+    else:
+        rep.add("plan", "dsv4-env", "ok", ", ".join(f"{k}={p.env[k]}" for k in DSV4_EXL3_ENV))
 
 
 def _weights(rep: Report, ctx: Ctx) -> None:
