@@ -587,3 +587,12 @@ def test_logs_of_a_run_whose_rank_count_is_unknown_or_absurd_say_so_and_still_pr
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hello from rank 5" in r.stdout
     assert "does not give the run's rank count" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["down", "status", "logs"])
+def test_an_empty_profile_name_names_no_seat_and_never_means_all(home, cmd):
+    """`dsv4serve down --profile "$SEAT"` with SEAT unset stopped every seat."""
+    state.save(make("good"))
+    r = cli(cmd, "--profile", "", home=home, timeout=60)
+    assert r.returncode == 2 and "--profile '' names no seat" in r.stderr, r.stdout + r.stderr
+    assert state.load("good") is not None

@@ -447,8 +447,11 @@ def _seat_names(profile_name: str | None) -> list[str]:
     from dsv4serve.errors import BadInput, ProfileError
     from dsv4serve.profile import shipped_profiles
 
-    if not profile_name:
+    if profile_name is None:
         return state.all_seats()
+    if not profile_name.strip():  # `--profile "$SEAT"` with SEAT unset must not mean every seat (down stops all)
+        raise BadInput(f"--profile {profile_name!r} names no seat",
+                       hint="give a seat name (`dsv4serve status` lists them), or leave --profile out")
     if not state.SEAT_NAME.fullmatch(profile_name):
         # not a seat name, so a profile file: it must load (a broken or missing one is said so,
         # never taken as a seat that "is not running", nor joined onto the state dir as a path)
@@ -689,7 +692,7 @@ def _row(name: str) -> dict[str, Any]:
 def status(profile_name: str | None) -> list[dict]:
     from dsv4serve import state
 
-    names = _seat_names(profile_name) if profile_name else state.known_seats()
+    names = _seat_names(profile_name) if profile_name is not None else state.known_seats()
     return [_row(n) for n in names]
 
 
@@ -768,7 +771,7 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     from dsv4serve.errors import BadInput
     from dsv4serve.ranklog import SeatTracker
 
-    names = _seat_names(profile_name) if profile_name else state.known_seats()
+    names = _seat_names(profile_name) if profile_name is not None else state.known_seats()
     if not names:
         raise BadInput("no seat has a log yet", hint="start one with `dsv4serve up --profile cpu-demo`")
     if len(names) > 1:
