@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from dsv4serve import checks, gpu, pack, state
+from dsv4serve.errors import ProfileError
 from dsv4serve.profile import load_profile
 from dsv4serve.testing import fake_nvml
 from dsv4serve.testing.fake_nvml import FakeNvml
@@ -182,12 +183,16 @@ def test_free_memory_below_what_vllm_asks_is_a_failure():
     assert r.status == "fail" and r.found == "GPU 5: 12.19 GiB free of 15.48 GiB", r
     assert "gpu_memory_utilization 0.97 × total (15.02 GiB)" in r.expected
     assert "below 0.787" in r.fix and r.data["short"] == [5]
-    # a UTIL no idle card can give: every seat GPU is named
+    # a UTIL just above what an idle card gives: every seat GPU is named, as a warning, since NVML's
+    # figures are not exactly the CUDA ones vLLM compares (0.14 GiB short here)
     rep = _machine(load_profile("8x16gb-380k", ["vllm.gpu_memory_utilization=0.99"]),
                    FakeNvml(fake_nvml.rtx_pro_2000_seat()))
     r = _st(rep, "gpu-free-memory")
-    assert r.status == "fail" and r.found.count("15.19 GiB free of 15.48 GiB") == 8, r
-    assert "below 0.981" in r.fix
+    assert r.status == "warn" and r.found.count("15.19 GiB free of 15.48 GiB") == 8, r
+    assert "short by less than 512 MiB" in r.expected and "below 0.981" in r.fix
+    # 0.7 GiB held by another process: past the band, a failure
+    rep = _machine(canon, FakeNvml(fake_nvml.rtx_pro_2000_seat(foreign={0: (77, 700 * 1024**2, "x")})))
+    assert _st(rep, "gpu-free-memory").status == "fail"
     # a running seat holds its own memory: not judged against UTIL
     held = fake_nvml.rtx_pro_2000_seat(foreign={i: (5000 + i, 14 * 1024**3, "VLLM::Worker") for i in (0, 1, 2, 3, 5, 7, 8, 9)})
     rep = checks.Report(canon.name)
@@ -413,6 +418,15 @@ def test_the_exllamav3_extension_that_will_run_is_read_for_the_patched_build(tmp
     added = "".join(ln[1:] for ln in (pset.folder / "exl3_gemm.cu.diff").read_text().splitlines()
                     if ln.startswith("+") and not ln.startswith("+++"))
     assert "during CUDA graph capture; \"" in added and "\"using the static kernel choice" in added
+
+
+def test_the_marker_search_finds_a_marker_across_its_read_chunks(tmp_path):
+    f = tmp_path / "x.so"
+    f.write_bytes(b"a" * 13 + b"MARKER" + b"b" * 20)
+    for chunk in (1, 4, 15, 16, 64):  # the marker straddles every boundary of some of these
+        assert checks._lacking(str(f), {"s": b"MARKER", "t": b"OTHER"}, chunk=chunk) == ["t"], chunk
+    with pytest.raises(ProfileError, match="runtime.exl3_extension: must be an absolute path"):
+        load_profile("8x16gb-380k", ["runtime.exl3_extension=ext/exllamav3_ext.cpython-312-x86_64-linux-gnu.so"])
 
 
 def test_software_versions_against_the_stack():

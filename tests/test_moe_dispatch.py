@@ -418,6 +418,20 @@ def test_a_build_below_the_seats_decode_rows_is_not_ready_under_strict():
     assert Harness(strict=0, decode_rows=16, ceiling=8).prepare() is not None  # strict 0: declines, counted
 
 
+def test_a_module_whose_build_id_fails_is_no_extension_not_one_without_a_ceiling_check():
+    """The module was taken as loaded before its ceiling and build id were read: one whose
+    lna2_build_id raised was served with the decode-rows refusal never decided."""
+    h = Harness(strict=1, decode_rows=16, ceiling=8)
+
+    def broken() -> str:
+        raise RuntimeError("lna2_build_id: no build tag")
+
+    h.ext.lna2_build_id = broken
+    with pytest.raises(md.Lna2NotReadyError, match="lna2 extension: lna2_build_id: no build tag"):
+        h.prepare()
+    assert not hasattr(h.layers[0][1].quant_method, "_dsv4serve_state")
+
+
 def test_the_launcher_tells_the_plugin_the_seats_decode_rows():
     from dsv4serve import launch
     from dsv4serve.profile import load_profile

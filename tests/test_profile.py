@@ -136,6 +136,10 @@ def test_set_overrides_are_typed():
     ('runtime.extra_args=["-v", "/x:/usr/local/lib/python3.12"]', "-v is set by the launcher from runtime.mounts"),
     ('runtime.extra_args=["--ulimit", "core=-1"]', "--ulimit is set by the launcher from runtime.core_dumps"),
     ('runtime.extra_args=["-d"]', "the supervisor runs the container attached"),
+    ('runtime.extra_args=["-itd"]', "-d is set by the launcher"),  # a bundle of short options
+    ('runtime.extra_args=["-tie", "X=1"]', "-e is set by the launcher from env.NAME"),
+    ("runtime.container_name=a", "runtime.container_name: must be a docker container name"),  # docker wants two
+    ("model.served_name=true", 'give text: quote the value (model.served_name: "true")'),  # YAML's, not Python's
 ])
 def test_bad_overrides_are_one_line_errors(override, needle):
     with pytest.raises(ProfileError) as e:
@@ -146,6 +150,9 @@ def test_bad_overrides_are_one_line_errors(override, needle):
 
 
 def test_docker_options_the_launcher_does_not_set_pass_through():
+    # an option's value is not read as an option: --entrypoint -v, --label -e, -h -p
+    p = load_profile("8x16gb-380k", ['runtime.extra_args=["--entrypoint", "-v", "--label", "-e", "-h", "-p", "-it"]'])
+    assert p.runtime.extra_args[-1] == "-it"
     p = load_profile("8x16gb-380k", ['runtime.extra_args=["--ulimit", "nofile=65536", "--device", "/dev/fuse", "-it"]',
                                      'runtime.shm_size="16.5GiB"', "runtime.container_name=dsv4_seat.2"])
     assert p.runtime.extra_args == ["--ulimit", "nofile=65536", "--device", "/dev/fuse", "-it"]

@@ -46,6 +46,7 @@ CANON_KV_FOUND_GIB = 1.86
 CANON_OVERHEAD_GIB = round(CANON_CARD_GIB * 0.97 - CANON_WEIGHTS_GIB - CANON_KV_FOUND_GIB, 2)  # 1.16
 THIN_MARGIN_GIB = 0.10
 DEFAULT_UTIL = 0.9  # vLLM's default --gpu-memory-utilization
+NVML_CUDA_SLACK = 512 * 1024**2  # NVML's free / total against CUDA's (which vLLM reads): a few hundred MiB apart
 
 DISK_FAIL_GIB, DISK_WARN_GIB = 1.0, 10.0
 CORE_DUMP_GIB = 27.6  # one crashed seat's cores in the container layer (trap 5)
@@ -321,18 +322,22 @@ def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu | None]) -> None:
     # vLLM's workers refuse to start when a card's free memory is below gpu_memory_utilization x
     # total ("Free memory on device ... is less than desired GPU memory utilization"), after the
     # weights would have been planned: say it here, before anything starts. Not for a running seat,
-    # whose own processes hold that memory.
+    # whose own processes hold that memory. vLLM reads CUDA's free and total, which differ from
+    # NVML's by a few hundred MiB (reserved memory, the worker's own context): a shortfall inside
+    # that band is a warning, a larger one a failure.
     util = ctx.profile.vllm.gpu_memory_utilization or DEFAULT_UTIL
     short = [] if ctx.seat_pids else [
         g for g in seat if g and g.memory_free is not None and g.memory_total and g.memory_free < util * g.memory_total]
     if short:
         worst = min(short, key=lambda g: g.memory_free / g.memory_total)
         cap = int(worst.memory_free / worst.memory_total * 1000) / 1000
-        rep.add("machine", "gpu-free-memory", "fail",
+        sure = worst.memory_free < util * worst.memory_total - NVML_CUDA_SLACK
+        rep.add("machine", "gpu-free-memory", "fail" if sure else "warn",
                 "; ".join(f"GPU {g.index}: {_gib(g.memory_free)} free of {_gib(g.memory_total)}" for g in short)
                 + (f" ({'; '.join(unexplained)})" if unexplained else ""),
                 f"free ≥ gpu_memory_utilization {util:g} × total ({_gib(util * worst.memory_total)}): vLLM refuses "
-                "to start below it",
+                "to start below it" + ("" if sure else f" (short by less than {NVML_CUDA_SLACK // MIB} MiB, which "
+                                       "NVML and CUDA may count differently)"),
                 "free the card (the foreign-processes row names what holds it), or lower vllm.gpu_memory_utilization "
                 f"below {cap:g} (the worker's own CUDA context comes out of the free memory too; a smaller KV "
                 "window: see the plan rows)",
@@ -686,8 +691,6 @@ def _exl3_extension(rep: Report, ctx: Ctx) -> None:
                 "set runtime.exl3_extension to the exllamav3_ext .so built from the patched sources (seat-reference "
                 "EXT_SO); up mounts it over the image's")
         return
-    import mmap
-
     fix = "build it (the patch set's rebuild hint: `dsv4serve patch status`), or fix runtime.exl3_extension"
     if not os.path.isfile(path):  # a FIFO would block the read
         rep.add("software", "exl3-extension", "fail",
@@ -695,10 +698,13 @@ def _exl3_extension(rep: Report, ctx: Ctx) -> None:
                 "the exllamav3_ext .so rebuilt from the patched sources", fix)
         return
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            missing = [s.set for s in sets if mm.find(s.built_marker.encode()) < 0]
-    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
-        rep.add("software", "exl3-extension", "fail", f"{path}: {getattr(e, 'strerror', None) or 'empty'}",
+        missing = _lacking(path, {s.set: s.built_marker.encode() for s in sets if s.built_marker})
+    except OSError as e:
+        rep.add("software", "exl3-extension", "fail", f"{path}: {e.strerror or e}",
+                "the exllamav3_ext .so rebuilt from the patched sources", fix)
+        return
+    if os.path.getsize(path) == 0:
+        rep.add("software", "exl3-extension", "fail", f"{path}: empty",
                 "the exllamav3_ext .so rebuilt from the patched sources", fix)
         return
     if missing:
@@ -707,6 +713,23 @@ def _exl3_extension(rep: Report, ctx: Ctx) -> None:
                 "rebuild exllamav3_ext after `dsv4serve patch apply` (up mounts exactly this file)")
     else:
         rep.add("software", "exl3-extension", "ok", f"{path} carries the CUDA fixes of {names}")
+
+
+def _lacking(path: str, markers: dict[str, bytes], chunk: int = 16 * MIB) -> list[str]:
+    """The keys of `markers` whose bytes do not occur in the file, read in overlapping chunks (a
+    mapped file being rebuilt underneath would SIGBUS the reader)."""
+    left = dict(markers)
+    keep = max((len(m) for m in markers.values()), default=1) - 1
+    tail = b""
+    with open(path, "rb") as f:
+        while left:
+            block = f.read(chunk)
+            if not block:
+                break
+            window = tail + block
+            left = {k: m for k, m in left.items() if m not in window}
+            tail = window[-keep:] if keep else b""
+    return sorted(left)
 
 
 def _patches_in_image(rep: Report, ctx: Ctx) -> None:

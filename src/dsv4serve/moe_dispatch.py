@@ -477,9 +477,9 @@ class Runtime:
                 missing = [f for f in EXT_API if not hasattr(ext, f)]
                 if missing:
                     raise RuntimeError(f"the loaded module lacks {', '.join(missing)}")
-                self._ext = ext
-                self.ceiling = int(ext.lna2_moe_max_rows())
-                self.build_id = str(ext.lna2_build_id())
+                ceiling, build_id = int(ext.lna2_moe_max_rows()), str(ext.lna2_build_id())
+                # loaded only once both are read: a module failing either is no extension to serve
+                self._ext, self.ceiling, self.build_id = ext, ceiling, build_id
                 rows = self.env.decode_rows
                 if self.env.strict >= 1 and rows and self.ceiling < rows:
                     # every decode step would go to the incumbent as "above the ceiling", which the

@@ -107,8 +107,8 @@ class Mount(_Strict):
     read_only: bool = False
 
 
-_DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
-_DOCKER_SIZE = re.compile(r"\d+(\.\d+)?\s?[kKmMgGtTpP][iI]?[bB]?")  # a unit: a bare number is bytes
+_DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+", re.ASCII)  # two characters at least, as docker
+_DOCKER_SIZE = re.compile(r"\d+(\.\d+)?\s?[kKmMgGtTpP][iI]?[bB]?", re.ASCII)  # a unit: a bare number is bytes
 # `docker run` options the launcher derives from a profile key
 _DOCKER_MANAGED = {
     "--gpus": "gpus.ids", "--name": "runtime.container_name", "-e": "env.NAME", "--env": "env.NAME",
@@ -120,6 +120,11 @@ _DOCKER_MANAGED = {
     "-d": "nothing (the supervisor runs the container attached)", "--detach": "nothing (the supervisor runs the "
     "container attached)",
 }
+# `docker run` options that take no value (every other long option takes one); short ones that take one
+_DOCKER_LONG_BOOL = {"--detach", "--interactive", "--tty", "--rm", "--privileged", "--init", "--read-only",
+                     "--publish-all", "--no-healthcheck", "--oom-kill-disable", "--sig-proxy", "--help", "--quiet",
+                     "--disable-content-trust", "--use-api-socket"}
+_DOCKER_SHORT_VALUE = set("acehlmpuvw")
 
 
 class RuntimeSection(_Strict):
@@ -147,6 +152,8 @@ class RuntimeSection(_Strict):
     @classmethod
     def _exl3_extension(cls, v: str | None) -> str | None:
         # mounted over {site_packages}/<its name>: another name would sit beside the image's module unused
+        if v is not None and not v.startswith(("/", "{cache}", "{home}")):  # docker -v takes a relative one as a volume name
+            raise ValueError("must be an absolute path (or start with {cache} or {home})")
         if v is not None and not re.fullmatch(r"exllamav3_ext\.[^/]*\.so", v.rsplit("/", 1)[-1]):
             raise ValueError("must be a path to exllamav3_ext.<python tag>.so, the module name the image imports "
                              "(e.g. exllamav3_ext.cpython-312-x86_64-linux-gnu.so)")
@@ -172,15 +179,33 @@ class RuntimeSection(_Strict):
     def _extra_not_managed(cls, v: list[str]) -> list[str]:
         # docker keeps the later of two equal options (and adds a second --gpus / -e): an option the
         # launcher sets from a key would override what the checks and the plan saw
-        for i, a in enumerate(v):
-            flag = a.split("=", 1)[0] if a.startswith("--") else a[:2] if a[:2] in ("-e", "-p", "-v", "-d") else a
-            key = _DOCKER_MANAGED.get(flag)
-            nxt = a.split("=", 1)[1] if "=" in a and a.startswith("--") else (v[i + 1] if i + 1 < len(v) else "")
-            if flag == "--ulimit" and nxt.startswith("core="):
-                key = "runtime.core_dumps"
-            if key is not None:
-                raise ValueError(f"{flag} is set by the launcher from {key}: set that instead (docker would take "
-                                 "both, behind the checks' back)")
+        def refuse(flag: str, key: str) -> None:
+            raise ValueError(f"{flag} is set by the launcher from {key}: set that instead (docker would take both, "
+                             "behind the checks' back)")
+
+        i = 0
+        while i < len(v):
+            a = v[i]
+            i += 1
+            if a.startswith("--"):
+                flag, eq, val = a.partition("=")
+                if not eq and flag not in _DOCKER_LONG_BOOL and i < len(v):
+                    val = v[i]
+                    i += 1  # the option's value, never read as an option itself
+                if flag == "--ulimit" and val.startswith("core="):
+                    refuse(flag, "runtime.core_dumps")
+                if flag in _DOCKER_MANAGED:
+                    refuse(flag, _DOCKER_MANAGED[flag])
+            elif a.startswith("-") and len(a) > 1:
+                # a bundle of short options (-itd): flags until the first that takes a value, which
+                # is the rest of the word or the next one
+                for j, c in enumerate(a[1:]):
+                    if f"-{c}" in _DOCKER_MANAGED:
+                        refuse(f"-{c}", _DOCKER_MANAGED[f"-{c}"])
+                    if c in _DOCKER_SHORT_VALUE:
+                        if j == len(a) - 2:
+                            i += 1
+                        break
         return v
 
 
@@ -773,7 +798,7 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
     if kind == "list_type":
         hint = f"give a list in YAML's brackets: {path}: [..] (with --set, quote it: '{path}=[..]')"
     elif kind == "string_type" and isinstance(got, (int, float)):
-        hint = f"give text: quote the value ({path}: \"{got}\")"
+        hint = f"give text: quote the value ({path}: {json.dumps(json.dumps(got))})"  # true, not Python's True
     elif kind in ("int_type", "int_parsing", "int_from_float"):
         hint = f"give {path} as a whole number"
     elif kind in ("bool_type", "bool_parsing"):

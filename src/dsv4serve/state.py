@@ -338,7 +338,11 @@ def last_unreadable(seat: str) -> str | None:
     p = last_path(seat)
     if not os.path.lexists(p) or load_last(seat) is not None:
         return None
-    return f"{p} is unreadable (not a JSON object: truncated or edited); the run logs are still under runs/"
+    try:
+        what = "not a JSON object: truncated or edited" if _regular(p) else "not a regular file"
+    except OSError as e:
+        what = e.strerror or type(e).__name__
+    return f"{p} is unreadable ({what}); the run logs are still under runs/"
 
 
 def _seat_entries() -> list[Path]:
