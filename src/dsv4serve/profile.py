@@ -152,7 +152,8 @@ class RuntimeSection(_Strict):
     @classmethod
     def _exl3_extension(cls, v: str | None) -> str | None:
         # mounted over {site_packages}/<its name>: another name would sit beside the image's module unused
-        if v is not None and not v.startswith(("/", "{cache}", "{home}")):  # docker -v takes a relative one as a volume name
+        # docker -v takes a relative path for a volume name
+        if v is not None and not v.startswith(("/", "{cache}", "{home}")):
             raise ValueError("must be an absolute path (or start with {cache} or {home})")
         if v is not None and not re.fullmatch(r"exllamav3_ext\.[^/]*\.so", v.rsplit("/", 1)[-1]):
             raise ValueError("must be a path to exllamav3_ext.<python tag>.so, the module name the image imports "

@@ -558,7 +558,8 @@ def render_down(report: dict) -> None:
             console.print("  a docker seat's container cannot be named without its state: check `docker ps`",
                           highlight=False, markup=False, soft_wrap=True)
             if rep.get("remaining"):
-                console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False, soft_wrap=True)
+                console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False,
+                              soft_wrap=True)
             continue
         n = len(rep.get("signalled", []))
         console.print(f"seat {rep['seat']} (run {rep['run_id']}, was {rep.get('phase_before')}/{rep.get('was')}): "
@@ -576,9 +577,11 @@ def render_down(report: dict) -> None:
                           highlight=False, soft_wrap=True)
         elif "container_left" in rep and rep["container_left"] is None:
             console.print("  [red]docker could not say whether the container is gone[/] (the docker calls above say "
-                          "why); the state is kept: fix docker access, then `dsv4serve down` again", highlight=False, soft_wrap=True)
+                          "why); the state is kept: fix docker access, then `dsv4serve down` again", highlight=False,
+                          soft_wrap=True)
         if rep.get("remaining"):
-            console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False, soft_wrap=True)
+            console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False,
+                          soft_wrap=True)
         if rep.get("unreaped"):
             console.print(f"  [red]not reaped yet[/]: {rep['unreaped']}", highlight=False, soft_wrap=True)
         for f in rep.get("leftovers_failed", []):
@@ -588,7 +591,8 @@ def render_down(report: dict) -> None:
             console.print(f"  [red]still holding GPU memory[/]: {gpu['ours']}", highlight=False, soft_wrap=True)
         elif gpu.get("checked"):
             console.print(f"  GPUs {rep.get('gpu_ids', '')}: no process of the run holds memory"
-                          + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False, soft_wrap=True)
+                          + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False,
+                          soft_wrap=True)
 
 
 # =============================================================================================
@@ -794,7 +798,8 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
         broken = state.last_unreadable(name)
         if broken:
             raise BadInput(f"seat {name} is not running and its {broken}",
-                           hint=f"`ls {home.runs_dir()}` lists every run's log; `dsv4serve up --profile {name}` starts it")
+                           hint=f"`ls {home.runs_dir()}` lists every run's log; `dsv4serve up --profile {name}` "
+                                "starts it")
         if not last or not isinstance(last.get("log"), str) or not last["log"]:
             known = state.known_seats()
             raise BadInput(f"seat {name} has no log",
