@@ -611,3 +611,17 @@ def test_a_revert_refuses_a_file_changed_after_its_check(trees: Path, tmp_path: 
     assert target.read_bytes().endswith(b"# an edit\n")
     sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
     assert (sdir / "backup" / pset.files[0].path).is_file()  # the pristine backup is still there
+
+
+def test_applying_cuda_fixes_for_a_docker_seat_says_how_they_reach_the_container(trees: Path, tmp_path: Path) -> None:
+    root = make_tree(trees, "exllamav3-1.4.5", tmp_path)
+    prof = tmp_path / "seat.yaml"
+    prof.write_text(f"extends: 8x16gb-380k\nname: seat-x\npatches: [exllamav3-1.4.5]\nruntime: {{patch_root: {root}}}\n")
+    r = _cli("apply", "--profile", str(prof))
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "rebuild needed" in out and "pass it as runtime.exl3_extension" in out, out
+    # a tree named by --set-name is not said to be a container's
+    patches.revert_set(patches.load_set("exllamav3-1.4.5"), root)
+    r = _cli("apply", "--set-name", "exllamav3-1.4.5", "--root", str(root))
+    assert r.exit_code == 0 and "rebuild needed" in r.stdout and "runtime.exl3_extension" not in r.stdout

@@ -44,6 +44,7 @@ class _Targets:
     profile: Optional[str]
     skipped: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    docker: bool = False  # the profile's seat runs in a container (its tree is a host copy)
 
 
 def _targets(profile: Optional[str], set_names: Optional[List[str]], root: Optional[Path],
@@ -76,7 +77,7 @@ def _targets(profile: Optional[str], set_names: Optional[List[str]], root: Optio
                 return _Targets([], r, p.cli_ref(), note=f"profile {p.name} names no patch sets: nothing to verify")
             raise BadInput(f"profile {p.name} names no patch sets: nothing to {action}",
                            hint="name a set with --set-name NAME")
-        return _Targets([patches.load_set(n) for n in p.patches], r, p.cli_ref())
+        return _Targets([patches.load_set(n) for n in p.patches], r, p.cli_ref(), docker=p.runtime.kind == "docker")
     return _Targets([patches.load_set(n) for n in set_names or []], root, None)
 
 
@@ -192,7 +193,12 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
                               soft_wrap=True)
                 if res.rebuild:
                     console.print(f"[bold yellow]rebuild needed[/] ({escape(', '.join(res.rebuild))}): "
-                                  f"{escape(res.rebuild_hint)}", highlight=False)
+                                  f"{escape(res.rebuild_hint or '')}", highlight=False, soft_wrap=True)
+                    if t.docker and action == "apply":
+                        # the tree is a host copy: the container runs the image's build unless given one
+                        console.print("  a docker seat runs its image's extension: build one from these sources and "
+                                      "pass it as runtime.exl3_extension (check-seat's exl3-extension row reads it)",
+                                      highlight=False, markup=False, soft_wrap=True)
             _render(rows, f"patch {action}")
     _exit(rows, wanted)
 
