@@ -485,8 +485,9 @@ class Runtime:
                     # every decode step would go to the incumbent as "above the ceiling", which the
                     # gates let through as prefill: the seat would run, proven, on the wrong kernel
                     self._rows_refusal = (f"the lna2 build takes at most {self.ceiling} rows a call but this seat "
-                                          f"decodes {rows} (max_num_seqs x (1 + speculative tokens)); build with "
-                                          "a higher LNA2_MAX_ROWS or lower vllm.max_num_seqs")
+                                          f"decodes {rows} (max_num_seqs x (1 + speculative tokens)); lower "
+                                          f"vllm.max_num_seqs until that is at most {self.ceiling}, and "
+                                          "moe.row_ceiling to the build's (`dsv4serve kernel info`)")
             except (RuntimeError, OSError, ImportError) as e:
                 self._ext_error = str(e)
         if self._ext is None:
