@@ -97,7 +97,8 @@ def test_native_demo_argv_uses_this_interpreter():
      "gates wait for 'LNA2 MoE kernel ACTIVE' but moe.kernel is incumbent, which never prints it; drop that "
      "gates.markers entry"),
     # no --gpus: the container would see no GPU
-    (["gpus.ids=[]"], "a docker seat needs gpus.ids (the container is given only those GPUs); set gpus.ids to the 8"),
+    (["gpus.ids=[]"], "a docker seat of quantization exl3 needs gpus.ids (the container is given only those GPUs); "
+                      "set gpus.ids to the 8"),
     (["env.CUDA_VISIBLE_DEVICES=0,1"], "env.CUDA_VISIBLE_DEVICES would override the seat's GPUs"),
     (["env.NVIDIA_VISIBLE_DEVICES=all"], "drop env.NVIDIA_VISIBLE_DEVICES and set gpus.ids"),
     (["gpus.ids=[0,1,2,3,5,7,8,8]"], "repeats GPU 8; list each GPU once"),
@@ -106,6 +107,12 @@ def test_refusals_name_the_key_and_fix(overrides, needle):
     with pytest.raises(ProfileError) as e:
         build("8x16gb-380k", *overrides)
     assert needle in e.value.line() and "\n" not in e.value.line()
+
+
+def test_a_docker_seat_of_a_cpu_image_lists_no_gpus():
+    """gpus.ids empty is a CPU seat (a vLLM CPU image): no --gpus, and no refusal."""
+    spec = build("cpu-demo", "runtime.kind=docker", "runtime.image=vllm/vllm-openai:cpu")
+    assert "--gpus" not in spec.argv
 
 
 def test_row_ceiling_refusal_suggests_a_fit():

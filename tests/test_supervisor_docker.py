@@ -33,7 +33,6 @@ name: fake-docker
 extends: cpu-demo
 model: {{demo: false, path: {tmp_path / 'model'}, served_name: dsv4-demo}}
 runtime: {{kind: docker, image: "fake/vllm:test", container_name: {name}}}
-gpus: {{ids: [0, 1]}}  # a docker seat is given its GPUs by --gpus (the fake docker ignores it)
 vllm: {{port: {port}}}
 gates:
   timeouts: {{stall_s: 3, total_s: 60, ready_s: 20, shutdown_grace_s: 2}}

@@ -130,10 +130,14 @@ def check_plan(profile: Profile) -> None:
         twice = sorted({i for i in p.gpus.ids if p.gpus.ids.count(i) > 1})
         raise ProfileError(f"profile {p.name}: gpus.ids {p.gpus.ids} repeats GPU {','.join(map(str, twice))}",
                            hint="list each GPU once, one per tensor-parallel rank")
-    if p.runtime.kind == "docker" and not p.gpus.ids:
-        # without --gpus the container sees no GPU at all, and vLLM fails after the image starts
-        raise ProfileError(f"profile {p.name}: a docker seat needs gpus.ids (the container is given only those GPUs)",
-                           hint=f"set gpus.ids to the {tp} host GPU indices of the seat")
+    needs_gpus = [why for why, yes in (("quantization exl3", v.quantization == "exl3"),
+                                       ("moe.kernel lna2", p.moe.kernel == "lna2"),
+                                       (f"gpus.model {p.gpus.model}", bool(p.gpus.model))) if yes]
+    if p.runtime.kind == "docker" and not p.gpus.ids and needs_gpus:
+        # without --gpus the container sees no GPU at all (a CPU image's seat lists none, rightly),
+        # and vLLM fails only after the image has started
+        raise ProfileError(f"profile {p.name}: a docker seat of {needs_gpus[0]} needs gpus.ids (the container is given "
+                           "only those GPUs)", hint=f"set gpus.ids to the {tp} host GPU indices of the seat")
     for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         if var in p.env:  # the launcher derives it from gpus.ids (native) or --gpus (docker)
             raise ProfileError(f"profile {p.name}: env.{var} would override the seat's GPUs behind the checks' back",
