@@ -61,6 +61,8 @@ def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
     ({"arch": "9.0aa"}, "--arch: '9.0aa' is not a compute capability"),
     ({"jobs": -5}, "--jobs -5 must be 0 (all cores) or more"),
     ({"arch": "13.0"}, "--arch: '13.0' is not a compute capability"),  # nvcc 13 builds to 12.x; torch refuses it
+    ({"max_rows": 0}, "--max-rows 0 must be 1..32"),
+    ({"max_rows": 33}, "--max-rows 33 must be 1..32 (the route plan keeps a 32-bit row mask per expert)"),
 ])
 def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, words):
     """On this CPU machine the build would refuse torch; a bad --arch or --out must be said first
@@ -74,6 +76,17 @@ def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, 
         build.build(**{"out": tmp_path / "out", **kw})
     assert words in e.value.message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lower_row_ceiling_is_compiled_in_and_the_default_is_the_headers():
+    import re as _re
+
+    from dsv4serve.resources import kernels_dir
+
+    header = (kernels_dir() / "lna2_api.h").read_text()
+    assert int(_re.search(r"#define LNA2_MAX_ROWS (\d+)", header).group(1)) == build.MAX_ROWS_DEFAULT
+    assert build.defines("abc") == ["-DLNA2_BUILD_TAG=babc"]
+    assert build.defines("abc", 16) == ["-DLNA2_BUILD_TAG=babc", "-DLNA2_MAX_ROWS=16"]
 
 
 def test_arch_lists_are_normalised_as_torch_takes_them():

@@ -215,12 +215,15 @@ def check_seat(profile: str = typer.Option("cpu-demo", "--profile", "-p", help="
 def kernel_build(arch: str = typer.Option("9.0;12.0", "--arch", help="TORCH_CUDA_ARCH_LIST to build for"),
                  out: Optional[Path] = typer.Option(None, "--out", parser=dir_path, metavar="DIR",
                                                        help="output directory"),
-                 jobs: int = typer.Option(0, "--jobs", help="parallel compile jobs (0: all cores)")) -> None:
+                 jobs: int = typer.Option(0, "--jobs", help="parallel compile jobs (0: all cores)"),
+                 max_rows: int = typer.Option(32, "--max-rows", help="rows per call compiled in (1..32); fewer "
+                                                                      "shrink shared memory, calls above go to the "
+                                                                      "incumbent")) -> None:
     """Build the lna2 extension with torch's cpp_extension."""
     from dsv4serve.lna2 import build as lna2_build
 
     with handled():
-        path = lna2_build.build(arch=arch, out=out, jobs=jobs or None)
+        path = lna2_build.build(arch=arch, out=out, jobs=jobs or None, max_rows=max_rows)
         console.print(f"lna2 extension built: {path}", highlight=False)
 
 

@@ -18,6 +18,7 @@ from dsv4serve.resources import kernels_dir
 from dsv4serve.state import atomic_write
 
 MODULE = "dsv4serve_lna2"
+MAX_ROWS_DEFAULT = 32  # lna2_api.h's LNA2_MAX_ROWS, and the most it can be: a 32-bit row mask per expert
 SOURCES = ("bindings.cpp", "lna2_moe.cu", "lna2_v2.cu", "lna2_v7.cu")
 HEADERS = ("lna2_api.h", "lna2_common.cuh", "lna2_tile.cuh")
 
@@ -35,6 +36,12 @@ def build_tag(digest: str) -> str:
     """What the built extension's lna2_build_id() returns for sources of this digest (a leading
     letter keeps the -D macro value an identifier whatever the digest starts with)."""
     return f"b{digest}"
+
+
+def defines(digest: str, max_rows: int = MAX_ROWS_DEFAULT) -> list[str]:
+    """The -D flags of a build: its tag, and the row ceiling when it is not the sources' default."""
+    rows = [f"-DLNA2_MAX_ROWS={max_rows}"] if max_rows != MAX_ROWS_DEFAULT else []
+    return [f"-DLNA2_BUILD_TAG={build_tag(digest)}", *rows]
 
 
 _ARCH = re.compile(r"(?P<major>[0-9]{1,2})\.(?P<minor>[0-9])(?P<a>a)?(?:\+PTX)?", re.ASCII)
@@ -92,11 +99,18 @@ def install_so(built: Path, out: Path) -> Path:
     return target
 
 
-def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = None, verbose: bool = False) -> Path:
+def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = None, verbose: bool = False,
+          max_rows: int = MAX_ROWS_DEFAULT) -> Path:
+    """`max_rows`: the row ceiling compiled in (LNA2_MAX_ROWS). Lower shrinks the route plan's
+    shared memory (18 B a (row, slot) pair), which decides whether two CTAs fit an SM of the seat's
+    sm_120 cards (kernels/lna2/NOTES.md, session 35); calls above it go to the incumbent."""
     # the user's own arguments first: a bad --arch or --out is said before any environment problem
     gencode = arch_flags(arch)
     if jobs is not None and jobs < 0:
         raise BadInput(f"--jobs {jobs} must be 0 (all cores) or more", hint="e.g. --jobs 8")
+    if type(max_rows) is not int or not 1 <= max_rows <= MAX_ROWS_DEFAULT:
+        raise BadInput(f"--max-rows {max_rows} must be 1..{MAX_ROWS_DEFAULT} (the route plan keeps a 32-bit row "
+                       "mask per expert)", hint="e.g. --max-rows 16 for a seat that decodes 16 rows")
     out = Path(out or default_out())
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out} is a file, not a directory", hint="pass a directory (created if absent)")
@@ -110,7 +124,8 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
                        hint="build on the GPU machine (or in the seat's image)")
     src = kernels_dir()
     digest = source_digest(src)
-    build_dir = out / f"build-{digest}"
+    # its own directory per ceiling: torch's JIT would otherwise rebuild in place under a versioned name
+    build_dir = out / (f"build-{digest}" if max_rows == MAX_ROWS_DEFAULT else f"build-{digest}-rows{max_rows}")
     build_dir.mkdir(parents=True, exist_ok=True)
     if jobs:
         os.environ["MAX_JOBS"] = str(jobs)
@@ -119,9 +134,9 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     try:
         load(name=MODULE, sources=[str(src / s) for s in SOURCES], extra_include_paths=[str(src)],
              build_directory=str(build_dir), verbose=verbose, with_cuda=True,
-             extra_cflags=["-O3", "-std=c++17", f"-DLNA2_BUILD_TAG={build_tag(digest)}"],
-             extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-Xptxas", "-v",
-                                f"-DLNA2_BUILD_TAG={build_tag(digest)}", *gencode])
+             extra_cflags=["-O3", "-std=c++17", *defines(digest, max_rows)],
+             extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-Xptxas", "-v", *defines(digest, max_rows),
+                                *gencode])
     except Exception as e:  # noqa: BLE001 - compiler errors come as RuntimeError/subprocess errors
         raise JobFailed(f"lna2 build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
                         hint=f"see the build log in {build_dir}") from None
@@ -129,7 +144,7 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     if built is None:
         raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
     target = install_so(built, out)
-    meta = {"build_id": digest, "arch": arch, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "seconds": round(time.time() - t0, 1), "built_at": time.time()}
+    meta = {"build_id": digest, "arch": arch, "max_rows": max_rows, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "seconds": round(time.time() - t0, 1), "built_at": time.time()}
     atomic_write(out / f"{MODULE}.json", json.dumps(meta, indent=2))
     return target
