@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from dsv4serve.errors import BadInput
 from dsv4serve.lna2 import policy, selfcheck
 from dsv4serve.lna2.reference import moe_reference
 
@@ -155,6 +156,20 @@ def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shap
     assert selfcheck.candidates(24, spec, 3) == [55, 26, 46, 36]  # K3 past 8 rows: the fallback serves
     tp1 = selfcheck.CheckSpec(inter=2048)
     assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
+
+
+def test_also_adds_builds_the_policy_does_not_serve_where_they_fit():
+    """`--also 53` times v53 beside the policy's builds (the two-CTA question of the seat's cards);
+    where the card's fit says it cannot launch, it is left out like any other."""
+    spec = selfcheck.CheckSpec(also=[53, 53, 54])
+    assert spec.also == [53, 54]
+    assert selfcheck.candidates(16, spec, 2) == [55, 26, 46, 36, 53, 54]
+    assert selfcheck.candidates(16, spec, 2, {55: 32, 26: 24, 46: 32, 36: 32, 53: 16, 54: 0}) == [55, 26, 46, 36, 53]
+    with pytest.raises(BadInput, match="--also times other builds beside the policy's: it needs --bench"):
+        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, False, 30, "53")
+    with pytest.raises(BadInput, match="--also"):
+        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, "5x")
+    assert selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, "53").also == [53]
 
 
 def test_every_build_the_policy_serves_for_the_shape_is_a_candidate():

@@ -256,6 +256,8 @@ def kernel_check(
                                                       "somewhere, and say which is fastest on this card"),
     reps: int = typer.Option(30, "--reps", help="timed launches per build and case (median)"),
     seed: int = typer.Option(0, "--seed", help="seed of the random layer and inputs"),
+    also: str = typer.Option("", "--also", help="with --bench, also check and time these builds the policy does "
+                                                "not serve (e.g. 53), where they take the shape and fit"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Run lna2 on a local GPU against the fp64 reference (and, with --bench, time its builds)."""
@@ -264,7 +266,7 @@ def kernel_check(
     from dsv4serve.lna2 import selfcheck
 
     with handled(json_out):
-        spec = selfcheck.parse_spec(hidden, inter, experts, top_k, bits, codebook, rows, seed, bench, reps)
+        spec = selfcheck.parse_spec(hidden, inter, experts, top_k, bits, codebook, rows, seed, bench, reps, also)
         with err_console.status("lna2 kernel check") as st:
             report = selfcheck.run(spec, gpu, progress=lambda s: st.update(f"lna2 kernel check: {s}"))
         if json_out:

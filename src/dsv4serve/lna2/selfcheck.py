@@ -55,6 +55,8 @@ class CheckSpec(BaseModel):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds torch generators (seed * 1000 + ...): 32 bits")
     bench: bool = False
     reps: int = 30
+    also: list[int] = Field(default_factory=list, description="builds the policy does not serve, checked and timed "
+                                                             "beside its own where they fit (with bench)")
 
     @field_validator("hidden", "inter")
     @classmethod
@@ -83,6 +85,13 @@ class CheckSpec(BaseModel):
         if not v or any(r < 1 for r in v):
             raise ValueError("each must be >= 1")
         return v
+
+    @field_validator("also")
+    @classmethod
+    def _also(cls, v: list[int]) -> list[int]:
+        if any(x < 0 for x in v):
+            raise ValueError("build numbers are 0 or more (lna2_api.h lists them)")
+        return list(dict.fromkeys(v))
 
     @field_validator("reps")
     @classmethod
@@ -150,7 +159,7 @@ class CheckReport(BaseModel):
 
 
 def parse_spec(hidden: int, inter: int, experts: int, top_k: int, bits: str, codebooks: str, rows: str,
-               seed: int, bench: bool, reps: int) -> CheckSpec:
+               seed: int, bench: bool, reps: int, also: str = "") -> CheckSpec:
     """The CLI's flags as a CheckSpec, or BadInput naming the flag."""
     def ints(flag: str, text: str) -> list[int]:
         parts = [t.strip() for t in text.split(",") if t.strip()]
@@ -161,11 +170,15 @@ def parse_spec(hidden: int, inter: int, experts: int, top_k: int, bits: str, cod
         return [int(t) for t in parts]
 
     given = {"seed": ("--seed", seed), "hidden": ("--hidden", hidden), "inter": ("--inter", inter), "bits": ("--bits", bits),
-             "codebooks": ("--codebook", codebooks), "rows": ("--rows", rows), "reps": ("--reps", reps)}
+             "codebooks": ("--codebook", codebooks), "rows": ("--rows", rows), "reps": ("--reps", reps),
+             "also": ("--also", also)}
+    if also.strip() and not bench:
+        raise BadInput("--also times other builds beside the policy's: it needs --bench", hint="add --bench")
     try:
         return CheckSpec(hidden=hidden, inter=inter, experts=experts, top_k=top_k, bits=ints("bits", bits),
                          codebooks=[c.strip() for c in codebooks.split(",") if c.strip()],
-                         rows=ints("rows", rows), seed=seed, bench=bench, reps=reps)
+                         rows=ints("rows", rows), seed=seed, bench=bench, reps=reps,
+                         also=ints("also", also) if also.strip() else [])
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         first = e.errors()[0] if hasattr(e, "errors") else {"msg": str(e), "loc": ()}
         loc = first.get("loc") or ("",)
@@ -183,7 +196,7 @@ def candidates(rows: int, spec: CheckSpec, K: int, fit: Optional[Mapping[int, in
     # the fallback first, then the policy's own list, so a build the policy adds is checked here too
     pool = [policy.SEAT_VARIANT] + [v for v in policy.served(spec.inter, spec.hidden) if v != policy.SEAT_VARIANT]
     out = [pick]
-    for v in pool:
+    for v in pool + spec.also:
         if v not in out and (fit is None or fit.get(v, 0) >= rows):
             out.append(v)
     return out
@@ -473,10 +486,17 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
     try:
         def fitter(K: int, cb: str) -> dict[int, int]:
             try:
-                return policy.fit_table(ext, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k, spec.experts)
+                fit = policy.fit_table(ext, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k, spec.experts)
             except (RuntimeError, ValueError) as e:  # a build of other sources, or a shape it refuses
                 raise JobFailed(f"lna2 cannot size its launches for K{K} {cb} on this GPU: {_first_line(e)}",
                                 hint="rebuild it with `dsv4serve kernel build`") from None
+            for v in spec.also:  # a build that does not take this shape (or does not exist) fits no rows
+                try:
+                    fit.setdefault(v, int(ext.lna2_moe_fit(v, K, CODEBOOKS[cb], spec.hidden, spec.inter, spec.top_k,
+                                                           spec.experts)))
+                except (RuntimeError, ValueError):
+                    fit.setdefault(v, 0)
+            return fit
 
         return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
                      cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device),
