@@ -39,6 +39,9 @@ def start_up(fake, *extra: str, scenario: str = "stall", **popen) -> subprocess.
     env = {**os.environ, "DSV4SERVE_HOME": str(fake.home), **fake.env, "FAKE_DOCKER_SCENARIO": scenario}
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
+    # up keeps a SIGHUP its parent ignores (nohup): these tests send it one, so it starts with the default
+    # whatever the suite was started under
+    popen.setdefault("preexec_fn", lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     return subprocess.Popen([*DSV4SERVE, "up", "--profile", fake.profile, "--skip-checks", "--no-validate",
                              "--set", "gates.timeouts.stall_s=120", *extra], env=env, stdin=subprocess.DEVNULL,
                             text=True, **popen)
