@@ -506,16 +506,21 @@ def test_a_held_state_lock_is_named_as_such_not_as_a_disk_problem(home):
     assert "free space" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def _stopped_run(tmp_path, rank: int, run_json: str) -> None:
+    """Seat cpu-demo stopped: its last run's log holds one line of `rank`, beside the given run.json."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vllm.log").write_text(f"(Worker_TP{rank} pid=1) INFO hello from rank {rank}\n")
+    (run_dir / "run.json").write_text(run_json)
+    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down",
+                                 "log": str(run_dir / "vllm.log")})
+
+
 @pytest.mark.parametrize("run_json", ["[]", "null", '"argv"', '{"argv": 5}'])
 def test_logs_of_a_stopped_run_whose_run_json_is_not_a_record_still_print(home, tmp_path, run_json):
     """run.json gives the stopped run's TP (how many rank streams to expect); a hand-edited one that
     is valid JSON of another shape means 'unknown', not a traceback."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "vllm.log").write_text("(Worker_TP0 pid=1) INFO hello from rank 0\n")
-    (run_dir / "run.json").write_text(run_json)
-    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down",
-                                 "log": str(run_dir / "vllm.log")})
+    _stopped_run(tmp_path, 0, run_json)
     r = cli("logs", "--profile", "cpu-demo", home=home, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hello from rank 0" in r.stdout and "Traceback" not in r.stderr
@@ -577,12 +582,7 @@ def test_a_corrupt_last_run_record_is_named_not_called_no_log(home, tmp_path):
 
 @pytest.mark.parametrize("run_json", ['{"argv": ["-tp", "100000000"]}', '{"argv": ["-tp", "0"]}', '{"argv": ["-t'])
 def test_logs_of_a_run_whose_rank_count_is_unknown_or_absurd_say_so_and_still_print(home, tmp_path, run_json):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "vllm.log").write_text("(Worker_TP5 pid=1) INFO hello from rank 5\n")
-    (run_dir / "run.json").write_text(run_json)
-    state.save_last("cpu-demo", {"run_id": "cpu-demo-x", "outcome": "stopped by down",
-                                 "log": str(run_dir / "vllm.log")})
+    _stopped_run(tmp_path, 5, run_json)
     r = cli("logs", "--profile", "cpu-demo", "--rank", "5", home=home, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hello from rank 5" in r.stdout

@@ -691,21 +691,19 @@ def _exl3_extension(rep: Report, ctx: Ctx) -> None:
                 "set runtime.exl3_extension to the exllamav3_ext .so built from the patched sources (seat-reference "
                 "EXT_SO); up mounts it over the image's")
         return
+    want = "the exllamav3_ext .so rebuilt from the patched sources"
     fix = "build it (the patch set's rebuild hint: `dsv4serve patch status`), or fix runtime.exl3_extension"
     if not os.path.isfile(path):  # a FIFO would block the read
         rep.add("software", "exl3-extension", "fail",
-                f"{path}: {'not found' if not os.path.lexists(path) else 'not a regular file'}",
-                "the exllamav3_ext .so rebuilt from the patched sources", fix)
+                f"{path}: {'not found' if not os.path.lexists(path) else 'not a regular file'}", want, fix)
         return
     try:
+        if os.path.getsize(path) == 0:
+            rep.add("software", "exl3-extension", "fail", f"{path}: empty", want, fix)
+            return
         missing = _lacking(path, {s.set: s.built_marker.encode() for s in sets if s.built_marker})
     except OSError as e:
-        rep.add("software", "exl3-extension", "fail", f"{path}: {e.strerror or e}",
-                "the exllamav3_ext .so rebuilt from the patched sources", fix)
-        return
-    if os.path.getsize(path) == 0:
-        rep.add("software", "exl3-extension", "fail", f"{path}: empty",
-                "the exllamav3_ext .so rebuilt from the patched sources", fix)
+        rep.add("software", "exl3-extension", "fail", f"{path}: {e.strerror or e}", want, fix)
         return
     if missing:
         rep.add("software", "exl3-extension", "fail", f"{path} was not built from the patched sources of "

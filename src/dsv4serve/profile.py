@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError, \
-    field_validator, model_validator
+    ValidationInfo, field_validator, model_validator
 
 from dsv4serve.demo_model import MAX_SEED
 from dsv4serve.errors import ProfileError, first_line
@@ -109,6 +109,11 @@ class Mount(_Strict):
 
 _DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+", re.ASCII)  # two characters at least, as docker
 _DOCKER_SIZE = re.compile(r"\d+(\.\d+)?\s?[kKmMgGtTpP][iI]?[bB]?", re.ASCII)  # a unit: a bare number is bytes
+_DOCKER_VALUES = {
+    "container_name": (_DOCKER_NAME, "a docker container name: a letter or digit, then letters, digits, '_', '.' or "
+                                     "'-'"),
+    "shm_size": (_DOCKER_SIZE, 'a docker size such as "16g" or "16384m"'),
+}
 # `docker run` options the launcher derives from a profile key
 _DOCKER_MANAGED = {
     "--gpus": "gpus.ids", "--name": "runtime.container_name", "-e": "env.NAME", "--env": "env.NAME",
@@ -160,19 +165,13 @@ class RuntimeSection(_Strict):
                              "(e.g. exllamav3_ext.cpython-312-x86_64-linux-gnu.so)")
         return v
 
-    @field_validator("container_name")
+    @field_validator("container_name", "shm_size")
     @classmethod
-    def _container_name(cls, v: str) -> str:
-        if not _DOCKER_NAME.fullmatch(v):  # docker's own rule, refused here instead of at `docker run`
-            raise ValueError("must be a docker container name: a letter or digit, then letters, digits, '_', '.' "
-                             "or '-'")
-        return v
-
-    @field_validator("shm_size")
-    @classmethod
-    def _shm_size(cls, v: str) -> str:
-        if not _DOCKER_SIZE.fullmatch(v):
-            raise ValueError('must be a docker size such as "16g" or "16384m"')
+    def _docker_value(cls, v: str, info: ValidationInfo) -> str:
+        # docker's own rules, refused here instead of at `docker run`
+        rule, what = _DOCKER_VALUES[info.field_name]
+        if not rule.fullmatch(v):
+            raise ValueError(f"must be {what}")
         return v
 
     @field_validator("extra_args")
