@@ -11,16 +11,18 @@ so they only act on sets named by --set-name or a profile.
 
 from __future__ import annotations
 
+import signal
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from dsv4serve.cli_common import console, emit_json, handled
-from dsv4serve.errors import EXIT_FAILED, EXIT_OK, BadInput
+from dsv4serve.errors import EXIT_FAILED, EXIT_OK, BadInput, Signalled
 
 app = typer.Typer(help="Apply, verify and revert the exllamav3 / vLLM patch sets by content hash.",
                   no_args_is_help=True)
@@ -169,6 +171,26 @@ def status(profile: Optional[str] = ProfileOpt, set_name: Optional[List[str]] = 
     _exit(rows, patches.OK_PATCHED)
 
 
+@contextmanager
+def _stoppable(action: str) -> Iterator[None]:
+    """SIGTERM / SIGHUP stop a change the way Ctrl-C does: raised where they land, so the rollback
+    that undoes a half-written set runs (by default Python would die on the spot, files half
+    changed). Restored as soon as the change returns; a nohup'ed command keeps ignoring SIGHUP."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Signalled(signum, f"patch {action} stopped by {signal.Signals(signum).name}; no file was left "
+                        "half changed", hint="`dsv4serve patch status` shows each file's state")
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            old[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], root: Optional[Path],
             json_out: bool) -> None:
     from dsv4serve import patches
@@ -176,10 +198,11 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
     results: list[Any] = []
     with handled(json_out):
         t = _targets(profile, set_name, root, action)
-        if action == "apply":  # all sets or none: a later set's failure undoes the earlier ones
-            results = patches.apply_sets(t.sets, t.root, profile=t.profile)
-        else:  # all sets or none, as apply
-            results = patches.revert_sets(t.sets, t.root, profile=t.profile)
+        with _stoppable(action):
+            if action == "apply":  # all sets or none: a later set's failure undoes the earlier ones
+                results = patches.apply_sets(t.sets, t.root, profile=t.profile)
+            else:  # all sets or none, as apply
+                results = patches.revert_sets(t.sets, t.root, profile=t.profile)
         rows = [row for res in results for row in res.rows]
         wanted = patches.OK_PATCHED if action == "apply" else patches.OK_PRISTINE
         if json_out:
@@ -189,7 +212,8 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
             for res in results:
                 verb = "patched" if action == "apply" else "restored"
                 msg = f"{res.set}: {verb} {len(res.changed)} file(s)" if res.changed else f"{res.set}: nothing to do"
-                console.print(f"{msg} in {res.root}; backups in {res.backup_dir}", highlight=False, markup=False,
+                kept = f"; backups in {res.backup_dir}" if action == "apply" else ""  # a revert removes them
+                console.print(f"{msg} in {res.root}{kept}", highlight=False, markup=False,
                               soft_wrap=True)
                 if res.rebuild:
                     console.print(f"[bold yellow]rebuild needed[/] ({escape(', '.join(res.rebuild))}): "

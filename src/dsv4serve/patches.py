@@ -27,6 +27,8 @@ import json
 import os
 import re
 import shlex
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -406,35 +408,72 @@ def _revert_fix(r: FileStatus, pset: PatchSet) -> str:
     return f"{backup}reinstall {r.package}=={pset.version}"
 
 
-def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> None:
-    """Write (path, new, old) triples; on any failure restore what was written, then re-raise."""
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT / SIGTERM / SIGHUP while a rollback runs: a second Ctrl-C (or the TERM that
+    follows one) must not stop the restore half way. A signal that arrives meanwhile is delivered
+    when the block ends, after the tree is whole again."""
+    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs handlers in the main thread only; another thread's mask changes nothing here
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _ChangedUnderfoot(Exception):
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
+def _write_all(targets: list[tuple[Path, bytes, bytes]], check: bool = True) -> None:
+    """Write (path, new, old) triples; on any failure restore what was written, then re-raise. A
+    file whose bytes are no longer `old` when its turn comes (someone edited it after the check) is
+    not overwritten: the edit would be lost with no backup of it. A rollback (`check` off) writes
+    every file back whatever it holds."""
     done: list[tuple[Path, bytes]] = []
     current: Path | None = None
     try:
         for path, new, old in targets:
             current = path
+            if check and path.read_bytes() != old:
+                raise _ChangedUnderfoot(path)
             _atomic_write(path, new)
             done.append((path, old))
     except BaseException as e:
-        # an interrupt between the rename and the append leaves the file new but not in `done`
-        if current is not None and len(done) < len(targets):
-            _path, new, old = targets[len(done)]
-            with contextlib.suppress(OSError):
-                if new != old and current.read_bytes() == new:
-                    done.append((current, old))
-        failed_restores = []
-        for path, old in reversed(done):
-            try:
-                _atomic_write(path, old)
-            except OSError as re_err:  # pragma: no cover - reported, cannot do more
-                failed_restores.append(f"{path}: {re_err}")
-        if failed_restores:
-            raise JobFailed("patch write failed and the rollback failed too: " + "; ".join(failed_restores)) from e
+        with _signals_held():
+            _restore_written(targets, done, current, e)
+        if isinstance(e, _ChangedUnderfoot):
+            raise JobFailed(f"{e.path} changed while it was being written (someone else edited it); every file "
+                            "of the set was restored and that edit kept", hint="let whatever is writing it "
+                            "finish, then run `dsv4serve patch status` and the command again") from None
         if isinstance(e, OSError):  # e.filename is the temp file beside the target, never seen by the user
             raise JobFailed(f"cannot write {current}: {e.strerror or e}; every file of the set was restored",
                             hint="fix that path (permissions, a read-only mount, space), then run the command "
                                  "again") from e
         raise
+
+
+def _restore_written(targets: list[tuple[Path, bytes, bytes]], done: list[tuple[Path, bytes]],
+                     current: Path | None, e: BaseException) -> None:
+    # an interrupt between the rename and the append leaves the file new but not in `done`
+    if current is not None and len(done) < len(targets) and not isinstance(e, _ChangedUnderfoot):
+        _path, new, old = targets[len(done)]
+        with contextlib.suppress(OSError):
+            if new != old and current.read_bytes() == new:
+                done.append((current, old))
+    failed_restores = []
+    for path, old in reversed(done):
+        try:
+            _atomic_write(path, old)
+        except OSError as re_err:  # pragma: no cover - reported, cannot do more
+            failed_restores.append(f"{path}: {re_err}")
+    if failed_restores:
+        raise JobFailed("patch write failed and the rollback failed too: " + "; ".join(failed_restores)) from e
 
 
 def _refuse_symlinks(targets: list[tuple[Path, bytes, bytes]], action: str, pset: PatchSet, tree: Path) -> None:
@@ -473,8 +512,11 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
             raise JobFailed(f"{bad} did not read back as written")
         if changed:
             _record(sdir, pset, tree, action, changed)
-    except (JobFailed, OSError) as e:
-        _write_all([(p, old, new) for p, new, old in targets])
+    except BaseException as e:  # an interrupt too: the set is recorded whole or not changed at all
+        with _signals_held():
+            _write_all([(p, old, new) for p, new, old in targets], check=False)
+        if not isinstance(e, (JobFailed, OSError)):
+            raise
         why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
         raise JobFailed(f"{action} {pset.set} failed ({why}); every file it changed was restored",
                         hint="fix that path (permissions, space), then run the command again") from None
@@ -716,7 +758,8 @@ def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, a
         for pset in sets:
             done.append((pset, do(pset, root, profile=profile)))
     except BaseException as e:
-        errors = _undo(done, root, profile)
+        with _signals_held():
+            errors = _undo(done, root, profile)
         if errors:
             what = "undoing the sets applied" if action == "apply" else "re-patching the sets reverted"
             raise JobFailed(f"{e}; and {what} before it failed: {'; '.join(errors)}",

@@ -153,6 +153,15 @@ class RuntimeSection(_Strict):
         None, description="host path of the exllamav3_ext .so rebuilt from the patched sources, mounted over the "
                           "image's (seat-reference EXT_SO); {cache} and {home} expand")
 
+    @field_validator("patch_root")
+    @classmethod
+    def _patch_root(cls, v: str | None) -> str | None:
+        # a relative root would name another tree from each directory `patch` or `up` runs in, and a
+        # docker -v source must be absolute
+        if v is not None and not v.startswith(("/", "~", "{cache}", "{home}")):
+            raise ValueError("must be an absolute path (or start with ~, {cache} or {home})")
+        return v
+
     @field_validator("exl3_extension")
     @classmethod
     def _exl3_extension(cls, v: str | None) -> str | None:

@@ -1,0 +1,146 @@
+"""A patch change stopped part-way (SIGTERM, SIGHUP, Ctrl-C, a second signal during the rollback,
+an edit made meanwhile) leaves no file half changed. In-process, on a synthetic three-file set:
+the signal is sent by the test itself at a chosen write, which is where a real one can land."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsv4serve import patches
+
+FILES = ["a.py", "b.py", "c.py"]
+PRISTINE = b"x\ny\nz\n"
+PATCHED = b"x\nY\nz\n"
+
+
+def _diff(name: str) -> bytes:
+    return f"--- a/sigpkg/{name}\n+++ b/sigpkg/{name}\n@@ -1,3 +1,3 @@\n x\n-y\n+Y\n z\n".encode()
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    sets = tmp_path / "sets" / "sig-1.0"
+    sets.mkdir(parents=True)
+    for f in FILES:
+        (sets / f"{f}.diff").write_bytes(_diff(f))
+    (sets / "manifest.yaml").write_text(json.dumps({
+        "set": "sig-1.0", "package": "sigpkg", "distributions": ["sigpkg"], "version": "1.0",
+        "pip_requirement": "sigpkg==1.0",
+        "files": [{"path": f"sigpkg/{f}", "diff": f"{f}.diff", "pristine_sha256": patches.sha256_bytes(PRISTINE),
+                   "patched_sha256": patches.sha256_bytes(PATCHED), "fixes": "y becomes Y", "prevents": "a test"}
+                  for f in FILES]}))
+    monkeypatch.setattr(patches, "patches_dir", lambda: tmp_path / "sets")
+    root = tmp_path / "site"
+    (root / "sigpkg").mkdir(parents=True)
+    (root / "sigpkg" / "__init__.py").write_text("")
+    for f in FILES:
+        (root / "sigpkg" / f).write_bytes(PRISTINE)
+    info = root / "sigpkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sigpkg\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("sigpkg\n")
+    return root
+
+
+def _contents(root: Path) -> list[bytes]:
+    return [(root / "sigpkg" / f).read_bytes() for f in FILES]
+
+
+def _cli(*args: str):
+    from dsv4serve.cli import app
+
+    return CliRunner().invoke(app, ["patch", *args])
+
+
+def _on_tree_write(monkeypatch: pytest.MonkeyPatch, root: Path, n: int, act) -> list[Path]:
+    """Run `act(path)` just before the n-th write of a file in the tree (backups are not counted)."""
+    real, seen = patches._atomic_write, []
+
+    def spy(path: Path, data: bytes) -> None:
+        if path.is_relative_to(root):
+            seen.append(path)
+            if len(seen) == n:
+                act(path)
+        real(path, data)
+
+    monkeypatch.setattr(patches, "_atomic_write", spy)
+    return seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_mid_apply_restores_every_file_and_says_so(tree, monkeypatch, sig):
+    _on_tree_write(monkeypatch, tree, 3, lambda p: os.kill(os.getpid(), sig))
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code == 128 + sig, r.output
+    assert f"patch apply stopped by {signal.Signals(sig).name}; no file was left half changed" in r.output
+    assert _contents(tree) == [PRISTINE] * 3
+    assert signal.getsignal(sig) is signal.default_int_handler or signal.getsignal(sig) in (signal.SIG_DFL, None)
+
+
+def test_a_signal_mid_revert_patches_every_file_again(tree, monkeypatch):
+    assert _cli("apply", "-s", "sig-1.0", "--root", str(tree)).exit_code == 0
+    _on_tree_write(monkeypatch, tree, 2, lambda p: os.kill(os.getpid(), signal.SIGTERM))
+    r = _cli("revert", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code == 143 and "patch revert stopped by SIGTERM" in r.output
+    assert _contents(tree) == [PATCHED] * 3
+
+
+def test_a_second_signal_during_the_rollback_waits_for_it(tree, monkeypatch):
+    # the first TERM lands before the third file; the rollback's first write draws a second
+    _on_tree_write(monkeypatch, tree, 3, lambda p: os.kill(os.getpid(), signal.SIGTERM))
+    seen = _on_tree_write(monkeypatch, tree, 4, lambda p: os.kill(os.getpid(), signal.SIGTERM))
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code == 143
+    assert len(seen) == 5  # two writes, then both restores ran to the end
+    assert _contents(tree) == [PRISTINE] * 3
+
+
+def test_ctrl_c_while_the_record_is_written_restores_the_set(tree, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(patches, "_record", interrupted)
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code == 130
+    assert _contents(tree) == [PRISTINE] * 3
+
+
+def test_an_edit_made_during_the_apply_is_kept_and_the_set_restored(tree, monkeypatch):
+    _on_tree_write(monkeypatch, tree, 2, lambda p: None)  # a spy only: the edit comes from the read below
+    real_read = Path.read_bytes
+    edited = tree / "sigpkg" / "b.py"
+
+    def read(self: Path) -> bytes:
+        data = real_read(self)
+        if self == edited and data == PRISTINE and (tree / "sigpkg" / "a.py").read_text() == PATCHED.decode():
+            self.write_bytes(PRISTINE + b"# hotfix\n")  # lands between the check and this file's write
+            return real_read(self)
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", read)
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code == 1
+    assert "changed while it was being written" in " ".join(r.output.split())
+    assert _contents(tree) == [PRISTINE, PRISTINE + b"# hotfix\n", PRISTINE]
+
+
+def test_a_relative_patch_root_is_refused_at_load():
+    from dsv4serve.errors import ProfileError
+    from dsv4serve.profile import load_profile
+
+    with pytest.raises(ProfileError, match="runtime.patch_root: must be an absolute path"):
+        load_profile("8x16gb-380k", ["runtime.patch_root=site-packages"])
+    assert load_profile("8x16gb-380k", ["runtime.patch_root=~/sp"]).runtime.patch_root == "~/sp"
+
+
+def test_a_revert_does_not_point_at_the_backups_it_removed(tree):
+    assert "backups in" in " ".join(_cli("apply", "-s", "sig-1.0", "--root", str(tree)).output.split())
+    r = _cli("revert", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code == 0 and "restored 3 file(s)" in r.output and "backups in" not in r.output
