@@ -650,3 +650,65 @@ def test_a_web_page_instead_of_an_api_is_named_with_a_fix():
         with pytest.raises(JobFailed) as e:
             bench_client.list_models(client, "http://api.test:8000")
         assert e.value.message.endswith("HTTP 500: EngineCore died") and "dsv4serve logs" in e.value.hint
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_generation_the_server_ended_gives_no_figure(reason):
+    lines = sse(chunk("The quick"), chunk(" brown", finish=reason), usage_chunk(9, 2), "data: [DONE]")
+    with pytest.raises(StreamError, match=f"finish_reason '{reason}' after 2 tokens") as e:
+        consume_stream(iter_sse_data(lines), StreamResult(t_start=0.0), Clock())
+    assert "dsv4serve logs" in e.value.hint
+
+
+def test_keep_alives_do_not_hold_a_stream_past_its_deadlines():
+    from dsv4serve.bench_client import deadline_lines
+
+    clock = Clock(step=1.0)
+    heartbeat = iter([": keep-alive"] * 100)
+    r = StreamResult(t_start=clock())
+    with pytest.raises(StreamError, match="no token within 5 s of the request"):
+        list(iter_sse_data(deadline_lines(heartbeat, r, 5.0, 500.0, clock)))
+    # tokens that keep coming, but past the whole stream's bound
+    clock = Clock(step=1.0)
+    r = StreamResult(t_start=clock())
+    endless = iter(sse(*[chunk("tok")] * 200))
+    with pytest.raises(StreamError, match="did not end within 30 s"):
+        consume_stream(iter_sse_data(deadline_lines(endless, r, 5.0, 30.0, clock)), r, clock)
+
+
+def test_a_repeated_needle_seed_still_misses_the_prefix_cache(monkeypatch):
+    """Same --seed, same passcode; the nonce at the prompt's start differs each run."""
+    from dsv4serve import bench_needle
+
+    seen = []
+    monkeypatch.setattr(bench_needle, "build_prompt",
+                        lambda tok, s, code, nonce, filler: seen.append((code, nonce)) or (_ for _ in ()).throw(
+                            JobFailed("stop here")))
+    target = type("T", (), {"endpoint": Endpoint(base_url="http://127.0.0.1:9", model="m", max_model_len=4096)})()
+    settings = NeedleSettings(tokens=800, depth=0.5, seed=7)
+    for _ in range(2):
+        with pytest.raises(JobFailed):
+            bench_needle.run_needle(None, target, settings)
+    assert seen[0][0] == seen[1][0] and seen[0][1] != seen[1][1]  # the seed still fixes the passcode
+
+
+def test_reports_are_written_in_utf8_whatever_the_locale(tmp_path: Path):
+    """Under LC_ALL=C the default codec is ASCII; every report holds Σ, × or —. A real process with
+    that locale (the codec is chosen at interpreter start, so no monkeypatch can stand in)."""
+    import subprocess
+
+    code = ("import sys, json; from pathlib import Path; from dsv4serve.bench_report import write_outputs; "
+            "r = json.loads(sys.argv[1]); print(write_outputs(r, Path(sys.argv[2]), 'needle')[0])")
+    needle = {"endpoint": {"base_url": "u", "model": "m"}, "prompt_tokens": 400, "tokens_requested": 400,
+              "tokens_sized_by": "tokenize", "depth": 0.37, "code": "a-b-1", "found": True, "ttft_s": 2.0,
+              "prefill_tok_s": 200.0, "decode_tok_s": 10.0,
+              "reference": {"profile": "p", "tokens": 166000, "depth": 0.37, "found": True, "ttft_s": 119.7,
+                            "prefill_tok_s": 1386.8, "decode_tok_s": None, "comparable": False},
+              "ratio": None, "notes": ["ratio — ×"]}
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8",
+                                                                                 "PYTHONIOENCODING"))}
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(needle), str(tmp_path / "o")], capture_output=True,
+                       text=True, timeout=60, env={**env, "LC_ALL": "C", "PYTHONUTF8": "0"})
+    assert r.returncode == 0, r.stderr[-600:]
+    md = (tmp_path / "o" / "needle.md").read_text(encoding="utf-8")
+    assert "—" in md and "ratio — ×" in md

@@ -432,6 +432,13 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
     if bursts:
         notes.append(f"{bursts} stream(s) received all their tokens in one burst (client or server starved of CPU): "
                      "their decode rate is not measurable and is left out of the per-stream figures")
+    short = [s.completion_tokens for rs in cells.values() for r in rs for s in r.per_stream
+             if s.completion_tokens is not None and s.completion_tokens < settings.max_tokens]
+    if short:
+        # an early end of sequence: the rate is still a rate, but over a shorter (less loaded) tail
+        notes.append(f"{len(short)} stream(s) ended before --max-tokens {settings.max_tokens} (as few as "
+                     f"{min(short)} tokens, the model's end of sequence): their figures cover fewer tokens than "
+                     "the reference's")
     differs = reference_method_differs(settings)
     if differs and target.profile is not None and target.profile.reference.tok_s:
         notes.append(f"no tok/s ratio against the reference: {differs}")

@@ -330,8 +330,13 @@ class StreamResult:
         return None if self.t_end is None else self.t_end - self.t_start
 
 
+# A generation the server ended itself: no figure may be read off it.
+FAILED_FINISH = ("abort", "error")
+
+
 def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.perf_counter) -> StreamResult:
-    """Fold SSE payloads into `result`; raise on errors and on a stream with no usage."""
+    """Fold SSE payloads into `result`; raise on errors, on a generation the server aborted, and on
+    a stream with no usage."""
     done = False
     for payload in payloads:
         if payload.strip() == "[DONE]":
@@ -366,10 +371,30 @@ def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.per
     result.t_end = clock()
     if not done:
         raise StreamError("stream ended without [DONE] (the server closed it mid-generation)")
+    if result.finish_reason in FAILED_FINISH:
+        raise StreamError(f"the server ended the generation with finish_reason '{result.finish_reason}' after "
+                          f"{result.completion_tokens if result.completion_tokens is not None else '?'} tokens",
+                          hint="its log says why (`dsv4serve logs`); no figure is read off an aborted request")
     if result.completion_tokens is None:
         raise StreamError("stream carried no usage chunk, so tokens cannot be counted",
                           hint="the server must honour stream_options.include_usage")
     return result
+
+
+def deadline_lines(lines: Iterable[str], result: StreamResult, first_s: float, total_s: float,
+                   clock=time.perf_counter) -> Iterator[str]:
+    """The stream's lines, until the first token is later than `first_s` or the whole stream longer
+    than `total_s` after it began: the read timeout bounds only the silence between two bytes, and
+    a proxy's keep-alive comments in front of a stuck engine never leave any."""
+    for line in lines:
+        now = clock()
+        if result.t_first is None and now - result.t_start > first_s:
+            raise StreamError(f"no token within {first_s:g} s of the request (the stream sent only keep-alives)",
+                              hint="is the engine stuck? `dsv4serve logs`; or raise --timeout")
+        if now - result.t_start > total_s:
+            raise StreamError(f"the stream did not end within {total_s:g} s", hint="is the engine stuck? "
+                              "`dsv4serve logs`; or raise --timeout")
+        yield line
 
 
 def _count(usage: dict[str, Any], key: str, payload: str) -> int | None:
@@ -418,7 +443,10 @@ def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], 
                 resp.read()
                 raise StreamError(f"chat completion did not stream (content-type {ctype or 'missing'}): "
                                   f"{resp.text[:200]}")
-            return consume_stream(iter_sse_data(resp.iter_lines()), result, clock)
+            # a token a second at the least, after a first token within the read timeout
+            total = read_timeout_s + max(60.0, float(body.get("max_tokens") or 0))
+            lines = deadline_lines(resp.iter_lines(), result, read_timeout_s, total, clock)
+            return consume_stream(iter_sse_data(lines), result, clock)
     except REQUEST_ERRORS as e:
         raise http_failure(endpoint.base_url, e) from None
 

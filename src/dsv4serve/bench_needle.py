@@ -7,6 +7,7 @@ length is always the server's own usage figure, whatever the sizing method.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -195,7 +196,8 @@ def run_needle(client: httpx.Client, target: Target, settings: NeedleSettings,
     settings.validate(ep.max_model_len)
     rng = random.Random(settings.seed if settings.seed is not None else time.time_ns())
     code = make_code(rng)
-    nonce = f"{rng.randrange(16 ** 8):08x}"
+    # never from the seed: a repeated --seed must still miss the prefix cache (compose)
+    nonce = os.urandom(4).hex()
     filler = _filler(settings.haystack)
     tok = Tokenizer(client, ep)
     if progress:

@@ -314,6 +314,8 @@ def _write_outputs(result: dict[str, Any], out_dir: Path, stem: str,
         else:
             written.append(png)
     md = {"bench": bench_markdown, "needle": needle_markdown, "ppl": ppl_markdown}[stem](result)
-    temp_for(out_dir / f"{stem}.json").write_text(strict_json(result, indent=2) + "\n")
-    temp_for(out_dir / f"{stem}.md").write_text(md)
+    # UTF-8 whatever the locale: every report holds Σ, × or — (under LC_ALL=C the default codec
+    # raised after the whole measurement)
+    temp_for(out_dir / f"{stem}.json").write_text(strict_json(result, indent=2) + "\n", encoding="utf-8")
+    temp_for(out_dir / f"{stem}.md").write_text(md, encoding="utf-8")
     return [out_dir / f"{stem}.json", out_dir / f"{stem}.md", *written], notes
