@@ -416,7 +416,10 @@ def cmd_dispatch(args):
     I = 256 and 1024, every row count from 1 to past the ceiling, fp16/bf16, aligned and unaligned
     x, flat and [m, top_k] ids, and a CUDA graph of the wrapped apply; each call compared with
     exllamav3 1.4.5's exl3_moe as vllm-exl3 0.2.3 calls it (when importable) and, at some rows,
-    with the fp64 reference."""
+    with the fp64 reference. With DISPATCH_TUNING=FILE the Runtime serves that tuning table (strict 1,
+    as a seat with moe.tuning), each call's expected build is the table's where it holds the layer,
+    and a copy of the table naming another card must be refused at load; DISPATCH_TAG names the
+    outputs (dispatch<TAG>.json, dispatch<TAG>-run/) so two runs in one call keep both."""
     import torch
 
     from dsv4serve import moe_dispatch as md
@@ -479,8 +482,11 @@ def cmd_dispatch(args):
         return m, dense
 
     lines: list[str] = []
-    run_dir = OUT / "dispatch-run"
-    env = md.PluginEnv(run_id="device", run_dir=str(run_dir), kernel="lna2", strict=1)
+    tag = os.environ.get("DISPATCH_TAG", "")
+    tuning_file = os.environ.get("DISPATCH_TUNING") or None
+    run_dir = OUT / f"dispatch{tag}-run"
+    env = md.PluginEnv(run_id="device", run_dir=str(run_dir), kernel="lna2", strict=1, tuning=tuning_file)
+    res["tuning"] = tuning_file
     counters = Counters(str(run_dir), 0, 1, "lna2")
     rt = md.Runtime(env, 0, 1, emit=lambda ln: (lines.append(ln), log(ln)), counters=counters,
                     ext_loader=loader.load)
@@ -492,7 +498,7 @@ def cmd_dispatch(args):
     log(f"prepared: {summary.lna2_layers} lna2 layers, ceiling {rt.ceiling}, build {rt.build_id}")
     for name, m, dense, I, K in built:
         st = m.quant_method._dsv4serve_state
-        res["layers"].append({"name": name, "I": I, "K": K, "geometry": str(st.geometry)})
+        res["layers"].append({"name": name, "I": I, "K": K, "geometry": str(st.geometry), "tuned": st.tuned})
         orig = m.quant_method.apply._dsv4serve_orig
         for rows in list(range(1, rt.ceiling + 1)) + [rt.ceiling + 1, 2 * rt.ceiling]:
             if K == 3 and rows not in (1, 2, 4, 8, 16, rt.ceiling, rt.ceiling + 1):
@@ -525,7 +531,7 @@ def cmd_dispatch(args):
             inc = m.quant_method.last_fp32
             rel_inc = max(row_rel(got.float(), inc.double()))
             case = {"I": I, "K": K, "rows": rows, "x": str(xdt), "aligned": aligned, "flat_ids": flat,
-                    "served": served, "variant": variant_for(rows, I, K),
+                    "served": served, "variant": variant_for(rows, I, K, H, st.fit, st.tuned),
                     "rel_vs_incumbent": rel_inc}
             want = "lna2" if rows <= rt.ceiling else "incumbent"
             tol = 1.2e-2 if xdt == torch.bfloat16 else 6e-3  # both kernels' error plus the output's rounding
@@ -540,7 +546,7 @@ def cmd_dispatch(args):
                 log("FAIL", case)
         log(f"{name} I={I} K={K}: {sum(1 for c in res['calls'] if c['I'] == I and c['K'] == K)} calls, worst vs "
             f"incumbent {max(c['rel_vs_incumbent'] for c in res['calls'] if c['I'] == I and c['K'] == K and c['served'] == 'lna2'):.2e}")
-        dump("dispatch.json", res)
+        dump(f"dispatch{tag}.json", res)
 
     # a CUDA graph of the wrapped apply (what vLLM captures), replayed with fresh inputs; one row
     # and four (the cluster kernel) and sixteen (v4), so both of the policy's variants at this
@@ -625,6 +631,26 @@ def cmd_dispatch(args):
         log("decode rows", res["decode_rows"][-1])
         if not ok:
             res["fail"] += 1
+    if tuning_file:
+        # the same table with another card's name: a strict seat must refuse it at load
+        doc = json.loads(Path(tuning_file).read_text())
+        doc["device"] = "Another Card"
+        other = OUT / f"tuning-other{tag}.json"
+        other.write_text(json.dumps(doc))
+        rt_o = md.Runtime(md.PluginEnv(run_id="device-other", run_dir=None, kernel="lna2", strict=1,
+                                       tuning=str(other)), 0, 1, emit=lambda ln: None,
+                          counters=Counters(None, 0, 1, "lna2"), ext_loader=loader.load)
+        m_o, _ = make_layer(256, 2)
+        try:
+            rt_o.prepare([("model.layers.9.mlp.experts", m_o)], draft=False)
+            got = None
+        except md.Lna2NotReadyError as e:
+            got = str(e)
+        ok = got is not None and "is not this card's: it was measured on a Another Card" in got
+        res["tuning_other_card"] = {"refused": got, "ok": ok}
+        log("tuning of another card", res["tuning_other_card"])
+        if not ok:
+            res["fail"] += 1
     counters.write(final=True)
     res["counters"] = {"calls": dict(counters.calls), "declines": dict(counters.declines)}
     res["markers"] = [ln for ln in lines if "ACTIVE" in ln or "declined" in ln.lower()]
@@ -632,7 +658,10 @@ def cmd_dispatch(args):
     if res["active_marker_lines"] != 1:
         res["fail"] += 1
     res["counters_file"] = sorted(str(p.relative_to(OUT)) for p in run_dir.rglob("*.json")) if run_dir.exists() else []
-    dump("dispatch.json", res)
+    if tuning_file and not any("policy=tuned:" in ln for ln in res["markers"]):
+        res["fail"] += 1
+        log("FAIL: the ACTIVE line does not name the tuning table")
+    dump(f"dispatch{tag}.json", res)
     log(f"dispatch: {len(res['calls'])} calls, fail={res['fail']}, counters {res['counters']}")
     if res["fail"]:
         sys.exit(1)

@@ -4,7 +4,8 @@
 #   scripts/lna2_device.sh [INCUMBENTS] [STEPS]
 #     INCUMBENTS: comma list of 145, 165 (exllamav3 versions), or none          (default 145,165)
 #     STEPS:      comma list of checkseat,smoke,parity,sanitizer,trace,bench,fit,dispatch,sweep,order,ablate,ncu,
-#                 kcheck (`dsv4serve kernel check --bench`) (default all but order)
+#                 kcheck (`dsv4serve kernel check --bench`), tune (`kernel check --save-tuning` and the
+#                 dispatch serving the table; TUNE_ROWS, TUNE_ALSO, TUNE_FORCE) (default all but order, tune)
 # Wheels come from .whl145/ or .whl165/ (carried; every checkout starts without them). To fill them,
 # and .whl/ with what dsv4serve needs there, from the repo root on the dev machine:
 #   printf '/.whl145/\n/.whl165/\n/.dev/\n' >> .git/info/exclude
@@ -277,6 +278,43 @@ for c in d.get("cases", []):
           f" fastest {c['fastest']} {c['timings_us']} off {c['failed_variants']}")
 PY
   tail -3 "$OUT/kernel-check.log" | tee -a "$LOG"
+fi
+
+if has tune && [ "$(left)" -gt 90 ]; then
+  # this card's tuning table by the product's command, then the dispatch serving it: the saved table,
+  # and a copy whose picks are forced off the built-in policy (TUNE_FORCE, "K2/mcg:1=55,4=53"), so
+  # the dispatch is seen serving builds the policy would not pick, each call checked as above
+  step "dsv4serve kernel check --bench --save-tuning, then moe_dispatch serving the table"
+  PYTHONPATH=$PWD/src:$PYTHONPATH timeout 300 python3 -m dsv4serve kernel check --bench \
+    --rows "${TUNE_ROWS:-1,2,4,8,16}" --also "${TUNE_ALSO:-53}" --save-tuning "$OUT/tuning.json" --json \
+    > "$OUT/tune-check.json" 2> "$OUT/tune-check.log"
+  echo "exit $?" >> "$OUT/tune-check.log"
+  python3 - "$OUT/tune-check.json" "$OUT/tuning.json" "$OUT/tuning-forced.json" "${TUNE_FORCE:-K2/mcg:1=55,4=53,16=53;K3/mcg:2=55}" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("tune check ok", d.get("ok"), d.get("device"), "tuning:", d.get("tuning"))
+for c in d.get("cases", []):
+    print(f" K{c['K']} {c['rows']:2} rows pick v{c['variant']} fastest v{c['fastest']} graph {c.get('fastest_graph_ok')}"
+          f" {c['timings_us']}")
+t = json.load(open(sys.argv[2]))
+print("table picks", t["picks"])
+for part in sys.argv[4].split(";"):
+    key, _, pairs = part.partition(":")
+    for pr in pairs.split(","):
+        r, _, v = pr.partition("=")
+        t["picks"].setdefault(key, {})[r] = int(v)
+json.dump(t, open(sys.argv[3], "w"), indent=1)
+print("forced picks", t["picks"])
+PY
+  tail -3 "$OUT/tune-check.log" | tee -a "$LOG"
+  for T in "" -forced; do
+    [ -f "$OUT/tuning$T.json" ] || continue
+    DISPATCH_TAG="-tuned$T" DISPATCH_TUNING="$OUT/tuning$T.json" PYTHONPATH=/tmp/site${DI:-none}:$PYTHONPATH \
+      timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch-tuned$T.log" 2>&1
+    echo "exit $?" >> "$OUT/dispatch-tuned$T.log"
+    grep -E "prepared|calls, worst|graph:|dispatch:|FAIL|FAULT|Error|exit|ACTIVE|tuning" "$OUT/dispatch-tuned$T.log" \
+      | tail -20 | tee -a "$LOG"
+  done
 fi
 
 step "done"

@@ -483,6 +483,38 @@ def test_lna2_arch_and_rows(monkeypatch):
     assert _st(rep, "lna2-arch").status == "ok" and _st(rep, "lna2-rows").status == "ok"
 
 
+def test_lna2_tuning_row_reads_the_table_against_the_build_and_the_cards(monkeypatch, tmp_path):
+    from dsv4serve.lna2 import tuning
+
+    table = tuning.TuningTable(device="NVIDIA RTX PRO 2000 Blackwell", capability="12.0", sm_count=34,
+                               build_id="b1", hidden=4096, inter=256, experts=256, top_k=6, reps=30,
+                               picks={"K2/mcg": {1: 55, 2: 46}})
+    path = tmp_path / "card.json"
+    digest = tuning.save(table, path)
+    _fake_loader(monkeypatch, archs=["sm_120"], max_rows=24)
+    assert _st(_software(load_profile("8x16gb-380k", ["runtime.kind=native"])), "lna2-tuning").status == "n/a"
+    p = load_profile("8x16gb-380k", ["runtime.kind=native", f"moe.tuning={path}"])
+    r = _st(_software(p), "lna2-tuning")
+    assert r.status == "ok" and digest in r.found and "2 measured points" in r.found
+    assert "1 serving another build than the built-in policy" in r.found  # one row: v55 for v26
+    # the seat's GPUs by NVML: another card than the table's
+    machine = SimpleNamespace(available=True, gpu=lambda i: SimpleNamespace(name="NVIDIA H100 80GB HBM3"))
+    rep = checks.Report(p.name)
+    checks.check_software(rep, checks.Ctx(profile=p, machine=machine))
+    r = _st(rep, "lna2-tuning")
+    assert r.status == "fail" and "measured on a NVIDIA RTX PRO 2000 Blackwell, the seat's GPUs are NVIDIA H100" \
+        in r.found and "--save-tuning" in r.fix
+    # another build: a warning under strict 0, where the workers ignore it and say so
+    _fake_loader(monkeypatch, archs=["sm_120"], max_rows=24, build_id="b2")
+    loose = load_profile("8x16gb-380k", ["runtime.kind=native", f"moe.tuning={path}", "moe.strict=0",
+                                         "env.VLLM_EXL3_MOE_STRICT=0"])
+    r = _st(_software(loose), "lna2-tuning")
+    assert r.status == "warn" and "timed lna2 build b1, the seat loads build b2" in r.found
+    path.write_text("{")
+    r = _st(_software(p), "lna2-tuning")
+    assert r.status == "fail" and "not JSON" in r.found
+
+
 def test_patch_support_absent(monkeypatch):
     import dsv4serve
 

@@ -155,9 +155,10 @@ class FakeExt:
 
 class Harness:
     def __init__(self, kernel: str = "lna2", strict: int = 0, n_layers: int = 2, ext: object | None = "fake",
-                 tmp_path=None, method_cls=Exl3MoEMethod, decode_rows: int | None = None, **ext_kw) -> None:
+                 tmp_path=None, method_cls=Exl3MoEMethod, decode_rows: int | None = None, tuning: str | None = None,
+                 identity: tuple[str, int] = ("Stand-in Card", 34), **ext_kw) -> None:
         self.env = md.PluginEnv(run_id="t1", run_dir=str(tmp_path) if tmp_path else None, kernel=kernel, strict=strict,
-                                decode_rows=decode_rows)
+                                decode_rows=decode_rows, tuning=tuning)
         self.layers = []
         for i in range(n_layers):
             m, el = make_layer(seed=i)
@@ -175,8 +176,9 @@ class Harness:
                 raise RuntimeError("extension not built (x.so missing): run `dsv4serve kernel build`")
             return self.ext
 
+        # the card's name and SM count, as a tuning table names them (no CUDA device here)
         self.rt = md.Runtime(self.env, 0, 1, emit=self.lines.append, counters=self.counters, ext_loader=loader,
-                             require_cuda=False, capturing=lambda: False)
+                             require_cuda=False, capturing=lambda: False, device_identity=lambda d: identity)
 
     def prepare(self, draft: bool = False):
         return self.rt.prepare([(n, m) for n, m, _ in self.layers], draft=draft)
@@ -255,7 +257,7 @@ def test_active_marker_once_per_process():
     for i in range(4):
         h.call(i % 2, 1, seed=i)
     active = h.grep("LNA2 MoE kernel ACTIVE")
-    assert active == ["LNA2 MoE kernel ACTIVE rank=0/1 layers=2 bits=2 ext=fake-0"]
+    assert active == ["LNA2 MoE kernel ACTIVE rank=0/1 layers=2 bits=2 ext=fake-0 policy=builtin"]
     assert h.counters.calls["lna2"] == 4
 
 

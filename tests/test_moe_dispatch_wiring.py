@@ -687,7 +687,7 @@ def test_active_marker_once_per_process_after_the_first_success():
     assert not lines.matching("ACTIVE")
     for ly in (a, b, a):
         run(ly, 2)
-    assert lines.matching("ACTIVE") == ["LNA2 MoE kernel ACTIVE rank=1/2 layers=2 bits=2,3 ext=fake-0001"]
+    assert lines.matching("ACTIVE") == ["LNA2 MoE kernel ACTIVE rank=1/2 layers=2 bits=2,3 ext=fake-0001 policy=builtin"]
 
 
 def test_one_zeroed_scratch_per_device_for_the_largest_geometry():

@@ -540,6 +540,7 @@ def check_software(rep: Report, ctx: Ctx) -> None:
     _guard(rep, "software", "patches", lambda: _patches(rep, ctx))
     _guard(rep, "software", "exl3-extension", lambda: _exl3_extension(rep, ctx))
     _guard(rep, "software", "lna2", lambda: _lna2(rep, ctx))
+    _guard(rep, "software", "lna2-tuning", lambda: _lna2_tuning(rep, ctx))
     _guard(rep, "software", "plugin-entry-point", lambda: _entry_point(rep, ctx))
     if p.runtime.kind == "docker":
         _guard(rep, "software", "docker", lambda: _docker(rep, ctx))
@@ -806,6 +807,49 @@ def _lna2(rep: Report, ctx: Ctx) -> None:
                 f"{p.moe.row_ceiling}", f"set moe.row_ceiling={ceiling} (the build's own ceiling)")
     else:
         rep.add("software", "lna2-rows", "ok", f"max_rows {ceiling}", need)
+
+
+def _lna2_tuning(rep: Report, ctx: Ctx) -> None:
+    """The profile's tuning table (moe.tuning) against the build the seat loads and its cards: the
+    workers refuse one of another build or card under strict >= 1, and ignore it under strict 0."""
+    p = ctx.profile
+    if p.moe.kernel != "lna2":
+        rep.add("software", "lna2-tuning", "n/a", f"not used (moe.kernel {p.moe.kernel})")
+        return
+    if not p.moe.tuning:
+        rep.add("software", "lna2-tuning", "n/a", "no table: the built-in policy (chosen on an H100 / H200) picks "
+                "the builds", "", "measure this card: `dsv4serve kernel check --bench --save-tuning FILE`, then "
+                "moe.tuning: FILE")
+        return
+    want = "a table of this build, measured on the seat's cards"
+    try:
+        got = launch.tuning_table(p)
+    except DsvError as e:
+        rep.add("software", "lna2-tuning", "fail", e.message, want, e.hint or "")
+        return
+    assert got is not None
+    path, table, digest, _ = got
+    problems = []
+    from dsv4serve.lna2 import loader
+
+    info = loader.describe()
+    built = info.get("build_id") if info.get("loadable") else None
+    if built and built != table.build_id:
+        problems.append(f"it timed lna2 build {table.build_id}, the seat loads build {built}")
+    m = ctx.machine
+    names = sorted({g.name for i in p.gpus.ids if m and m.available and (g := m.gpu(i)) is not None and g.name})
+    if names and names != [table.device]:
+        problems.append(f"it was measured on a {table.device}, the seat's GPUs are {', '.join(names)}")
+    if problems:
+        rep.add("software", "lna2-tuning", "fail" if p.moe.strict >= 1 else "warn", f"{path} ({digest}): "
+                + "; ".join(problems), want, "re-run `dsv4serve kernel check --bench --save-tuning FILE` on the "
+                "seat's card with the seat's build" + ("" if p.moe.strict >= 1 else " (under strict 0 the workers "
+                                                      "ignore it and say so)"))
+        return
+    n = sum(len(r) for r in table.picks.values())
+    moved = len(table.changes())
+    rep.add("software", "lna2-tuning", "ok", f"{path} ({digest}): {n} measured points on a {table.device}, "
+            f"{moved} serving another build than the built-in policy", want)
 
 
 def _cc_of(sm: str) -> str:

@@ -258,6 +258,9 @@ def kernel_check(
     seed: int = typer.Option(0, "--seed", help="seed of the random layer and inputs"),
     also: str = typer.Option("", "--also", help="with --bench, also check and time these builds the policy does "
                                                 "not serve (e.g. 53), where they take the shape and fit"),
+    save_tuning: Optional[Path] = typer.Option(None, "--save-tuning", metavar="FILE",
+                                               help="with --bench, write this card's tuning table (the fastest "
+                                                    "build per checked row count) for a profile's moe.tuning"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Run lna2 on a local GPU against the fp64 reference (and, with --bench, time its builds)."""
@@ -267,11 +270,14 @@ def kernel_check(
 
     with handled(json_out):
         spec = selfcheck.parse_spec(hidden, inter, experts, top_k, bits, codebook, rows, seed, bench, reps, also)
+        if save_tuning is not None:
+            selfcheck.tuning_target(save_tuning, bench)  # refused before minutes of GPU work, not after
         with err_console.status("lna2 kernel check") as st:
             report = selfcheck.run(spec, gpu, progress=lambda s: st.update(f"lna2 kernel check: {s}"))
+        saved = selfcheck.save_tuning(report, save_tuning) if save_tuning is not None else None
         if json_out:
             # through pydantic's JSON: a missing figure is null, never a bare Infinity strict parsers refuse
-            emit_json({"ok": report.ok, **json.loads(report.model_dump_json())})
+            emit_json({"ok": report.ok, **json.loads(report.model_dump_json()), "tuning": saved})
         else:
             t = Table(title=f"lna2 on {report.device}: against the fp64 reference"
                             + (", cold medians" if spec.bench else ""))
@@ -283,6 +289,16 @@ def kernel_check(
             if report.aborted:
                 console.print(f"ABORTED: {report.aborted}", highlight=False)
             console.print("all cases pass" if report.ok else "FAILED: see the rows above", highlight=False)
+            if saved and "refused" in saved:
+                console.print(f"no tuning table written to {saved['path']}: {saved['refused']}", highlight=False,
+                              markup=False, soft_wrap=True)
+            elif saved:
+                console.print(f"tuning table {saved['path']} (digest {saved['digest']}): "
+                              + ("; ".join(saved["changes"]) or "the built-in policy's picks, confirmed here")
+                              + f". Serve it with moe.tuning: {saved['path']}", highlight=False, markup=False,
+                              soft_wrap=True)
+        if saved and "refused" in saved and report.ok:
+            raise typer.Exit(1)  # asked for a table and got none
         raise typer.Exit(0 if report.ok else 1)
 
 

@@ -21,6 +21,8 @@ PLUGIN_ENV_RUN_DIR = "DSV4SERVE_RUN_DIR"
 PLUGIN_ENV_KERNEL = "DSV4SERVE_MOE_KERNEL"
 PLUGIN_ENV_STRICT = "VLLM_EXL3_MOE_STRICT"
 PLUGIN_ENV_DECODE_ROWS = "DSV4SERVE_DECODE_ROWS"  # rows of the seat's decode calls: the build must take them
+PLUGIN_ENV_TUNING = "DSV4SERVE_LNA2_TUNING"  # moe_dispatch.TUNING_ENV (not imported: it pulls in torch)
+TUNING_COPY = "lna2-tuning.json"
 NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
 PUBLIC_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 
@@ -155,10 +157,15 @@ def check_plan(profile: Profile) -> None:
             raise ProfileError(f"profile {p.name}: moe.strict is {p.moe.strict} but env.VLLM_EXL3_MOE_STRICT is "
                                f"{env.get('VLLM_EXL3_MOE_STRICT', 'unset')}",
                                hint=f"set env.VLLM_EXL3_MOE_STRICT={p.moe.strict}")
+        if p.moe.tuning:
+            tuning_table(p)  # unreadable or not a table: refused here, not in eight workers
     elif env.get("VLLM_EXL3_MOE_KERNEL") == "lna2":
         raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL=lna2 but moe.kernel is {p.moe.kernel}",
                            hint="make moe.kernel and env.VLLM_EXL3_MOE_KERNEL agree")
     else:
+        if p.moe.tuning:
+            raise ProfileError(f"profile {p.name}: moe.tuning picks lna2 builds but moe.kernel is {p.moe.kernel}",
+                               hint="drop moe.tuning, or set moe.kernel=lna2")
         proof = next((m.text for m in p.gates.markers if LNA2_ACTIVE in m.text), None)
         if proof is not None:  # a gate no seat of this kernel can pass: up would wait its whole timeout
             raise ProfileError(f"profile {p.name}: gates wait for '{proof}' but moe.kernel is {p.moe.kernel}, which "
@@ -185,7 +192,52 @@ def _plugin_env(profile: Profile, run_id: str, run_dir: Path) -> dict[str, str]:
     if profile.moe.kernel == "lna2":
         # the profile's row_ceiling is what the user typed; the worker holds the build that runs
         env[PLUGIN_ENV_DECODE_ROWS] = str(profile.decode_rows())
+        if profile.moe.tuning:
+            # the run's own copy (write_tuning): the run dir is at the same path inside a container, and
+            # the table the seat ran with stays beside its logs however the original changes later
+            env[PLUGIN_ENV_TUNING] = str(run_dir / TUNING_COPY)
     return env
+
+
+def tuning_path(profile: Profile) -> Path | None:
+    """moe.tuning with {cache} / {home} expanded (None when unset)."""
+    v = profile.moe.tuning
+    if not v:
+        return None
+    return Path(_expand(v, {"home": str(home.home()), "cache": str(home.cache_dir())}, "moe.tuning"))
+
+
+def tuning_table(profile: Profile) -> tuple[Path, Any, str, bytes] | None:
+    """(path, table, digest, bytes) of the profile's tuning table, or ProfileError naming what is wrong."""
+    from dsv4serve.lna2 import tuning
+
+    path = tuning_path(profile)
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ProfileError(f"profile {profile.name}: moe.tuning {path}: {e.strerror or e}",
+                           hint="write it with `dsv4serve kernel check --bench --save-tuning FILE` on the seat's "
+                                "card, or drop moe.tuning") from None
+    try:
+        table, digest = tuning.parse(data, str(path))
+    except tuning.TuningError as e:
+        raise ProfileError(f"profile {profile.name}: {e}", hint="write it again with `dsv4serve kernel check --bench "
+                           "--save-tuning FILE`, or drop moe.tuning") from None
+    return path, table, digest, data
+
+
+def write_tuning(profile: Profile, run_dir: Path) -> str | None:
+    """Copy the profile's tuning table into the run dir (atomically) for the workers; its digest."""
+    from dsv4serve.state import atomic_write
+
+    got = tuning_table(profile) if profile.moe.kernel == "lna2" else None
+    if got is None:
+        return None
+    _, _, digest, data = got
+    atomic_write(run_dir / TUNING_COPY, data, mode=0o644)
+    return digest
 
 
 def build(profile: Profile, run_id: str, run_dir: Path, python: str | None = None) -> LaunchSpec:

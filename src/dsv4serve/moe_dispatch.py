@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from dsv4serve.errors import first_line
-from dsv4serve.lna2 import policy
+from dsv4serve.lna2 import policy, tuning
 from dsv4serve.lna2.policy import variant_for
 from dsv4serve.lna2.reference import MCG_MARKER, MUL1_MARKER
 from dsv4serve.plugin_counters import Counters
@@ -65,6 +65,7 @@ NO_CLAMP = 3.0e38
 KERNEL_MAX_TOP_K = 8  # lna2_api.h MAX_TOPK; the build's lna2_moe_info(...)["max_top_k"] wins
 KERNEL_MAX_EXPERTS = 256
 MAX_LOGGED_REASONS = 32
+TUNING_ENV = "DSV4SERVE_LNA2_TUNING"  # the launcher's copy of the profile's moe.tuning table
 
 
 class PluginConfigError(ValueError):
@@ -98,6 +99,7 @@ class PluginEnv:
     kernel: str  # lna2 | incumbent | none
     strict: int  # 0 | 1 | 2
     decode_rows: int | None = None  # rows of the seat's decode calls, when the launcher said
+    tuning: str | None = None  # this card's lna2 tuning table (lna2/tuning.py), when the profile names one
 
 
 def read_env(environ: Mapping[str, str]) -> PluginEnv | None:
@@ -123,7 +125,8 @@ def read_env(environ: Mapping[str, str]) -> PluginEnv | None:
     if raw_rows and not (raw_rows.isascii() and raw_rows.isdigit() and int(raw_rows) > 0):
         raise PluginConfigError(f"DSV4SERVE_DECODE_ROWS={raw_rows!r} is not a positive whole number")
     return PluginEnv(run_id=run_id, run_dir=environ.get("DSV4SERVE_RUN_DIR") or None, kernel=kernel,
-                     strict=int(raw_strict), decode_rows=int(raw_rows) if raw_rows else None)
+                     strict=int(raw_strict), decode_rows=int(raw_rows) if raw_rows else None,
+                     tuning=environ.get(TUNING_ENV, "").strip() or None)
 
 
 # --- which layers ---------------------------------------------------------------------------------
@@ -298,6 +301,11 @@ def pointer_tables(layer: Any, g: Geometry) -> dict[str, torch.Tensor]:
 # --- scratch --------------------------------------------------------------------------------------
 
 
+def _cuda_identity(device: torch.device) -> tuple[str, int]:
+    """The card as a tuning table names it: torch's device name and its SM count."""
+    return torch.cuda.get_device_name(device), int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def _capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -346,6 +354,7 @@ class LayerState:
     tables: tuple[torch.Tensor, ...] = ()
     not_ready: str | None = None  # why lna2 does not serve it (kernel lna2, strict 0)
     fit: dict[int, int] | None = None  # per build the policy may pick: the most rows that fit the device
+    tuned: dict[int, int] | None = None  # rows -> build from this card's tuning table, where it holds the layer
 
 
 @dataclass
@@ -377,7 +386,8 @@ class Runtime:
 
     def __init__(self, env: PluginEnv, rank: int, tp: int, *, emit: Callable[[str], None],
                  counters: Counters, ext_loader: Callable[[], Any], require_cuda: bool = True,
-                 capturing: Callable[[], bool] = _capturing) -> None:
+                 capturing: Callable[[], bool] = _capturing,
+                 device_identity: Callable[[torch.device], tuple[str, int]] = _cuda_identity) -> None:
         self.env, self.rank, self.tp = env, rank, tp
         self.emit = emit
         self.counters = counters
@@ -392,6 +402,11 @@ class Runtime:
         self.build_id = "?"
         self._limits: dict[str, dict[str, Any]] = {}  # lna2_moe_info per geometry
         self._fits: dict[str, dict[int, int]] = {}  # lna2_moe_fit per shape and build
+        self._identity = device_identity
+        self._tuning: tuple[tuning.TuningTable, str] | None = None  # the table and its digest
+        self._tuning_error: str | None = None
+        self._tuning_mismatch: dict[str, str | None] = {}  # per device: why the table is not this card's
+        self.tuned_digest: str | None = None  # set once a layer is served from the table
         self._active_logged = False
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -521,9 +536,58 @@ class Runtime:
                                 f"{info.get('max_experts')}")
         fit = self._fit(ext, g)
         nbytes = max(int(info.get("scratch_bytes", 0)), int(ext.lna2_moe_scratch_bytes(g.hidden, g.inter)))
+        tuned = self._tuned(g)
+        extra = sorted(set(tuned.values()) - set(fit)) if tuned else []
+        if extra:  # builds the policy does not serve (`kernel check --also`): what they fit here, too
+            fit = {**fit, **self._fit_extra(ext, g, extra)}
         tables = pointer_tables(st.layer, g)
         self.scratch.ensure(g.device, nbytes)
-        st.geometry, st.tables, st.fit = g, tuple(tables[n] for n in TABLES), fit
+        st.geometry, st.tables, st.fit, st.tuned = g, tuple(tables[n] for n in TABLES), fit, tuned
+        if tuned is not None:
+            self.tuned_digest = self._tuning[1] if self._tuning else None
+
+    def _tuned(self, g: Geometry) -> dict[int, int] | None:
+        """rows -> build from the profile's tuning table for this layer, or None (no table, or it does
+        not hold this shape). A table that cannot be read, or was measured on another card or build,
+        refuses the layer under strict >= 1 and is ignored, said once, under strict 0."""
+        if not self.env.tuning:
+            return None
+        if self._tuning is None and self._tuning_error is None:
+            try:
+                self._tuning = tuning.load(self.env.tuning)
+            except tuning.TuningError as e:
+                self._tuning_error = str(e)
+        if self._tuning is None:
+            return self._tuning_refused(str(self._tuning_error))
+        table, digest = self._tuning
+        dev = str(g.device)
+        if dev not in self._tuning_mismatch:
+            try:
+                name, sms = self._identity(g.device)
+                why = table.mismatch(name, sms, self.build_id)
+            except Exception as e:  # noqa: BLE001 - no card to compare with is no match
+                why = f"this device's name and SM count are unreadable ({first_line(e)})"
+            self._tuning_mismatch[dev] = why
+        why = self._tuning_mismatch[dev]
+        if why:
+            return self._tuning_refused(f"lna2 tuning table {self.env.tuning} ({digest}) is not this card's: {why}")
+        picks = table.for_layer(g.bits, g.codebook, g.hidden, g.inter, g.top_k, g.n_experts)
+        if picks is None:
+            if self._once(f"tuning-shape:{g.bits}/{g.codebook}/{g.hidden}/{g.inter}/{g.top_k}/{g.n_experts}"):
+                self.emit(f"dsv4serve plugin lna2 tuning {self.who}: table {digest} holds no "
+                          f"{tuning.key(g.bits, g.codebook)} layer of hidden={g.hidden} intermediate={g.inter} "
+                          f"top_k={g.top_k} experts={g.n_experts}; the built-in policy serves these layers")
+            return None
+        return dict(picks)
+
+    def _tuning_refused(self, why: str) -> None:
+        if self.env.strict >= 1:
+            raise ContractError(f"{why}; re-run `dsv4serve kernel check --bench --save-tuning FILE` on this card, "
+                                "or drop moe.tuning")
+        if self._once(f"tuning: {why}"):
+            self.emit(f"dsv4serve plugin lna2 tuning ignored {self.who}: {why}; the built-in policy serves "
+                      f"(VLLM_EXL3_MOE_STRICT={self.env.strict})")
+        return None
 
     def _fit(self, ext: Any, g: Geometry) -> dict[int, int]:
         """Per build the policy may pick for this shape, the most rows whose launch fits the device's
@@ -549,6 +613,25 @@ class Runtime:
             raise ContractError(f"no lna2 build fits this device's shared memory per block for bits={g.bits} "
                                 f"hidden={g.hidden} intermediate={g.inter} (v{policy.SEAT_VARIANT} needs more at one row)")
         return fit
+
+    def _fit_extra(self, ext: Any, g: Geometry, variants: list[int]) -> dict[int, int]:
+        """lna2_moe_fit for builds a tuning table names beyond the policy's; a build that refuses the
+        shape fits no rows (the built-in policy then serves those row counts)."""
+        out = {}
+        for v in variants:
+            key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}/{g.top_k}/{g.n_experts}/v{v}"
+            if key not in self._fits:
+                try:
+                    with _on_device(g.device):
+                        self._fits[key] = {v: int(ext.lna2_moe_fit(v, g.bits, g.codebook, g.hidden, g.inter, g.top_k,
+                                                                   g.n_experts))}
+                except Exception as e:  # noqa: BLE001 - e.g. a build number this extension lacks
+                    self._fits[key] = {v: 0}
+                    self.emit(f"dsv4serve plugin lna2 tuning {self.who}: v{v} cannot size its launches for bits="
+                              f"{g.bits} hidden={g.hidden} intermediate={g.inter} ({first_line(e)}); the built-in "
+                              "policy serves the rows the table gives it")
+            out.update(self._fits[key])
+        return out
 
     def _wrap(self, st: LayerState) -> None:
         rt = self
@@ -603,7 +686,9 @@ class Runtime:
         if not self._active_logged:
             self._active_logged = True
             bits = ",".join(map(str, self.bits))
-            self.emit(f"LNA2 MoE kernel ACTIVE {self.who} layers={self.lna2_layers} bits={bits} ext={self.build_id}")
+            policy_in_force = f"tuned:{self.tuned_digest}" if self.tuned_digest else "builtin"
+            self.emit(f"LNA2 MoE kernel ACTIVE {self.who} layers={self.lna2_layers} bits={bits} ext={self.build_id} "
+                      f"policy={policy_in_force}")
         return out
 
     def _launch(self, st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -646,7 +731,7 @@ class Runtime:
         if scratch is None:
             raise RuntimeError(f"no lna2 scratch for {g.device} (allocated at load only)")
         out = torch.empty_like(x2)
-        variant = variant_for(rows, g.inter, g.bits, g.hidden, st.fit)
+        variant = variant_for(rows, g.inter, g.bits, g.hidden, st.fit, st.tuned)
         if st.fit is not None and st.fit.get(variant, 0) < rows:
             raise ContractError(f"rows={rows} need more shared memory per block than this device has for "
                                 f"v{variant} (it fits {st.fit.get(variant, 0)} rows)",

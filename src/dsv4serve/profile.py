@@ -316,6 +316,17 @@ class MoeSection(_Strict):
     strict: Annotated[Literal[0, 1, 2], BeforeValidator(_no_bool)] = 0
     row_ceiling: PosInt = Field(24, description="lna2_moe_max_rows() of the lna2 build the seat runs")
     extension: str | None = Field(None, description="path of a prebuilt lna2 extension (.so) for a Docker seat")
+    tuning: str | None = Field(None, description="this card's lna2 tuning table (`dsv4serve kernel check --bench "
+                                                 "--save-tuning FILE`): which build serves each row count it "
+                                                 "measured; {cache} and {home} expand")
+
+    @field_validator("tuning")
+    @classmethod
+    def _tuning(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("/", "{cache}", "{home}")):
+            raise ValueError("must be an absolute path (or start with {cache} or {home}): the seat's workers run "
+                             "elsewhere than the shell that typed it")
+        return v
 
 
 class Marker(_Strict):

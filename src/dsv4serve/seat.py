@@ -388,6 +388,7 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         spec = launch.build(profile, run_id=run_id, run_dir=run_dir)
         check_vllm_argv(profile, spec, validate, json_events)  # a rejected flag: exit 2, nothing started
         home.ensure(run_dir)
+        launch.write_tuning(profile, run_dir)
         if spec.runtime == "docker":
             if spec.container_name and stop.container_exists(spec.container_name):
                 raise BadInput(f"a container named {spec.container_name} already exists",

@@ -188,11 +188,15 @@ def fit_table(ext: Any, bits: int, codebook: int, hidden: int, inter: int, top_k
 
 
 def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,
-                fit: Mapping[int, int] | None = None) -> int:
+                fit: Mapping[int, int] | None = None, tuned: Mapping[int, int] | None = None) -> int:
     """The build that serves `rows` rows. `fit`: per build, the most rows whose launch fits this
     device's shared memory per block (the binding's lna2_moe_fit); None takes every build to fit,
     as on the H100 / H200. On sm_120 cards (99 KB a block) the cluster kernel's K3 builds do not fit
-    from one row (v26) or two (v36, v46), and v55 serves them (kernels/lna2/NOTES.md, session 33)."""
+    from one row (v26) or two (v36, v46), and v55 serves them (kernels/lna2/NOTES.md, session 33).
+    `tuned`: rows -> build, this card's own measurements (lna2/tuning.py), which decide the row
+    counts they hold wherever their build fits; the table above decides the rest."""
+    if tuned is not None and rows in tuned and (fit is None or fit.get(tuned[rows], 0) >= rows):
+        return tuned[rows]
     prefs = preference(rows, inter, bits, hidden)
     if fit is None:
         return prefs[0]

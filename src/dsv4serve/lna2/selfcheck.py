@@ -20,9 +20,11 @@ are tested on a machine with no GPU; `run` supplies the real ones.
 
 from __future__ import annotations
 
+import os
 import re
 
 import statistics
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -145,6 +147,9 @@ class CaseResult(BaseModel):
     failed_variants: list[int] = []  # other builds the bench checked that failed here
     timings_us: Optional[dict[int, float]] = None  # variant -> median us, output of x's dtype (bench)
     fastest: Optional[int] = None
+    # the fastest build, when not the pick, through the pick's CUDA-graph replay check (a tuning
+    # table serves it only then); None when not checked
+    fastest_graph_ok: Optional[bool] = None
 
 
 class CheckReport(BaseModel):
@@ -152,6 +157,8 @@ class CheckReport(BaseModel):
     spec: CheckSpec
     cases: list[CaseResult]
     aborted: Optional[str] = None  # a device fault stopped the check: where, and that later cases did not run
+    # the card and build it ran on, as a tuning table names them (None off a real GPU)
+    card: Optional[dict[str, Any]] = None
 
     @property
     def ok(self) -> bool:
@@ -313,8 +320,15 @@ def check_case(run: Runner, layer: Any, spec: CheckSpec, K: int, cb: str, rows: 
             out = torch.empty((rows, spec.hidden), dtype=xdt, device=device)
             timings = timer({v: (lambda v=v: run(x, ids32, w32, out, v)) for v in good})
             fastest = min(timings, key=timings.__getitem__)
+    fast_graph: Optional[bool] = None
+    if fastest is not None and fastest != pick and grapher:
+        g = graph_verdict(fastest, Verdict())
+        fast_graph = g.graph_error is None and g.graph_worst_rel is not None and g.graph_worst_rel <= HALF_TOL
+        if g.fault:
+            first = first.model_copy(update={"fault": True})
     return CaseResult(K=K, codebook=cb, rows=rows, x_dtype=str(xdt).removeprefix("torch."), variant=pick,
-                      pick=first, ok=first.ok, failed_variants=failed, timings_us=timings, fastest=fastest)
+                      pick=first, ok=first.ok, failed_variants=failed, timings_us=timings, fastest=fastest,
+                      fastest_graph_ok=fast_graph)
 
 
 def check(spec: CheckSpec, device: Any, make_runner: Callable[[Any], Runner], timer: Optional[Timer] = None,
@@ -498,13 +512,48 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
                     fit.setdefault(v, 0)
             return fit
 
-        return check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
-                     cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device),
-                     fitter)
+        report = check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
+                       cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device),
+                       fitter)
+        props = torch.cuda.get_device_properties(device)
+        report.card = {"device": torch.cuda.get_device_name(device),
+                       "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+                       "sm_count": int(props.multi_processor_count), "build_id": str(ext.lna2_build_id())}
+        return report
     except torch.cuda.OutOfMemoryError:
         free, total = torch.cuda.mem_get_info(device)
         raise JobFailed(f"GPU {gpu} ran out of memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)",
                         hint="stop the seat first (`dsv4serve down`) or pick another GPU with --gpu") from None
+
+
+def tuning_target(path: Path, bench: bool) -> None:
+    """Refuse a --save-tuning that could not be written, before the check runs."""
+    if not bench:
+        raise BadInput("--save-tuning reads the table off the timings: it needs --bench", hint="add --bench")
+    if path.is_dir():
+        raise BadInput(f"--save-tuning {path} is a directory", hint="name a file, e.g. --save-tuning "
+                       f"{path / 'lna2-tuning.json'}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(f"--save-tuning {path}: {parent} is not a writable directory", hint="pick a path you can write")
+
+
+def save_tuning(report: CheckReport, path: Path) -> dict[str, Any]:
+    """Write the report's tuning table to `path` (atomically); what was written, or why nothing was."""
+    from dsv4serve.lna2 import tuning
+
+    if report.card is None:
+        return {"path": str(path), "refused": "the check did not run on a GPU"}
+    try:
+        table = tuning.from_report(report, **report.card)
+    except tuning.TuningError as e:
+        return {"path": str(path), "refused": str(e)}
+    digest = tuning.save(table, path)
+    changes = [f"{k} {r} row{'s' if r > 1 else ''}: v{v} instead of v{base} ({tv:.1f} against {tb:.1f} µs)"
+               for k, r, base, v, tb, tv in table.changes()]
+    return {"path": str(path.resolve()), "digest": digest, "changes": changes}
 
 
 def table_rows(report: CheckReport) -> list[list[str]]:
