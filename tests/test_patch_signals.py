@@ -92,11 +92,23 @@ def test_a_signal_mid_revert_patches_every_file_again(tree, monkeypatch):
     assert _contents(tree) == [PATCHED] * 3
 
 
-def test_a_second_signal_during_the_rollback_waits_for_it(tree, monkeypatch):
+@pytest.mark.parametrize("other_thread", [False, True])
+def test_a_second_signal_during_the_rollback_waits_for_it(tree, monkeypatch, other_thread):
+    """With another thread alive the kernel may hand the signal to it (a signal mask in the main
+    thread alone held nothing then: this case failed when the test suite's HTTP threads were up)."""
+    import threading
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    if other_thread:
+        t.start()
     # the first TERM lands before the third file; the rollback's first write draws a second
     _on_tree_write(monkeypatch, tree, 3, lambda p: os.kill(os.getpid(), signal.SIGTERM))
     seen = _on_tree_write(monkeypatch, tree, 4, lambda p: os.kill(os.getpid(), signal.SIGTERM))
-    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    try:
+        r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    finally:
+        stop.set()
     assert r.exit_code == 143
     assert len(seen) == 5  # two writes, then both restores ran to the end
     assert _contents(tree) == [PRISTINE] * 3

@@ -311,24 +311,24 @@ def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None 
                 f"holds {pset.package} (for a docker seat, a `docker cp` of the image's)")
         elif tree is None:
             state, fix = "package-missing", (
-                f"install {pset.package}=={pset.version} in {where}, or point --root / runtime.patch_root "
+                f"install {pset.pip_requirement} in {where}, or point --root / runtime.patch_root "
                 "at the tree that holds it")
         elif version != pset.version:
             state, fix = "version-mismatch", (
                 f"{pset.set} is pinned to {pset.package} {pset.version} but {where} has "
                 f"{version or 'no dist-info for ' + '/'.join(pset.distributions)}: install "
-                f"{pset.package}=={pset.version} or use a set made for {version or 'that tree'}")
+                f"{pset.pip_requirement} or use a set made for {version or 'that tree'}")
         elif found is None:
             state, fix = "missing", (
                 f"{spec.path} is absent from {pset.package} {version}: reinstall "
-                f"{pset.package}=={pset.version}")
+                f"{pset.pip_requirement}")
         elif found == spec.patched_sha256:
             state, fix = "patched", "none"
         elif found == spec.pristine_sha256:
             state, fix = "pristine", _fix_cmd(pset, root, profile)
         else:
             state, fix = "modified-unknown", (
-                f"neither pristine nor our patch: reinstall {pset.package}=={pset.version} "
+                f"neither pristine nor our patch: reinstall {pset.pip_requirement} "
                 f"(or revert another tool's patch), then {_fix_cmd(pset, root, profile)}")
         rows.append(FileStatus(
             set=pset.set, package=pset.package, version=pset.version, installed_version=version,
@@ -404,24 +404,34 @@ def _revert_fix(r: FileStatus, pset: PatchSet) -> str:
         if tree is not None and (state_dir(pset, tree) / "backup" / r.file).is_file():
             backup = f"copy the pristine backup {state_dir(pset, tree) / 'backup' / r.file} over it, or "
     if r.state == "modified-unknown":
-        return f"the file was changed after it was patched: {backup}reinstall {r.package}=={pset.version}"
-    return f"{backup}reinstall {r.package}=={pset.version}"
+        return f"the file was changed after it was patched: {backup}reinstall {pset.pip_requirement}"
+    return f"{backup}reinstall {pset.pip_requirement}"
 
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
     """Hold SIGINT / SIGTERM / SIGHUP while a rollback runs: a second Ctrl-C (or the TERM that
-    follows one) must not stop the restore half way. A signal that arrives meanwhile is delivered
-    when the block ends, after the tree is whole again."""
-    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    follows one) must not stop the restore half way. A signal that arrives meanwhile is noted and
+    raised again once the block ends, after the tree is whole. By handler, not by signal mask: the
+    kernel hands a process-directed signal to any thread that does not block it, and Python runs
+    its handler in the main thread whichever took it."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # Python runs handlers in the main thread only; another thread's mask changes nothing here
+        yield  # handlers can be set from the main thread only; a rollback elsewhere runs as it is
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    got: list[int] = []
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        handler = signal.getsignal(sig)
+        if handler is signal.SIG_IGN or handler is None:
+            continue  # ignored stays ignored; one set outside Python is left to its owner
+        old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(got):
+            signal.raise_signal(signum)
 
 
 class _ChangedUnderfoot(Exception):
@@ -621,11 +631,11 @@ def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None 
                 except DiffError as e:
                     raise PatchRefused(f"revert {pset.set} refused: no backup and {spec.diff} does not reverse "
                                        f"on {r.file} ({e}); nothing was changed",
-                                       hint=f"reinstall {pset.package}=={pset.version}") from None
+                                       hint=f"reinstall {pset.pip_requirement}") from None
             if sha256_bytes(old) != spec.pristine_sha256:
                 raise PatchRefused(f"revert {pset.set} refused: restoring {r.file} would give sha256 "
                                    f"{sha256_bytes(old)}, not pristine {spec.pristine_sha256}; nothing was changed",
-                                   hint=f"reinstall {pset.package}=={pset.version}")
+                                   hint=f"reinstall {pset.pip_requirement}")
             targets.append((tree / r.file, old, current))
         _refuse_symlinks(targets, "revert", pset, tree)
         _write_all(targets)
