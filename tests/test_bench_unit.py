@@ -712,3 +712,14 @@ def test_reports_are_written_in_utf8_whatever_the_locale(tmp_path: Path):
     assert r.returncode == 0, r.stderr[-600:]
     md = (tmp_path / "o" / "needle.md").read_text(encoding="utf-8")
     assert "—" in md and "ratio — ×" in md
+
+
+def test_a_broken_symlink_out_is_refused_before_the_measurement(tmp_path: Path):
+    from dsv4serve.bench_report import prepare_out
+
+    (tmp_path / "dangl").symlink_to(tmp_path / "nowhere" / "dir")
+    for out in (tmp_path / "dangl", tmp_path / "dangl" / "sub"):
+        with pytest.raises(BadInput, match="is a broken symlink") as e:
+            prepare_out(out)
+        assert "\n" not in e.value.line()
+    prepare_out(tmp_path / "fresh" / "sub")  # absent but creatable: fine

@@ -58,10 +58,11 @@ def bench_tables(result: dict[str, Any]) -> list[Table]:
     for suite in result["settings"]["suites"]:
         # Sized for an 80-column terminal; the per-run token counts are in the Markdown and JSON.
         t = Table(title=f"{suite}: {result['endpoint']['model']} vs reference {ref}", title_justify="left",
-                  caption="n = concurrent streams; tok/s = aggregate; ± = half-range over runs",
+                  caption="n = concurrent streams; tok/s = aggregate; TTFT = the slowest stream's; "
+                          "± = half-range over runs",
                   caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True,
                   show_edge=False)
-        for col in ("n", "tok/s", "ref", "ratio", "per-stream", "TTFT s", "accept", "ref", "ratio"):
+        for col in ("n", "tok/s", "ref", "ratio", "per-stream", "TTFT max s", "accept", "ref", "ratio"):
             t.add_column(col, justify="right", no_wrap=True)
         for c in result["cells"]:
             if c["suite"] != suite:
@@ -232,6 +233,9 @@ def prepare_out(out_dir: Path) -> None:
     created yet: a run that then fails leaves no empty directory behind."""
     probe = out_dir
     while not probe.exists() and probe.parent != probe:
+        if probe.is_symlink():  # a dangling link: mkdir would fail on it only after the measurement
+            raise BadInput(f"--out {out_dir}: {probe} is a broken symlink (to {os.readlink(probe)})",
+                           hint="pass a directory (created if absent), or fix the link")
         probe = probe.parent
     if probe == out_dir and not probe.is_dir():
         raise BadInput(f"--out {out_dir} is a file, not a directory", hint="pass a directory (created if absent)")
