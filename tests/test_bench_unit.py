@@ -723,3 +723,18 @@ def test_a_broken_symlink_out_is_refused_before_the_measurement(tmp_path: Path):
             prepare_out(out)
         assert "\n" not in e.value.line()
     prepare_out(tmp_path / "fresh" / "sub")  # absent but creatable: fine
+
+
+def test_stream_chat_holds_its_requests_to_the_deadlines():
+    """Through the real request path (httpx with a stand-in transport: a server that only sends
+    keep-alive comments, as a proxy in front of a stuck engine does)."""
+    from dsv4serve.bench_client import chat_body, stream_chat
+
+    def handler(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=iter([b": keep-alive\n\n"] * 100))
+
+    ep = Endpoint(base_url="http://stub", model="m")
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(StreamError, match="no token within 5 s of the request"):
+            stream_chat(client, ep, chat_body(ep, "hi", 16, False), 5.0, clock=Clock(step=1.0))

@@ -488,7 +488,8 @@ def test_lna2_tuning_row_reads_the_table_against_the_build_and_the_cards(monkeyp
 
     table = tuning.TuningTable(device="NVIDIA RTX PRO 2000 Blackwell", capability="12.0", sm_count=34,
                                build_id="b1", hidden=4096, inter=256, experts=256, top_k=6, reps=30,
-                               picks={"K2/mcg": {1: 55, 2: 46}})
+                               picks={"K2/mcg": {1: 55, 2: 46}}, policy_picks={"K2/mcg": {1: 26, 2: 46}},
+                               timings_us={"K2/mcg": {1: {26: 20.0, 55: 19.0}, 2: {46: 25.0}}})
     path = tmp_path / "card.json"
     digest = tuning.save(table, path)
     _fake_loader(monkeypatch, archs=["sm_120"], max_rows=24)

@@ -28,6 +28,16 @@ SMALL = dict(hidden=1024, inter=256, experts=16, top_k=4, codebooks=["mcg"])
 CARD = dict(device="NVIDIA RTX PRO 2000 Blackwell", capability="12.0", sm_count=34, build_id="b1")
 
 
+def measured(picks, base=None, **kw):
+    """A table whose picks were timed where they serve (as from_report writes it): the pick at
+    10 us, the policy's pick (`base`, default the pick itself) at 11."""
+    base = base or picks
+    timings = {k: {r: {v: 10.0, base[k][r]: 11.0} if base[k][r] != v else {v: 10.0} for r, v in rows.items()}
+               for k, rows in picks.items()}
+    return tuning.TuningTable(**{**CARD, "hidden": 4096, "inter": 256, "experts": 256, "top_k": 6, "reps": 30,
+                                 **kw}, picks=picks, policy_picks=base, timings_us=timings)
+
+
 class Runner:
     """A stand-in for lna2's CUDA kernel: the op by the fp32 reference; remembers the last build."""
 
@@ -131,8 +141,7 @@ def test_saved_atomically_read_back_with_the_digest_of_its_bytes(tmp_path):
     ("sm", "sm_count: Input should be greater than or equal to 1"),
 ])
 def test_a_bad_table_is_one_line_naming_the_field(tmp_path, content, phrase):
-    good = json.loads(tuning.dumps(tuning.TuningTable(**CARD, hidden=4096, inter=256, experts=256, top_k=6, reps=30,
-                                                      picks={"K2/mcg": {1: 26}})))
+    good = json.loads(tuning.dumps(measured({"K2/mcg": {1: 26}})))
     path = tmp_path / "t.json"
     if content == "picks":
         good["picks"] = {"K4/mcg": {"1": 26}}
@@ -146,14 +155,13 @@ def test_a_bad_table_is_one_line_naming_the_field(tmp_path, content, phrase):
         path.write_text(json.dumps(good))
     with pytest.raises(tuning.TuningError) as e:
         tuning.load(path)
-    text = str(e.value).replace("Value error, ", "Value error, ") if content != "picks" else str(e.value)
+    text = str(e.value)
     assert str(path) in text and "\n" not in text
     assert phrase.replace("Value error, ", "") in text
 
 
 def test_a_table_knows_its_card_build_and_shape():
-    t = tuning.TuningTable(**CARD, hidden=4096, inter=256, experts=256, top_k=6, reps=30,
-                           picks={"K2/mcg": {1: 55, 16: 53}, "K3/mcg": {1: 55}})
+    t = measured({"K2/mcg": {1: 55, 16: 53}, "K3/mcg": {1: 55}})
     assert t.mismatch(CARD["device"], 34, "b1") is None
     assert "measured on a NVIDIA RTX PRO 2000 Blackwell (34 SMs), this is a NVIDIA H100 80GB HBM3 (132 SMs)" in \
         t.mismatch("NVIDIA H100 80GB HBM3", 132, "b1")
@@ -177,8 +185,8 @@ def test_the_policy_takes_a_tuned_build_only_where_it_fits():
 
 
 def _table(tmp_path, picks, **over):
-    t = tuning.TuningTable(**{**dict(device="Stand-in Card", capability="12.0", sm_count=34, build_id="fake-0",
-                                     hidden=H, inter=I, experts=E, top_k=TOP_K, reps=30, picks=picks), **over})
+    t = measured(picks, **{**dict(device="Stand-in Card", capability="12.0", sm_count=34, build_id="fake-0",
+                                  hidden=H, inter=I, experts=E, top_k=TOP_K), **over})
     path = tmp_path / "tuning.json"
     digest = tuning.save(t, path)
     return str(path), digest
@@ -237,13 +245,27 @@ def test_an_unreadable_table_is_refused_under_strict_and_ignored_once_otherwise(
 
 def test_a_table_without_the_layers_shape_leaves_it_to_the_policy(tmp_path):
     path, digest = _table(tmp_path, {"K3/mcg": {1: 53}})
-    h = Harness(tuning=path, strict=1)
+    h = Harness(tuning=path, strict=0)
     h.prepare()
     h.call(0, 1)
     assert h.ext.seen[0]["variant"] == policy.variant_for(1, I, 2, H)
     (line,) = h.grep("holds no K2/mcg layer")
     assert digest in line and "the built-in policy serves these layers" in line
+    (line,) = h.grep("holds none of this model's layers")
+    assert f"measured at hidden={H} intermediate={I} top_k={TOP_K} experts={E} (K3/mcg)" in line
     assert h.grep("ACTIVE")[0].endswith("policy=builtin")
+
+
+def test_under_strict_a_table_that_serves_no_layer_is_refused(tmp_path):
+    path, digest = _table(tmp_path, {"K2/mcg": {1: 53}}, hidden=4096)
+    h = Harness(tuning=path, strict=1)
+    with pytest.raises(md.Lna2NotReadyError, match="holds none of this model's layers") as e:
+        h.prepare()
+    assert "--hidden H --inter I --save-tuning" in str(e.value) and digest in str(e.value)
+    assert not hasattr(h.layers[0][1].quant_method, "_dsv4serve_state")  # nothing was wrapped
+    # one layer the table holds is enough: the others take the policy, as said
+    path, _ = _table(tmp_path, {"K2/mcg": {1: 53}})
+    Harness(tuning=path, strict=1).prepare()
 
 
 def test_the_worker_reads_the_launchers_variable():
@@ -257,7 +279,7 @@ def test_the_worker_reads_the_launchers_variable():
 
 
 def _canon_table(tmp_path):
-    t = tuning.TuningTable(**CARD, hidden=4096, inter=256, experts=256, top_k=6, reps=30, picks={"K2/mcg": {1: 55}})
+    t = measured({"K2/mcg": {1: 55}}, {"K2/mcg": {1: 26}})
     path = tmp_path / "card.json"
     return path, tuning.save(t, path)
 
@@ -316,3 +338,27 @@ def test_kernel_check_refuses_save_tuning_before_touching_a_gpu(tmp_path):
     assert r.returncode == 2 and "is a directory" in r.stderr
     r = cli("--bench", "--save-tuning", str(tmp_path / "t.json"))
     assert r.returncode == 1 and "no CUDA GPU" in r.stderr and not (tmp_path / "t.json").exists()
+
+
+def test_a_pick_the_table_did_not_time_is_refused(tmp_path):
+    doc = json.loads(tuning.dumps(measured({"K2/mcg": {1: 55, 4: 46}})))
+    doc["picks"]["K2/mcg"]["4"] = 53  # hand-edited: v53 was never checked at four rows
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(tuning.TuningError, match="K2/mcg at 4 rows names v53, which this table did not time there"):
+        tuning.load(path)
+
+
+def test_departures_are_counted_against_the_policys_pick_on_that_card():
+    """On a 99 KB card the policy itself moves K3 off v26 / v36 (they do not fit): a table that
+    confirms those picks departs from nothing."""
+    def runner(layer):
+        return Runner(layer)
+
+    spec = selfcheck.CheckSpec(**SMALL, rows=[1, 2], bits=[3], bench=True)
+    fit = {26: 0, 36: 1, 46: 1, 55: 24}
+    rep = selfcheck.check(spec, torch.device("cpu"), runner, lambda fns: {v: 10.0 for v in fns},
+                          grapher=lambda launch: launch, fitter=lambda K, cb: fit)
+    assert rep.ok and [c.variant for c in rep.cases] == [46, 55]
+    t = tuning.from_report(rep, **CARD)
+    assert t.picks == t.policy_picks == {"K3/mcg": {1: 46, 2: 55}} and t.changes() == []

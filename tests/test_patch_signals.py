@@ -79,7 +79,8 @@ def test_a_signal_mid_apply_restores_every_file_and_says_so(tree, monkeypatch, s
     _on_tree_write(monkeypatch, tree, 3, lambda p: os.kill(os.getpid(), sig))
     r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
     assert r.exit_code == 128 + sig, r.output
-    assert f"patch apply stopped by {signal.Signals(sig).name}; no file was left half changed" in r.output
+    assert f"patch apply stopped by {signal.Signals(sig).name}; the sets it had changed were taken back" in \
+        " ".join(r.output.split())
     assert _contents(tree) == [PRISTINE] * 3
     assert signal.getsignal(sig) is signal.default_int_handler or signal.getsignal(sig) in (signal.SIG_DFL, None)
 
@@ -110,7 +111,9 @@ def test_a_second_signal_during_the_rollback_waits_for_it(tree, monkeypatch, oth
     finally:
         stop.set()
     assert r.exit_code == 143
-    assert len(seen) == 5  # two writes, then both restores ran to the end
+    # the first TERM waits for the set's section (three writes and the record), then the undo
+    # writes all three back, the second TERM waiting for it
+    assert len(seen) == 6
     assert _contents(tree) == [PRISTINE] * 3
 
 
@@ -125,7 +128,6 @@ def test_ctrl_c_while_the_record_is_written_restores_the_set(tree, monkeypatch):
 
 
 def test_an_edit_made_during_the_apply_is_kept_and_the_set_restored(tree, monkeypatch):
-    _on_tree_write(monkeypatch, tree, 2, lambda p: None)  # a spy only: the edit comes from the read below
     real_read = Path.read_bytes
     edited = tree / "sigpkg" / "b.py"
 
@@ -156,3 +158,57 @@ def test_a_revert_does_not_point_at_the_backups_it_removed(tree):
     assert "backups in" in " ".join(_cli("apply", "-s", "sig-1.0", "--root", str(tree)).output.split())
     r = _cli("revert", "-s", "sig-1.0", "--root", str(tree))
     assert r.exit_code == 0 and "restored 3 file(s)" in r.output and "backups in" not in r.output
+
+
+def test_a_signal_right_after_a_later_set_is_written_takes_back_both(tree, tmp_path, monkeypatch):
+    """Two sets: a Ctrl-C that lands after the second set's files are written and recorded, before
+    apply_set returns, still finds that set on the undo list (all sets or none)."""
+    two = tmp_path / "sets" / "sig2-1.0"
+    two.mkdir(parents=True)
+    (two / "a.py.diff").write_bytes(_diff("a.py").replace(b"sigpkg/", b"sigpkg2/"))
+    (two / "manifest.yaml").write_text(json.dumps({
+        "set": "sig2-1.0", "package": "sigpkg2", "distributions": ["sigpkg2"], "version": "1.0",
+        "pip_requirement": "sigpkg2==1.0",
+        "files": [{"path": "sigpkg2/a.py", "diff": "a.py.diff", "pristine_sha256": patches.sha256_bytes(PRISTINE),
+                   "patched_sha256": patches.sha256_bytes(PATCHED), "fixes": "y becomes Y", "prevents": "a test"}]}))
+    (tree / "sigpkg2").mkdir()
+    (tree / "sigpkg2" / "__init__.py").write_text("")
+    (tree / "sigpkg2" / "a.py").write_bytes(PRISTINE)
+    info = tree / "sigpkg2-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sigpkg2\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("sigpkg2\n")
+    real, fired = patches._change_whole, []
+
+    def then_interrupted(targets, sdir, pset, tree_, action, *a, **k):
+        real(targets, sdir, pset, tree_, action, *a, **k)
+        if pset.set == "sig2-1.0" and action == "apply" and not fired:
+            fired.append(1)
+            raise KeyboardInterrupt  # where a Ctrl-C lands once the section is over
+
+    monkeypatch.setattr(patches, "_change_whole", then_interrupted)
+    r = _cli("apply", "-s", "sig-1.0", "-s", "sig2-1.0", "--root", str(tree))
+    assert r.exit_code == 130
+    assert _contents(tree) == [PRISTINE] * 3 and (tree / "sigpkg2" / "a.py").read_bytes() == PRISTINE
+
+
+def test_a_signal_held_over_a_section_that_fails_does_not_replace_its_error():
+    from dsv4serve.errors import JobFailed, Signalled
+
+    def stop(signum, frame):
+        raise Signalled(signum, "stopped")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(JobFailed, match="rollback failed too"):
+            with patches._signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise JobFailed("patch write failed and the rollback failed too: x")
+        with pytest.raises(Signalled):  # a clean section raises what it held, once it is over
+            with patches._signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done = True
+        assert done
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, old)

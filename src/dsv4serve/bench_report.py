@@ -231,12 +231,12 @@ def write_png(result: dict[str, Any], path: Path) -> str | None:
 def prepare_out(out_dir: Path) -> None:
     """Check --out can be written, so a bad path fails before a long measurement. Nothing is
     created yet: a run that then fails leaves no empty directory behind."""
-    probe = out_dir
-    while not probe.exists() and probe.parent != probe:
-        if probe.is_symlink():  # a dangling link: mkdir would fail on it only after the measurement
-            raise BadInput(f"--out {out_dir}: {probe} is a broken symlink (to {os.readlink(probe)})",
-                           hint="pass a directory (created if absent), or fix the link")
-        probe = probe.parent
+    from dsv4serve.home import nearest_existing
+
+    probe, broken = nearest_existing(out_dir)
+    if broken is not None:  # a dangling link: mkdir would fail on it only after the measurement
+        raise BadInput(f"--out {out_dir}: {broken} is a broken symlink (to {os.readlink(broken)})",
+                       hint="pass a directory (created if absent), or fix the link")
     if probe == out_dir and not probe.is_dir():
         raise BadInput(f"--out {out_dir} is a file, not a directory", hint="pass a directory (created if absent)")
     if not probe.is_dir():

@@ -166,10 +166,7 @@ def _gib(n: float | int | None) -> str:
 
 
 def _nearest_existing(p: Path) -> Path:
-    p = p.expanduser()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
+    return home.nearest_existing(p)[0]
 
 
 def _run(argv: list[str], timeout: float = SUBPROCESS_TIMEOUT_S) -> tuple[int | None, str]:

@@ -166,7 +166,9 @@ def bench(ctx: typer.Context,
           max_tokens: int = typer.Option(256, "--max-tokens", help="tokens to generate per stream"),
           runs: int = typer.Option(3, "--runs", help="repeats per cell; reported as mean ± half-range"),
           thinking: bool = typer.Option(False, "--thinking", help="leave the model's reasoning on (off by default)"),
-          timeout: float = typer.Option(300.0, "--timeout", help="seconds a stream may stay silent before failing"),
+          timeout: float = typer.Option(300.0, "--timeout", help="seconds to a stream's first token, and of silence "
+                                                                 "after it; the whole stream gets this plus a second "
+                                                                 "a token (at least 60)"),
           warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="send one discarded request first"),
           base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
           profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
@@ -212,7 +214,9 @@ def needle(ctx: typer.Context,
                                                                               "(default: the shipped sample)"),
            seed: Optional[int] = typer.Option(None, "--seed", help="fix the hidden code (default: a fresh one)"),
            thinking: bool = typer.Option(False, "--thinking", help="leave the model's reasoning on"),
-           timeout: float = typer.Option(1800.0, "--timeout", help="seconds to wait for the first token"),
+           timeout: float = typer.Option(1800.0, "--timeout", help="seconds to wait for the first token (the "
+                                                                   "whole answer: this plus a second a token, at "
+                                                                   "least 60)"),
            base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
            profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
            json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:

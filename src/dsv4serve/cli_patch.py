@@ -177,12 +177,14 @@ def _stoppable(action: str) -> Iterator[None]:
     that undoes a half-written set runs (by default Python would die on the spot, files half
     changed). Restored as soon as the change returns; a nohup'ed command keeps ignoring SIGHUP."""
     def stop(signum: int, frame: Any) -> None:
-        raise Signalled(signum, f"patch {action} stopped by {signal.Signals(signum).name}; no file was left "
-                        "half changed", hint="`dsv4serve patch status` shows each file's state")
+        # raised where it lands; by the time it reaches the user the rollback has run (or a failed
+        # rollback has replaced it with its own error), so the sets are as before the command
+        raise Signalled(signum, f"patch {action} stopped by {signal.Signals(signum).name}; the sets it had "
+                        "changed were taken back", hint="`dsv4serve patch status` shows each file's state")
 
     old = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
+        if signal.getsignal(sig) not in (signal.SIG_IGN, None):  # None: a handler set outside Python
             old[sig] = signal.signal(sig, stop)
     try:
         yield

@@ -19,6 +19,18 @@ def _configured() -> Path:
     return base / "dsv4serve"
 
 
+def nearest_existing(path: Path) -> tuple[Path, Path | None]:
+    """The nearest existing ancestor of `path` (itself if it exists): where a directory for it would
+    be created, and so what decides whether it can be. Also the first dangling symlink met on the
+    way up, where mkdir would fail, or None."""
+    probe, broken = path.expanduser(), None
+    while not probe.exists() and probe.parent != probe:
+        if broken is None and probe.is_symlink():
+            broken = probe
+        probe = probe.parent
+    return probe, broken
+
+
 def _check_usable(path: Path) -> None:
     """Refuse a state dir that cannot work before any command writes into it.
 
@@ -26,11 +38,9 @@ def _check_usable(path: Path) -> None:
     read-only check covers every writer, including those that call mkdir themselves; a dry run
     still writes nothing. The nearest existing ancestor stands in for a dir not created yet.
     """
-    probe = path
-    while not probe.exists() and probe.parent != probe:
-        if probe.is_symlink():  # a dangling link: mkdir would fail on it
-            raise BadInput(f"state dir {path} is not usable ({probe} is a broken symlink)", hint=_FIX)
-        probe = probe.parent
+    probe, broken = nearest_existing(path)
+    if broken is not None:  # a dangling link: mkdir would fail on it
+        raise BadInput(f"state dir {path} is not usable ({broken} is a broken symlink)", hint=_FIX)
     if not probe.is_dir():
         what = "is a file" if probe == path else f"is under {probe}, which is a file"
         raise BadInput(f"state dir {path} is not a directory (it {what})", hint=_FIX)

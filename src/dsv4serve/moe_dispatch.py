@@ -472,6 +472,23 @@ class Runtime:
                 self.emit(f"dsv4serve plugin FAILED {msg} (VLLM_EXL3_MOE_STRICT={self.env.strict})")
                 raise Lna2NotReadyError(msg)
             summary.not_ready[reason] = ["(none)"]
+        if (self.env.kernel == "lna2" and self._tuning is not None and not draft
+                and not any(self._tuning_mismatch.values())  # another card's table was said already
+                and any(st.geometry is not None for st in fresh) and not any(st.tuned for st in fresh)):
+            # a table for other shapes (another TP slice, another export) serves nothing: under strict
+            # that is a wrong table, not a seat to run on the built-in policy unannounced
+            table, digest = self._tuning
+            msg = (f"lna2 tuning table {self.env.tuning} ({digest}) holds none of this model's layers: it was "
+                   f"measured at hidden={table.hidden} intermediate={table.inter} top_k={table.top_k} "
+                   f"experts={table.experts} ({', '.join(sorted(table.picks))})")
+            if self.env.strict >= 1:
+                self.emit(f"dsv4serve plugin FAILED lna2 not ready: {self.who}: {msg} "
+                          f"(VLLM_EXL3_MOE_STRICT={self.env.strict})")
+                raise Lna2NotReadyError(f"lna2 not ready: {self.who}: {msg}; measure this seat's per-rank shape "
+                                        "(`dsv4serve kernel check --bench --hidden H --inter I --save-tuning FILE`)")
+            if self._once(f"tuning-none: {digest}"):
+                self.emit(f"dsv4serve plugin lna2 tuning ignored {self.who}: {msg}; the built-in policy serves "
+                          f"(VLLM_EXL3_MOE_STRICT={self.env.strict})")
         for st in fresh:
             self._wrap(st)
         self.states.extend(fresh)

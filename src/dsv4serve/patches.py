@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import yaml
 from filelock import FileLock, Timeout
@@ -410,28 +410,32 @@ def _revert_fix(r: FileStatus, pset: PatchSet) -> str:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Hold SIGINT / SIGTERM / SIGHUP while a rollback runs: a second Ctrl-C (or the TERM that
-    follows one) must not stop the restore half way. A signal that arrives meanwhile is noted and
-    raised again once the block ends, after the tree is whole. By handler, not by signal mask: the
-    kernel hands a process-directed signal to any thread that does not block it, and Python runs
-    its handler in the main thread whichever took it."""
+    """Hold SIGINT / SIGTERM / SIGHUP over a section that must finish once begun (a set's write and
+    record, a rollback). A signal that arrives meanwhile is noted and raised again when the section
+    ends cleanly; a section left by an exception is already ending the command, and the signal must
+    not replace that error (a failed rollback would read as a clean stop). By handler, not by signal
+    mask: the kernel hands a process-directed signal to any thread that does not block it, and
+    Python runs the handler in the main thread whichever took it."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # handlers can be set from the main thread only; a rollback elsewhere runs as it is
+        yield  # handlers can be set from the main thread only; a section elsewhere runs as it is
         return
     got: list[int] = []
-    old = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        handler = signal.getsignal(sig)
-        if handler is signal.SIG_IGN or handler is None:
-            continue  # ignored stays ignored; one set outside Python is left to its owner
-        old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    old: dict[int, Any] = {}
+    clean = False
     try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            handler = signal.getsignal(sig)
+            if handler is signal.SIG_IGN or handler is None:
+                continue  # ignored stays ignored; one set outside Python is left to its owner
+            old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
         yield
+        clean = True
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        for signum in dict.fromkeys(got):
-            signal.raise_signal(signum)
+        if clean:
+            for signum in dict.fromkeys(got):
+                signal.raise_signal(signum)
 
 
 class _ChangedUnderfoot(Exception):
@@ -511,6 +515,20 @@ def _record(sdir: Path, pset: PatchSet, tree: Path, action: str, changed: list[s
     atomic_write(sdir / "state.json", json.dumps(rec, indent=2))
 
 
+def _change_whole(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pset: PatchSet, tree: Path,
+                  action: Literal["apply", "revert"], changed: list[str],
+                  on_changed: Callable[[SetResult], None] | None) -> None:
+    """Write, verify and record the set, and hand what changed to the caller's undo list, as one
+    section no signal cuts: a Ctrl-C or TERM that lands inside waits for its end, so it finds the
+    set either untouched or changed, recorded and known to `_all_or_none` (which then takes it
+    back with the rest)."""
+    with _signals_held():
+        _write_all(targets)
+        _verify_and_record(targets, sdir, pset, tree, action, changed)
+        if on_changed is not None and changed:
+            on_changed(SetResult(pset.set, action, str(tree), changed, [], [], None, str(sdir)))
+
+
 def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pset: PatchSet, tree: Path,
                        action: str, changed: list[str]) -> None:
     """After _write_all: every file reads back as written and the change is recorded, or every file
@@ -556,7 +574,7 @@ def _set_lock(sdir: Path, pset: PatchSet) -> Iterator[None]:
 
 
 def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None,
-              only: set[str] | None = None) -> SetResult:
+              only: set[str] | None = None, on_changed: Callable[[SetResult], None] | None = None) -> SetResult:
     """Patch every file of `pset` (or only those named in `only`; idempotent); refuse, changing
     nothing, unless each is pristine or patched."""
     rows = set_status(pset, root, profile=profile)
@@ -593,16 +611,15 @@ def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None =
                                 f"{e.strerror or e}; nothing in the tree was changed",
                                 hint=f"free space in (or fix the permissions of) {sdir}, then run the command "
                                      "again") from None
-        _write_all(targets)
         changed = [str(p.relative_to(tree)) for p, _, _ in targets]
-        _verify_and_record(targets, sdir, pset, tree, "apply", changed)
+        _change_whole(targets, sdir, pset, tree, "apply", changed, on_changed)
         final = set_status(pset, root, profile=profile)
     return SetResult(pset.set, "apply", str(tree), changed, final,
                      [c for c in changed if specs[c].rebuild], pset.rebuild_hint, str(sdir))
 
 
 def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None = None,
-               only: set[str] | None = None) -> SetResult:
+               only: set[str] | None = None, on_changed: Callable[[SetResult], None] | None = None) -> SetResult:
     """Restore every patched file of `pset` (or only those named in `only`) to its pristine bytes
     (from the backup, else the reverse diff)."""
     rows = set_status(pset, root, profile=profile)
@@ -638,9 +655,8 @@ def revert_set(pset: PatchSet, root: Path | None = None, *, profile: str | None 
                                    hint=f"reinstall {pset.pip_requirement}")
             targets.append((tree / r.file, old, current))
         _refuse_symlinks(targets, "revert", pset, tree)
-        _write_all(targets)
         changed = [str(p.relative_to(tree)) for p, _, _ in targets]
-        _verify_and_record(targets, sdir, pset, tree, "revert", changed)
+        _change_whole(targets, sdir, pset, tree, "revert", changed, on_changed)
         for c in changed:  # the backups go only once the revert is complete and recorded
             with contextlib.suppress(FileNotFoundError):
                 (sdir / "backup" / c).unlink()
@@ -766,7 +782,12 @@ def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, a
     done: list[tuple[PatchSet, SetResult]] = []
     try:
         for pset in sets:
-            done.append((pset, do(pset, root, profile=profile)))
+            # on_changed puts the set on the undo list the moment its files are written and recorded
+            res = do(pset, root, profile=profile, on_changed=lambda r, p=pset: done.append((p, r)))
+            if done and done[-1][0] is pset:
+                done[-1] = (pset, res)
+            else:
+                done.append((pset, res))
     except BaseException as e:
         with _signals_held():
             errors = _undo(done, root, profile)

@@ -533,9 +533,11 @@ def tuning_target(path: Path, bench: bool) -> None:
     if path.is_dir():
         raise BadInput(f"--save-tuning {path} is a directory", hint="name a file, e.g. --save-tuning "
                        f"{path / 'lna2-tuning.json'}")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    from dsv4serve.home import nearest_existing
+
+    parent, broken = nearest_existing(path.parent)
+    if broken is not None:
+        raise BadInput(f"--save-tuning {path}: {broken} is a broken symlink", hint="pick a path you can write")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise BadInput(f"--save-tuning {path}: {parent} is not a writable directory", hint="pick a path you can write")
 
@@ -550,7 +552,10 @@ def save_tuning(report: CheckReport, path: Path) -> dict[str, Any]:
         table = tuning.from_report(report, **report.card)
     except tuning.TuningError as e:
         return {"path": str(path), "refused": str(e)}
-    digest = tuning.save(table, path)
+    try:
+        digest = tuning.save(table, path)
+    except OSError as e:  # checked before the run; the disk may have changed since, and the report stays
+        return {"path": str(path), "refused": f"cannot write it: {e.strerror or e}"}
     changes = [f"{k} {r} row{'s' if r > 1 else ''}: v{v} instead of v{base} ({tv:.1f} against {tb:.1f} µs)"
                for k, r, base, v, tb, tv in table.changes()]
     return {"path": str(path.resolve()), "digest": digest, "changes": changes}

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 FORMAT = "dsv4serve-lna2-tuning/1"
 DEFAULT_MARGIN = 0.03
@@ -60,8 +60,9 @@ class TuningTable(BaseModel):
     margin: float = Field(DEFAULT_MARGIN, ge=0, lt=1)
     reps: int = Field(..., ge=3)
     picks: dict[str, dict[int, int]] = Field(..., description='"K2/mcg" -> rows -> the build that serves them')
-    timings_us: dict[str, dict[int, dict[int, float]]] = Field(default_factory=dict,
-                                                               description="the medians it was read from")
+    policy_picks: dict[str, dict[int, int]] = Field(..., description="the built-in policy's pick at each point on "
+                                                                     "this card (shared memory decides some)")
+    timings_us: dict[str, dict[int, dict[int, float]]] = Field(..., description="the medians it was read from")
 
     @field_validator("picks")
     @classmethod
@@ -74,6 +75,17 @@ class TuningTable(BaseModel):
             if any(r < 1 for r in rows) or any(b < 0 for b in rows.values()):
                 raise ValueError(f"{k}: rows start at 1 and build numbers at 0")
         return v
+
+    @model_validator(mode="after")
+    def _measured(self) -> "TuningTable":
+        # a hand-edited or merged table must not serve a build nobody checked at that point
+        for k, rows in self.picks.items():
+            for r, v in rows.items():
+                if v not in self.timings_us.get(k, {}).get(r, {}):
+                    raise ValueError(f"{k} at {r} rows names v{v}, which this table did not time there")
+                if r not in self.policy_picks.get(k, {}):
+                    raise ValueError(f"{k} at {r} rows has no policy pick beside it")
+        return self
 
     def mismatch(self, device: str, sm_count: int, build_id: str) -> Optional[str]:
         """Why this table does not describe this card and build, or None when it does."""
@@ -93,14 +105,11 @@ class TuningTable(BaseModel):
 
     def changes(self) -> list[tuple[str, int, int, int, float, float]]:
         """(key, rows, policy's pick, tuned pick, its µs, the tuned µs) wherever the table departs
-        from the built-in policy."""
-        from dsv4serve.lna2 import policy
-
+        from the built-in policy's pick on the card it was measured on."""
         out = []
         for k, rows in sorted(self.picks.items()):
-            bits = int(k[1])
             for r, v in sorted(rows.items()):
-                base = policy.variant_for(r, self.inter, bits, self.hidden)
+                base = self.policy_picks[k][r]
                 if v != base:
                     t = self.timings_us.get(k, {}).get(r, {})
                     out.append((k, r, base, v, t.get(base, float("nan")), t.get(v, float("nan"))))
@@ -117,6 +126,7 @@ def from_report(report: Any, *, build_id: str, device: str, capability: str, sm_
     if not report.ok:
         raise TuningError("the check did not pass on this card: no table is saved from it")
     picks: dict[str, dict[int, int]] = {}
+    policy_picks: dict[str, dict[int, int]] = {}
     timings: dict[str, dict[int, dict[int, float]]] = {}
     for c in report.cases:
         if not c.timings_us:
@@ -128,13 +138,14 @@ def from_report(report: Any, *, build_id: str, device: str, capability: str, sm_
                 and c.timings_us[fast] * (1 + margin) <= c.timings_us[c.variant]):
             chosen = fast
         picks.setdefault(k, {})[c.rows] = chosen
+        policy_picks.setdefault(k, {})[c.rows] = c.variant
         timings.setdefault(k, {})[c.rows] = {int(v): float(t) for v, t in c.timings_us.items()}
     if not picks:
         raise TuningError("the check timed no case")
     s = report.spec
     return TuningTable(device=device, capability=capability, sm_count=sm_count, build_id=build_id,
                        hidden=s.hidden, inter=s.inter, experts=s.experts, top_k=s.top_k, margin=margin,
-                       reps=s.reps, picks=picks, timings_us=timings)
+                       reps=s.reps, picks=picks, policy_picks=policy_picks, timings_us=timings)
 
 
 def dumps(table: TuningTable) -> str:
