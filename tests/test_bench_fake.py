@@ -12,6 +12,7 @@ import math
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -336,6 +337,11 @@ def test_running_seat_from_state(fake, isolated_home):
     assert doc["cells"][0]["reference"]["tok_s"] is None
     res = run("--streams", "1", "--suite", "en", "--runs", "1", "--json", "--profile", "8x16gb-380k")
     assert json.loads(res.stdout)["cells"][0]["reference"]["tok_s"] == 78.6
+    assert not any("still" in n for n in json.loads(res.stdout)["notes"])
+    state.save(st.model_copy(update={"phase": "starting"}))  # up has not seen its canary pass yet
+    res = run("--streams", "1", "--suite", "en", "--runs", "1", "--json")
+    assert "seat cpu-demo is still starting (not ready): its figures may include start-up work" in \
+        json.loads(res.stdout)["notes"]
 
 
 def test_no_seat_running_is_bad_input():
@@ -706,3 +712,13 @@ def test_a_model_list_entry_without_a_name_is_skipped_beside_real_ones(fake):
     res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json")
     assert res.exit_code == 0, res.stderr
     assert json.loads(res.stdout)["endpoint"]["model"] == "fake-model"
+
+
+def test_json_with_out_lists_the_files_and_their_notes(fake, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # no chart: its note must reach stdout too
+    out = tmp_path / "o"
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json", "--out", str(out))
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["written"] == [str(out / "bench.json"), str(out / "bench.md")]
+    assert any("matplotlib is not installed" in n for n in doc["notes"])

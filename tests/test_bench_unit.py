@@ -738,3 +738,11 @@ def test_stream_chat_holds_its_requests_to_the_deadlines():
     with httpx.Client(transport=httpx.MockTransport(handler)) as client:
         with pytest.raises(StreamError, match="no token within 5 s of the request"):
             stream_chat(client, ep, chat_body(ep, "hi", 16, False), 5.0, clock=Clock(step=1.0))
+
+
+def test_needle_without_the_servers_prompt_count_shows_the_tokenizers():
+    r = {"endpoint": {"base_url": "u", "model": "m"}, "prompt_tokens": None, "tokens_counted": 812,
+         "tokens_requested": 800, "tokens_sized_by": "tokenize", "depth": 0.5, "code": "a-b-1", "found": True,
+         "ttft_s": 2.0, "prefill_tok_s": 406.0, "decode_tok_s": 10.0, "reference": None, "ratio": None, "notes": []}
+    md = needle_markdown(r)
+    assert "- prompt: ~812 tokens" in md and "None" not in md.split("| metric")[0]

@@ -161,6 +161,8 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     else:
         st, picked_by_profile = _running_seat(seat, profile)
         base_url, seat_name = st.base_url, st.seat
+        if st.phase != "ready":  # its readiness canary has not passed: warm-up and capture may still run
+            notes.append(f"seat {st.seat} is still {st.phase} (not ready): its figures may include start-up work")
         model = model or st.served_name
         try:
             seat_profile = load_profile(st.profile)

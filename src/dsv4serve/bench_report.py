@@ -75,9 +75,16 @@ def bench_tables(result: dict[str, Any]) -> list[Table]:
     return tables
 
 
+def _prompt_tokens(r: dict[str, Any]) -> str:
+    """The server's count, else the tokenizer's (the figure the prefill rate used), else '?'."""
+    if r.get("prompt_tokens") is not None:
+        return str(r["prompt_tokens"])
+    return f"~{r['tokens_counted']}" if r.get("tokens_counted") is not None else "?"
+
+
 def needle_table(r: dict[str, Any]) -> Table:
     ref = r.get("reference") or {}
-    t = Table(title=f"needle: {r['prompt_tokens']} prompt tokens at depth {r['depth']:g} "
+    t = Table(title=f"needle: {_prompt_tokens(r)} prompt tokens at depth {r['depth']:g} "
                     f"({r['tokens_sized_by']}), vs reference {ref.get('profile') or 'none'}", title_justify="left")
     for col in ("metric", "measured", "reference", "ratio"):
         t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
@@ -143,7 +150,7 @@ def needle_markdown(r: dict[str, Any]) -> str:
         "# dsv4serve bench needle",
         "",
         f"- endpoint: `{r['endpoint']['base_url']}`, model `{r['endpoint']['model']}`",
-        f"- prompt: {r['prompt_tokens']} tokens (asked {r['tokens_requested']}, sized by {r['tokens_sized_by']}), "
+        f"- prompt: {_prompt_tokens(r)} tokens (asked {r['tokens_requested']}, sized by {r['tokens_sized_by']}), "
         f"depth {r['depth']:g}, code `{r['code']}`",
         f"- reference: profile `{ref['profile']}` ({ref['tokens']} tokens, depth {ref['depth']:g})" if ref
         else "- reference: none",

@@ -128,7 +128,9 @@ def _finish(sh: Shared, result: dict, stem: str, render: Callable[[dict], None])
     if sh.out is not None:
         written, file_notes = write_outputs(result, sh.out, stem)
     if sh.json_out:
-        emit_json(result)
+        # the notes and files of --out too, as the human output prints them
+        emit_json({**result, "notes": [*result.get("notes", []), *file_notes],
+                   **({"written": [str(p) for p in written]} if sh.out is not None else {})})
         return
     render(result)
     for note in [*result.get("notes", []), *file_notes]:
