@@ -307,6 +307,12 @@ json.dump(t, open(sys.argv[3], "w"), indent=1)
 print("forced picks", t["picks"])
 PY
   tail -3 "$OUT/tune-check.log" | tee -a "$LOG"
+  # check-seat's lna2-tuning row on this machine: the table's torch device name against NVML's
+  [ -f "$OUT/tuning.json" ] && PYTHONPATH=$PWD/src:$PYTHONPATH timeout 120 python3 -m dsv4serve check-seat \
+    --profile 8x16gb-380k --set runtime.kind=native --set 'gpus.ids=[0]' --set vllm.tensor_parallel_size=1 \
+    --set "moe.tuning=$OUT/tuning.json" --json > "$OUT/check-seat-tuning.json" 2> "$OUT/check-seat-tuning.stderr"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print('check-seat', r['check'], r['status'], r['found']) for r in d['rows'] if r['section'] == 'machine' or r['check'] in ('lna2', 'lna2-tuning')]" \
+    "$OUT/check-seat-tuning.json" 2>&1 | tee -a "$LOG"
   for T in "" -forced; do
     [ -f "$OUT/tuning$T.json" ] || continue
     DISPATCH_TAG="-tuned$T" DISPATCH_TUNING="$OUT/tuning$T.json" PYTHONPATH=/tmp/site${DI:-none}:$PYTHONPATH \
