@@ -302,6 +302,9 @@ for part in sys.argv[4].split(";"):
     key, _, pairs = part.partition(":")
     for pr in pairs.split(","):
         r, _, v = pr.partition("=")
+        if v not in t["timings_us"].get(key, {}).get(r, {}):  # a table may name only builds it timed there
+            print(f"not forced: {key} {r} rows v{v} (not timed at that point)")
+            continue
         t["picks"].setdefault(key, {})[r] = int(v)
 json.dump(t, open(sys.argv[3], "w"), indent=1)
 print("forced picks", t["picks"])

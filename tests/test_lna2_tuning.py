@@ -345,8 +345,9 @@ def test_a_pick_the_table_did_not_time_is_refused(tmp_path):
     doc["picks"]["K2/mcg"]["4"] = 53  # hand-edited: v53 was never checked at four rows
     path = tmp_path / "t.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(tuning.TuningError, match="K2/mcg at 4 rows names v53, which this table did not time there"):
+    with pytest.raises(tuning.TuningError, match="K2/mcg at 4 rows names v53, which this table did not time there") as e:
         tuning.load(path)
+    assert str(e.value) == f"lna2 tuning table {path}: K2/mcg at 4 rows names v53, which this table did not time there"
 
 
 def test_departures_are_counted_against_the_policys_pick_on_that_card():

@@ -189,6 +189,8 @@ def parse(data: bytes, p: str) -> tuple[TuningTable, str]:
         return TuningTable.model_validate(doc), digest(data)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
+        where = ".".join(str(x) for x in err.get("loc", ()))
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
-        raise TuningError(f"lna2 tuning table {p}: {where}: {msg}") from None
+        if not where and not isinstance(doc, Mapping):
+            where = "(top level)"
+        raise TuningError(f"lna2 tuning table {p}: {where + ': ' if where else ''}{msg}") from None
