@@ -511,6 +511,18 @@ def test_lna2_tuning_row_reads_the_table_against_the_build_and_the_cards(monkeyp
                                          "env.VLLM_EXL3_MOE_STRICT=0"])
     r = _st(_software(loose), "lna2-tuning")
     assert r.status == "warn" and "timed lna2 build b1, the seat loads build b2" in r.found
+    # the pack's config at TP 8: moe_intermediate_size 2048 is 256 a rank, as measured; at TP 1 it is not
+    _fake_loader(monkeypatch, archs=["sm_120"], max_rows=24)
+    cfg = {"hidden_size": 4096, "moe_intermediate_size": 2048, "num_experts_per_tok": 6, "n_routed_experts": 256}
+    for tp, status in ((8, "ok"), (1, "fail")):
+        q = load_profile("8x16gb-380k", ["runtime.kind=native", f"moe.tuning={path}",
+                                         f"vllm.tensor_parallel_size={tp}", "model.wo_a_rank_slices=null",
+                                         "gpus.ids=[]"])
+        rep = checks.Report(q.name)
+        checks.check_software(rep, checks.Ctx(profile=q, pack_report=pack.PackReport(path="x", config=cfg)))
+        r = _st(rep, "lna2-tuning")
+        assert r.status == status, r
+    assert "it was measured at inter=256, the seat's per-rank layers have inter=2048" in r.found
     path.write_text("{")
     r = _st(_software(p), "lna2-tuning")
     assert r.status == "fail" and "not JSON" in r.found

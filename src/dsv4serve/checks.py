@@ -837,6 +837,17 @@ def _lna2_tuning(rep: Report, ctx: Ctx) -> None:
     names = sorted({g.name for i in p.gpus.ids if m and m.available and (g := m.gpu(i)) is not None and g.name})
     if names and names != [table.device]:
         problems.append(f"it was measured on a {table.device}, the seat's GPUs are {', '.join(names)}")
+    cfg = ctx.pack_report.config if ctx.pack_report is not None else None
+    if isinstance(cfg, dict):  # the seat's per-rank routed-expert layer, as the workers will see it
+        tp = p.vllm.tensor_parallel_size or 1
+        moe_i = cfg.get("moe_intermediate_size")
+        seat = {"hidden": cfg.get("hidden_size"), "inter": moe_i // tp if isinstance(moe_i, int) else None,
+                "top_k": cfg.get("num_experts_per_tok"), "experts": cfg.get("n_routed_experts")}
+        mine = {"hidden": table.hidden, "inter": table.inter, "top_k": table.top_k, "experts": table.experts}
+        off = [k for k, v in seat.items() if isinstance(v, int) and v != mine[k]]
+        if off:
+            problems.append("it was measured at " + " ".join(f"{k}={mine[k]}" for k in off) + ", the seat's "
+                            "per-rank layers have " + " ".join(f"{k}={seat[k]}" for k in off))
     if problems:
         rep.add("software", "lna2-tuning", "fail" if p.moe.strict >= 1 else "warn", f"{path} ({digest}): "
                 + "; ".join(problems), want, "re-run `dsv4serve kernel check --bench --save-tuning FILE` on the "
