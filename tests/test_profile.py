@@ -440,3 +440,38 @@ def test_decode_rows_without_max_num_seqs_are_vllms_default_batch():
     that declines every full batch."""
     p = load_profile("8x16gb-380k", ["vllm.max_num_seqs=null"])
     assert p.decode_rows() == 256 * 4
+
+
+@pytest.mark.parametrize("value, kind", [("{a: 2024-01-01}", "date"), ("{a: !!binary /w==}", "bytes"),
+                                         ("{a: [1, {b: 2024-01-01 10:00:00}]}", "datetime")])
+def test_a_value_json_has_no_type_for_is_refused_where_vllm_would_get_it(value, kind):
+    """YAML reads these as date / bytes; check-seat passed them and `up` crashed at json.dumps."""
+    with pytest.raises(ProfileError, match=f"is a {kind} .*which JSON cannot carry; quote it") as e:
+        load_profile("cpu-demo", [f"vllm.compilation_config={value}"])
+    assert "\n" not in e.value.message
+    assert load_profile("cpu-demo", ["vllm.compilation_config={a: '2024-01-01'}"]).vllm.compilation_config == {
+        "a": "2024-01-01"}
+
+
+def test_a_profile_nested_past_the_parser_is_one_line(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("extends: cpu-demo\nvllm:\n  compilation_config: {a: " + "[" * 3000 + "]" * 3000 + "}\n")
+    with pytest.raises(ProfileError, match="nests deeper than YAML can be read here"):
+        load_profile(str(deep))
+    with pytest.raises(ProfileError, match="the value nests deeper"):
+        load_profile("cpu-demo", ["vllm.compilation_config={a: " + "[" * 3000 + "]" * 3000 + "}"])
+
+
+def test_set_gets_the_alias_guards_a_file_gets():
+    with pytest.raises(ProfileError, match="expands to more than 100,000 values"):
+        load_profile("cpu-demo", ["vllm.compilation_config={a: &a [*a]}"])
+    laughs = "{" + ", ".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}" if i else "1"] * 9) + "]" for i in range(7)) + "}"
+    with pytest.raises(ProfileError, match="expands to more than 100,000 values"):
+        load_profile("cpu-demo", [f"vllm.compilation_config={laughs}"])
+
+
+def test_a_huge_file_is_refused_by_its_size(tmp_path):
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("extends: cpu-demo\n" + "# padding\n" * 200_000)
+    with pytest.raises(ProfileError, match=r"profile .*huge.yaml is 2 MiB; a seat profile is a few KB"):
+        load_profile(str(huge))

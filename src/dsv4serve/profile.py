@@ -70,9 +70,14 @@ class _Strict(BaseModel):
 
 
 def _finite_json(v: Any, where: str) -> None:
-    """A free-form mapping handed to vLLM as JSON must be valid JSON: no .inf / .nan inside."""
+    """A free-form mapping handed to vLLM as JSON must be valid JSON: no .inf / .nan inside, and no
+    value JSON has no type for (YAML reads 2024-01-01 as a date and !!binary as bytes, which passed
+    the checks and crashed `up` at json.dumps)."""
     if isinstance(v, float) and not math.isfinite(v):
         raise ValueError(f"{where} is {v}, which JSON cannot carry; give a finite number")
+    if not isinstance(v, (dict, list, str, int, float, bool, type(None))):
+        raise ValueError(f"{where} is a {type(v).__name__} ({v!r:.40}), which JSON cannot carry; quote it to "
+                         "pass it as text")
     if isinstance(v, dict):
         for k, x in v.items():
             _finite_json(x, f"{where}.{k}")
@@ -591,10 +596,19 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
+MAX_PROFILE_BYTES = 1 << 20  # a seat profile is a few KB
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
+        if path.is_file() and path.stat().st_size > MAX_PROFILE_BYTES:  # read_text would take it all in
+            raise ProfileError(f"profile {path} is {path.stat().st_size / 2**20:.0f} MiB; a seat profile is a few "
+                               "KB", hint="pass the profile's YAML file, not another file")
         # utf-8-sig: a BOM some editors add is fine; any other encoding is refused by name.
         data = _yaml_load(path.read_text(encoding="utf-8-sig"))
+    except RecursionError:  # PyYAML's scanner and composer recurse once per nesting level
+        raise ProfileError(f"profile {path} nests deeper than YAML can be read here",
+                           hint="flatten it; a seat profile nests a few levels") from None
     except UnicodeDecodeError as e:
         raise ProfileError(f"profile {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})",
                            hint="save it as UTF-8") from None
@@ -711,8 +725,16 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = _yaml_load(raw)
     except _DuplicateKey as e:
         raise ProfileError(f"--set '{item}': key '{e.key}' is given twice", hint="keep one of them") from None
+    except RecursionError:
+        raise ProfileError(f"--set '{key}': the value nests deeper than YAML can be read here",
+                           hint="flatten it") from None
     except yaml.YAMLError:
         value = raw
+    # the guards a file gets: aliases of aliases load as shared references and explode later
+    # (a self-referencing one never ends)
+    if _too_big(value, MAX_NODES):
+        raise ProfileError(f"--set '{key}': the value expands to more than {MAX_NODES:,} values (nested YAML "
+                           "aliases)", hint="write the value out")
     if len(parts) == 2 and parts[0] == "env" and value is not None and not isinstance(value, str):
         # An env value is a string: YAML would turn 0755 into 493, 0x10 into 16, 12:30 into 750
         # and `on` into a boolean, so keep what was typed. A string YAML read (a quoted '0755')
