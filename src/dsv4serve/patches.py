@@ -448,7 +448,7 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]], check: bool = True) -> 
     """Write (path, new, old) triples; on any failure restore what was written, then re-raise. A
     file whose bytes are no longer `old` when its turn comes (someone edited it after the check) is
     not overwritten: the edit would be lost with no backup of it. A rollback (`check` off) writes
-    every file back whatever it holds."""
+    every file back whatever it holds. Runs inside _change_whole's signal hold, rollback included."""
     done: list[tuple[Path, bytes]] = []
     current: Path | None = None
     try:
@@ -459,8 +459,7 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]], check: bool = True) -> 
             _atomic_write(path, new)
             done.append((path, old))
     except BaseException as e:
-        with _signals_held():
-            _restore_written(targets, done, current, e)
+        _restore_written(targets, done, current, e)
         if isinstance(e, _ChangedUnderfoot):
             raise JobFailed(f"{e.path} changed while it was being written (someone else edited it); every file "
                             "of the set was restored and that edit kept", hint="let whatever is writing it "
@@ -540,9 +539,8 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
             raise JobFailed(f"{bad} did not read back as written")
         if changed:
             _record(sdir, pset, tree, action, changed)
-    except BaseException as e:  # an interrupt too: the set is recorded whole or not changed at all
-        with _signals_held():
-            _write_all([(p, old, new) for p, new, old in targets], check=False)
+    except BaseException as e:  # whatever stopped it: the set is recorded whole or not changed at all
+        _write_all([(p, old, new) for p, new, old in targets], check=False)
         if not isinstance(e, (JobFailed, OSError)):
             raise
         why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
