@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsv4serve.cli_common import console, emit_json, handled
-from dsv4serve.errors import EXIT_FAILED, EXIT_OK, BadInput, Signalled
+from dsv4serve.errors import EXIT_FAILED, EXIT_OK, BadInput, Signalled, restore_signals, stop_signals_raise
 
 app = typer.Typer(help="Apply, verify and revert the exllamav3 / vLLM patch sets by content hash.",
                   no_args_is_help=True)
@@ -176,21 +176,17 @@ def _stoppable(action: str) -> Iterator[None]:
     """SIGTERM / SIGHUP stop a change the way Ctrl-C does: raised where they land, so the rollback
     that undoes a half-written set runs (by default Python would die on the spot, files half
     changed). Restored as soon as the change returns; a nohup'ed command keeps ignoring SIGHUP."""
-    def stop(signum: int, frame: Any) -> None:
+    def stopped(signum: int) -> Signalled:
         # raised where it lands; by the time it reaches the user the rollback has run (or a failed
         # rollback has replaced it with its own error), so the sets are as before the command
-        raise Signalled(signum, f"patch {action} stopped by {signal.Signals(signum).name}; the sets it had "
-                        "changed were taken back", hint="`dsv4serve patch status` shows each file's state")
+        return Signalled(signum, f"patch {action} stopped by {signal.Signals(signum).name}; the sets it had "
+                         "changed were taken back", hint="`dsv4serve patch status` shows each file's state")
 
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) not in (signal.SIG_IGN, None):  # None: a handler set outside Python
-            old[sig] = signal.signal(sig, stop)
+    old = stop_signals_raise(stopped)
     try:
         yield
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        restore_signals(old)
 
 
 def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], root: Optional[Path],

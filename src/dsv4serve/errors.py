@@ -6,6 +6,8 @@ a check failed), 2 bad input (usage, profile, missing file, refused launch plan)
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -61,3 +63,28 @@ class Signalled(BaseException):
 
     def line(self) -> str:
         return f"{self.message}; {self.hint}" if self.hint else self.message
+
+
+def stop_signals_raise(make: Any) -> dict[int, Any]:
+    """Until restore_signals(old): SIGTERM and SIGHUP raise make(signum), a Signalled, wherever they
+    land, so a command's own cleanup runs as it does for Ctrl-C (by default Python dies on the spot).
+    A signal already ignored (`nohup`) stays ignored; one handled outside Python is left alone."""
+    import signal
+
+    def raise_it(signum: int, frame: Any) -> None:
+        raise make(signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_IGN, None):
+            continue
+        old[sig] = signal.signal(sig, raise_it)
+    return old
+
+
+def restore_signals(old: dict[int, Any]) -> None:
+    """Put back the handlers stop_signals_raise replaced."""
+    import signal
+
+    for sig, handler in old.items():
+        signal.signal(sig, handler)

@@ -412,30 +412,25 @@ def _signals_raise() -> tuple[dict[int, Any], dict[str, bool]]:
     `stage["launched"]` set: the message no longer says nothing was started."""
     import signal
 
-    from dsv4serve.errors import Signalled
+    from dsv4serve.errors import Signalled, stop_signals_raise
 
     stage = {"launched": False}
 
-    def raise_it(signum: int, frame: Any) -> None:
+    def stopped(signum: int) -> Signalled:
         name = signal.Signals(signum).name
         if stage["launched"]:  # past the supervisor's own handling: a ready seat runs on, as up leaves it
-            raise Signalled(signum, f"up stopped by {name} after the launch began; the seat may be running",
-                            hint="`dsv4serve status` shows it, `dsv4serve down` stops it")
-        raise Signalled(signum, f"up stopped by {name} before vLLM was started; nothing was started")
+            return Signalled(signum, f"up stopped by {name} after the launch began; the seat may be running",
+                             hint="`dsv4serve status` shows it, `dsv4serve down` stops it")
+        return Signalled(signum, f"up stopped by {name} before vLLM was started; nothing was started")
 
-    old = {}
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(s) is signal.SIG_IGN:
-            continue  # `nohup dsv4serve up`: a hangup was meant to be ignored, not to stop up
-        old[s] = signal.signal(s, raise_it)
-    return old, stage
+    # `nohup dsv4serve up`: a hangup was meant to be ignored, not to stop up (stop_signals_raise keeps it)
+    return stop_signals_raise(stopped), stage
 
 
 def _signals_restore(old: dict[int, Any]) -> None:
-    import signal
+    from dsv4serve.errors import restore_signals
 
-    for s, h in old.items():
-        signal.signal(s, h)
+    restore_signals(old)
 
 
 # =============================================================================================
