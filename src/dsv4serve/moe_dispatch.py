@@ -301,11 +301,6 @@ def pointer_tables(layer: Any, g: Geometry) -> dict[str, torch.Tensor]:
 # --- scratch --------------------------------------------------------------------------------------
 
 
-def _cuda_identity(device: torch.device) -> tuple[str, int]:
-    """The card as a tuning table names it: torch's device name and its SM count."""
-    return torch.cuda.get_device_name(device), int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -387,7 +382,7 @@ class Runtime:
     def __init__(self, env: PluginEnv, rank: int, tp: int, *, emit: Callable[[str], None],
                  counters: Counters, ext_loader: Callable[[], Any], require_cuda: bool = True,
                  capturing: Callable[[], bool] = _capturing,
-                 device_identity: Callable[[torch.device], tuple[str, int]] = _cuda_identity) -> None:
+                 device_identity: Callable[[torch.device], tuple[str, int]] = tuning.card_identity) -> None:
         self.env, self.rank, self.tp = env, rank, tp
         self.emit = emit
         self.counters = counters

@@ -515,10 +515,11 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
         report = check(spec, device, lambda layer: Lna2Runner(ext, layer, device, spec.swiglu_limit),
                        cuda_timer(device, spec.reps) if spec.bench else None, name, progress, cuda_grapher(device),
                        fitter)
-        props = torch.cuda.get_device_properties(device)
-        report.card = {"device": torch.cuda.get_device_name(device),
-                       "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
-                       "sm_count": int(props.multi_processor_count), "build_id": str(ext.lna2_build_id())}
+        from dsv4serve.lna2.tuning import card_identity
+
+        card, sms = card_identity(device)
+        report.card = {"device": card, "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+                       "sm_count": sms, "build_id": str(ext.lna2_build_id())}
         return report
     except torch.cuda.OutOfMemoryError:
         free, total = torch.cuda.mem_get_info(device)

@@ -39,6 +39,14 @@ class TuningError(ValueError):
     """A table that cannot be used: unreadable, not a table, or for another card or build."""
 
 
+def card_identity(device: Any) -> tuple[str, int]:
+    """The card as a table names it, written by `kernel check` and compared by the dispatch: torch's
+    device name and its SM count."""
+    import torch
+
+    return torch.cuda.get_device_name(device), int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def key(bits: int, codebook: int | str) -> str:
     """The table's key for a layer's bits and codebook (lna2's number or its name)."""
     name = CODEBOOK_NAMES.get(codebook, "?") if isinstance(codebook, int) else codebook
