@@ -201,10 +201,8 @@ def _plugin_env(profile: Profile, run_id: str, run_dir: Path) -> dict[str, str]:
 
 def tuning_path(profile: Profile) -> Path | None:
     """moe.tuning with {cache} / {home} expanded (None when unset)."""
-    v = profile.moe.tuning
-    if not v:
-        return None
-    return Path(_expand(v, {"home": str(home.home()), "cache": str(home.cache_dir())}, "moe.tuning"))
+    v = _state_path(profile.moe.tuning, "moe.tuning")
+    return Path(v) if v else None
 
 
 def tuning_table(profile: Profile) -> tuple[Path, Any, str, bytes] | None:
@@ -319,12 +317,16 @@ def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, boo
     return out
 
 
+def _state_path(value: str | None, where: str) -> str | None:
+    """A profile path with {home} / {cache} expanded (None when unset)."""
+    if not value:
+        return None
+    return _expand(value, {"home": str(home.home()), "cache": str(home.cache_dir())}, where)
+
+
 def exl3_extension_path(profile: Profile) -> str | None:
     """runtime.exl3_extension with {cache} / {home} expanded (None when unset)."""
-    v = profile.runtime.exl3_extension
-    if not v:
-        return None
-    return _expand(v, {"home": str(home.home()), "cache": str(home.cache_dir())}, "runtime.exl3_extension")
+    return _state_path(profile.runtime.exl3_extension, "runtime.exl3_extension")
 
 
 def patched_file_mounts(profile: Profile) -> list[tuple[str, str, bool]]:
