@@ -159,6 +159,7 @@ class Ctx:
     seat: Any = None  # state.SeatState of a running seat of this profile
     seat_pids: set[int] = field(default_factory=set)
     seat_problem: Any = None  # the DsvError that kept the seat's state from being read (up refuses on it)
+    lna2_info: dict[str, Any] | None = None  # loader.describe(), read once by the lna2 row for the rows after it
 
 
 def _gib(n: float | int | None) -> str:
@@ -771,7 +772,7 @@ def _lna2(rep: Report, ctx: Ctx) -> None:
         rep.add("software", "lna2", "fail", "lna2 extension not built: run `dsv4serve kernel build`",
                 "an importable lna2 extension", "dsv4serve kernel build")
         return
-    info = loader.describe()
+    info = ctx.lna2_info = loader.describe()
     if not info.get("loadable"):
         rep.add("software", "lna2", "fail", f"not loadable: {info.get('error') or '?'} ({info.get('path') or 'no path'})",
                 "an importable lna2 extension", "dsv4serve kernel build", data=info)
@@ -827,9 +828,11 @@ def _lna2_tuning(rep: Report, ctx: Ctx) -> None:
     assert got is not None
     path, table, digest, _ = got
     problems = []
-    from dsv4serve.lna2 import loader
+    if ctx.lna2_info is None:  # the lna2 row did not get as far as reading it
+        from dsv4serve.lna2 import loader
 
-    info = loader.describe()
+        ctx.lna2_info = loader.describe()
+    info = ctx.lna2_info
     built = info.get("build_id") if info.get("loadable") else None
     if built and built != table.build_id:
         problems.append(f"it timed lna2 build {table.build_id}, the seat loads build {built}")
