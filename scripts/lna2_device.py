@@ -633,18 +633,20 @@ def cmd_dispatch(args):
     # the strict decode-rows check with the real build (DSV4SERVE_DECODE_ROWS, which launch sets from
     # max_num_seqs x (1 + speculative tokens)): a seat decoding more rows than the build's ceiling
     # is refused at load, one decoding exactly the ceiling is not
+    def refusal(env_x):
+        """Why a strict Runtime of this env refuses a fresh K2 layer at load, or None when it takes it."""
+        rt_x = md.Runtime(env_x, 0, 1, emit=lambda ln: None, counters=Counters(env_x.run_dir, 0, 1, "lna2"),
+                          ext_loader=loader.load)
+        try:
+            rt_x.prepare([("model.layers.9.mlp.experts", make_layer(256, 2)[0])], draft=False)
+        except md.Lna2NotReadyError as e:
+            return str(e)
+        return None
+
     res["decode_rows"] = []
     for rows_, refuse in ((rt.ceiling, False), (rt.ceiling + 1, True)):
-        env_r = md.PluginEnv(run_id="device-rows", run_dir=str(OUT / "dispatch-rows"), kernel="lna2", strict=1,
-                             decode_rows=rows_)
-        rt_r = md.Runtime(env_r, 0, 1, emit=lambda ln: None,
-                          counters=Counters(str(OUT / "dispatch-rows"), 0, 1, "lna2"), ext_loader=loader.load)
-        m_r, _ = make_layer(256, 2)
-        try:
-            rt_r.prepare([("model.layers.9.mlp.experts", m_r)], draft=False)
-            got = None
-        except md.Lna2NotReadyError as e:
-            got = str(e)
+        got = refusal(md.PluginEnv(run_id="device-rows", run_dir=str(OUT / "dispatch-rows"), kernel="lna2",
+                                   strict=1, decode_rows=rows_))
         ok = (got is not None and f"takes at most {rt.ceiling} rows a call but this seat decodes {rows_}" in got) \
             if refuse else got is None
         res["decode_rows"].append({"decode_rows": rows_, "refused": got, "ok": ok})
@@ -657,15 +659,8 @@ def cmd_dispatch(args):
         doc["device"] = "Another Card"
         other = OUT / f"tuning-other{tag}.json"
         other.write_text(json.dumps(doc))
-        rt_o = md.Runtime(md.PluginEnv(run_id="device-other", run_dir=None, kernel="lna2", strict=1,
-                                       tuning=str(other)), 0, 1, emit=lambda ln: None,
-                          counters=Counters(None, 0, 1, "lna2"), ext_loader=loader.load)
-        m_o, _ = make_layer(256, 2)
-        try:
-            rt_o.prepare([("model.layers.9.mlp.experts", m_o)], draft=False)
-            got = None
-        except md.Lna2NotReadyError as e:
-            got = str(e)
+        got = refusal(md.PluginEnv(run_id="device-other", run_dir=None, kernel="lna2", strict=1,
+                                   tuning=str(other)))
         ok = got is not None and "is not this card's: it was measured on a Another Card" in got
         res["tuning_other_card"] = {"refused": got, "ok": ok}
         log("tuning of another card", res["tuning_other_card"])
