@@ -19,33 +19,39 @@ PRISTINE = b"x\ny\nz\n"
 PATCHED = b"x\nY\nz\n"
 
 
-def _diff(name: str) -> bytes:
-    return f"--- a/sigpkg/{name}\n+++ b/sigpkg/{name}\n@@ -1,3 +1,3 @@\n x\n-y\n+Y\n z\n".encode()
+def _diff(package: str, name: str) -> bytes:
+    return f"--- a/{package}/{name}\n+++ b/{package}/{name}\n@@ -1,3 +1,3 @@\n x\n-y\n+Y\n z\n".encode()
+
+
+def _add_set(sets: Path, root: Path, name: str, package: str, files: list[str]) -> None:
+    """Set `name` under `sets` (y becomes Y in each file of `package` 1.0), and the package installed
+    pristine in `root` with its dist-info."""
+    folder = sets / name
+    folder.mkdir(parents=True)
+    for f in files:
+        (folder / f"{f}.diff").write_bytes(_diff(package, f))
+    (folder / "manifest.yaml").write_text(json.dumps({
+        "set": folder.name, "package": package, "distributions": [package], "version": "1.0",
+        "pip_requirement": f"{package}==1.0",
+        "files": [{"path": f"{package}/{f}", "diff": f"{f}.diff", "pristine_sha256": patches.sha256_bytes(PRISTINE),
+                   "patched_sha256": patches.sha256_bytes(PATCHED), "fixes": "y becomes Y", "prevents": "a test"}
+                  for f in files]}))
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text("")
+    for f in files:
+        (root / package / f).write_bytes(PRISTINE)
+    info = root / f"{package}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(f"{package}\n")
 
 
 @pytest.fixture
 def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
-    sets = tmp_path / "sets" / "sig-1.0"
-    sets.mkdir(parents=True)
-    for f in FILES:
-        (sets / f"{f}.diff").write_bytes(_diff(f))
-    (sets / "manifest.yaml").write_text(json.dumps({
-        "set": "sig-1.0", "package": "sigpkg", "distributions": ["sigpkg"], "version": "1.0",
-        "pip_requirement": "sigpkg==1.0",
-        "files": [{"path": f"sigpkg/{f}", "diff": f"{f}.diff", "pristine_sha256": patches.sha256_bytes(PRISTINE),
-                   "patched_sha256": patches.sha256_bytes(PATCHED), "fixes": "y becomes Y", "prevents": "a test"}
-                  for f in FILES]}))
     monkeypatch.setattr(patches, "patches_dir", lambda: tmp_path / "sets")
     root = tmp_path / "site"
-    (root / "sigpkg").mkdir(parents=True)
-    (root / "sigpkg" / "__init__.py").write_text("")
-    for f in FILES:
-        (root / "sigpkg" / f).write_bytes(PRISTINE)
-    info = root / "sigpkg-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sigpkg\nVersion: 1.0\n")
-    (info / "top_level.txt").write_text("sigpkg\n")
+    _add_set(tmp_path / "sets", root, "sig-1.0", "sigpkg", FILES)
     return root
 
 
@@ -163,21 +169,7 @@ def test_a_revert_does_not_point_at_the_backups_it_removed(tree):
 def test_a_signal_right_after_a_later_set_is_written_takes_back_both(tree, tmp_path, monkeypatch):
     """Two sets: a Ctrl-C that lands after the second set's files are written and recorded, before
     apply_set returns, still finds that set on the undo list (all sets or none)."""
-    two = tmp_path / "sets" / "sig2-1.0"
-    two.mkdir(parents=True)
-    (two / "a.py.diff").write_bytes(_diff("a.py").replace(b"sigpkg/", b"sigpkg2/"))
-    (two / "manifest.yaml").write_text(json.dumps({
-        "set": "sig2-1.0", "package": "sigpkg2", "distributions": ["sigpkg2"], "version": "1.0",
-        "pip_requirement": "sigpkg2==1.0",
-        "files": [{"path": "sigpkg2/a.py", "diff": "a.py.diff", "pristine_sha256": patches.sha256_bytes(PRISTINE),
-                   "patched_sha256": patches.sha256_bytes(PATCHED), "fixes": "y becomes Y", "prevents": "a test"}]}))
-    (tree / "sigpkg2").mkdir()
-    (tree / "sigpkg2" / "__init__.py").write_text("")
-    (tree / "sigpkg2" / "a.py").write_bytes(PRISTINE)
-    info = tree / "sigpkg2-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sigpkg2\nVersion: 1.0\n")
-    (info / "top_level.txt").write_text("sigpkg2\n")
+    _add_set(tmp_path / "sets", tree, "sig2-1.0", "sigpkg2", ["a.py"])
     real, fired = patches._change_whole, []
 
     def then_interrupted(targets, sdir, pset, tree_, action, *a, **k):
