@@ -475,3 +475,37 @@ def test_a_huge_file_is_refused_by_its_size(tmp_path):
     huge.write_text("extends: cpu-demo\n" + "# padding\n" * 200_000)
     with pytest.raises(ProfileError, match=r"profile .*huge.yaml is 2 MiB; a seat profile is a few KB"):
         load_profile(str(huge))
+
+
+@pytest.mark.parametrize("text", ["extends:\n", "extends: ''\n", "extends: '  '\n"])
+def test_an_empty_extends_is_named_not_read_as_no_parent(tmp_path, text):
+    """An empty `extends:` read as no parent, and the error was the parent's keys missing here."""
+    p = tmp_path / "child.yaml"
+    p.write_text("name: child\n" + text)
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p))
+    assert e.value.message == f"profile child.yaml: 'extends' is empty ({p})"
+    assert "remove the key" in e.value.hint
+
+
+def test_an_empty_name_is_called_by_its_file(tmp_path):
+    """`name:` with nothing after it is null; the error read "profile None"."""
+    p = tmp_path / "seat.yaml"
+    p.write_text("name:\nextends: cpu-demo\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p))
+    assert e.value.message.startswith("profile seat.yaml: name: ") and "None" not in e.value.message
+
+
+@pytest.mark.parametrize("target", ["loop", "/nonexistent/seat.yaml"])
+def test_a_link_that_leads_nowhere_is_not_called_missing(tmp_path, target):
+    """A symlink loop read "does not exist" (exists() is False on ELOOP) while the file is right there."""
+    link = tmp_path / "seat.yaml"
+    if target == "loop":
+        (tmp_path / "other.yaml").symlink_to(link)
+        link.symlink_to(tmp_path / "other.yaml")
+    else:
+        link.symlink_to(target)
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(link))
+    assert e.value.message == f"profile file '{link}' is a symbolic link that leads nowhere (dangling, or a loop)"

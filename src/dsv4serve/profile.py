@@ -538,8 +538,12 @@ def _resolve_ref(ref: str, relative_to: Path | None) -> Path:
                                hint=f"pass a .yaml file or a shipped profile: {', '.join(shipped) or 'none'}")
         if not path.is_file():
             shown = f"'{ref}'" if str(path) == ref else f"'{ref}' ({path})"
-            raise ProfileError(f"profile file {shown} " + ("is not a regular file" if path.exists() else "does not exist"),
-                               hint=f"shipped profiles: {', '.join(shipped) or 'none'}")
+            # exists() is False for a symlink loop too (ELOOP): "does not exist" sent users looking
+            # for a file that is there
+            what = ("is not a regular file" if path.exists() else
+                    "is a symbolic link that leads nowhere (dangling, or a loop)" if path.is_symlink() else
+                    "does not exist")
+            raise ProfileError(f"profile file {shown} {what}", hint=f"shipped profiles: {', '.join(shipped) or 'none'}")
         return path
     close = difflib.get_close_matches(ref, list(shipped), n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"shipped profiles: {', '.join(shipped)}"
@@ -686,6 +690,11 @@ def load_raw(ref: str, _seen: tuple[str, ...] = (),
                            hint=f"remove the 'extends' that leads back to {path.name}")
     data = _read_yaml(path)
     parent = data.get("extends")
+    if "extends" in data and (parent is None or (isinstance(parent, str) and not parent.strip())):
+        # left empty, the key read as "no parent" and the error was the parent's missing keys
+        raise ProfileError(f"profile {path.name}: 'extends' is empty ({path})",
+                           hint="write `extends: NAME` with a shipped profile's name or a YAML file's path, "
+                                "or remove the key")
     if parent is not None:
         if not isinstance(parent, str):
             raise ProfileError(f"profile {path.name}: 'extends' must name a profile",
@@ -854,8 +863,10 @@ def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
     for item in overrides or []:
         parts, value = parse_override(item)
         apply_override(data, parts, value)
-    name = str(data.get("name", path.stem))
-    if not _SEAT_NAME.fullmatch(name):  # the error is about the name: call the profile by its file
+    name = data.get("name", path.stem)
+    if not (isinstance(name, str) and _SEAT_NAME.fullmatch(name)):
+        # the error is about the name (an empty `name:` is null, which read "profile None"):
+        # call the profile by its file
         name = path.name
     try:
         prof = Profile.model_validate(data)
