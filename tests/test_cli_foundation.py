@@ -49,7 +49,7 @@ def test_canon_dry_run_json_passes_vllm_parser(home):
     for k, v in CANON_ENV.items():
         assert f"{k}={v}" in joined, k
     assert "EXLLAMAV3_TUNE_CACHE=" in joined
-    assert plan["gates"]["markers"][0] == {"text": "LNA2 MoE kernel ACTIVE", "ranks": 8}
+    assert plan["gates"]["markers"][0] == {"text": "LNA2 MoE kernel ACTIVE rank=", "ranks": 8}
     assert plan["gates"]["kv_cache_min_tokens"] == 389120
     assert plan["vllm_parser"]["checked"] is True, plan["vllm_parser"]
     # this machine's vLLM is not the image's (stack.vllm): up skips the check, and the plan says so

@@ -94,7 +94,7 @@ def test_native_demo_argv_uses_this_interpreter():
     (["env.VLLM_DISABLE_SHARED_EXPERTS_STREAM=0"], "VLLM_DISABLE_SHARED_EXPERTS_STREAM must be 1"),
     # a kernel that never prints the proof the inherited gates wait for
     (["moe.kernel=incumbent", "env.VLLM_EXL3_MOE_KERNEL=null"],
-     "gates wait for 'LNA2 MoE kernel ACTIVE' but moe.kernel is incumbent, which never prints it; drop that "
+     "gates wait for 'LNA2 MoE kernel ACTIVE rank=' but moe.kernel is incumbent, which never prints it; drop that "
      "gates.markers entry"),
     # no --gpus: the container would see no GPU
     (["gpus.ids=[]"], "a docker seat of quantization exl3 needs gpus.ids (the container is given only those GPUs); "

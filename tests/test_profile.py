@@ -49,7 +49,7 @@ def test_canon_profile_is_the_seat():
     assert p.model.served_name == "DSV4-Flash"
     assert p.moe.kernel == "lna2" and p.moe.strict == 1
     assert p.gpus.ids == [0, 1, 2, 3, 5, 7, 8, 9]
-    assert [m.text for m in p.gates.markers][0] == "LNA2 MoE kernel ACTIVE"
+    assert [m.text for m in p.gates.markers][0] == "LNA2 MoE kernel ACTIVE rank="
     assert p.kv_min_tokens() == 389120
     assert p.decode_rows() == 16
     assert p.reference.tok_s["1"]["code"] == 108.6
@@ -509,3 +509,25 @@ def test_a_link_that_leads_nowhere_is_not_called_missing(tmp_path, target):
     with pytest.raises(ProfileError) as e:
         load_profile(str(link))
     assert e.value.message == f"profile file '{link}' is a symbolic link that leads nowhere (dangling, or a loop)"
+
+
+def test_the_images_own_active_line_is_not_dsv4serves_proof():
+    """The seat image's vllm-exl3 prints "F3 LNA2 MoE kernel ACTIVE (VLLM_EXL3_MOE_KERNEL=lna2)" from
+    its own kernel path; the bare marker text matched it on eight ranks with our plugin serving
+    nothing, and a marker of that line was taken as the proof, so ours was never added."""
+    from dsv4serve.profile import LNA2_ACTIVE
+    from dsv4serve.ranklog import SeatTracker
+
+    image_line = "F3 LNA2 MoE kernel ACTIVE (VLLM_EXL3_MOE_KERNEL=lna2)"
+    p = load_profile("8x16gb-380k", ['gates.markers=[{text: "F3 LNA2 MoE kernel ACTIVE", ranks: all}]'])
+    assert [m.text for m in p.gates.markers] == ["F3 LNA2 MoE kernel ACTIVE", LNA2_ACTIVE]
+    canon = load_profile("8x16gb-380k")
+    tr = SeatTracker(8, [m.text for m in canon.gates.markers], canon.gates.forbidden)
+    for r in range(8):
+        tr.feed(f"(Worker_TP{r} pid={200 + r}) INFO dsv4serve plugin ready rank={r}/8 moe_layers=43 kernel=lna2")
+        tr.feed(f"(Worker_TP{r} pid={200 + r}) WARNING 09-04 [exl3.py] {image_line}")
+    assert tr.missing_markers()[LNA2_ACTIVE] == list(range(8))
+    for r in range(8):
+        tr.feed(f"(Worker_TP{r} pid={200 + r}) WARNING LNA2 MoE kernel ACTIVE rank={r}/8 layers=43 bits=2,3 "
+                "ext=b557db3a35138 policy=builtin")
+    assert not tr.missing_markers()

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from dsv4serve import home
 from dsv4serve.errors import ProfileError
-from dsv4serve.profile import LNA2_ACTIVE, Profile, VllmSection
+from dsv4serve.profile import LNA2_ACTIVE_ANY, Profile, VllmSection
 
 PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
 PLUGIN_ENV_RUN_DIR = "DSV4SERVE_RUN_DIR"
@@ -166,7 +166,7 @@ def check_plan(profile: Profile) -> None:
         if p.moe.tuning:
             raise ProfileError(f"profile {p.name}: moe.tuning picks lna2 builds but moe.kernel is {p.moe.kernel}",
                                hint="drop moe.tuning, or set moe.kernel=lna2")
-        proof = next((m.text for m in p.gates.markers if LNA2_ACTIVE in m.text), None)
+        proof = next((m.text for m in p.gates.markers if LNA2_ACTIVE_ANY in m.text), None)
         if proof is not None:  # a gate no seat of this kernel can pass: up would wait its whole timeout
             raise ProfileError(f"profile {p.name}: gates wait for '{proof}' but moe.kernel is {p.moe.kernel}, which "
                                "never prints it", hint="drop that gates.markers entry (the incumbent profile lists "

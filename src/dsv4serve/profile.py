@@ -309,7 +309,11 @@ class VllmSection(_Strict):
 VLLM_DEFAULT_MAX_NUM_SEQS = 256  # what vLLM batches up to when --max-num-seqs is not given
 
 # The plugin's proof lines (moe_dispatch): what an lna2 seat under strict mode always gates on.
-LNA2_ACTIVE = "LNA2 MoE kernel ACTIVE"
+# Anchored on "rank=": the seat image's own vllm-exl3 prints "F3 LNA2 MoE kernel ACTIVE
+# (VLLM_EXL3_MOE_KERNEL=lna2)" from its own kernel path, which the bare text also matched, so eight
+# of those lines passed the gate without dsv4serve's plugin serving a single call.
+LNA2_ACTIVE = "LNA2 MoE kernel ACTIVE rank="
+LNA2_ACTIVE_ANY = "LNA2 MoE kernel ACTIVE"  # ours or the image's: what an incumbent seat never shows
 # a decline outside prefill shapes (rows above the ceiling are prefill, which the incumbent serves)
 LNA2_DECLINE = r"LNA2 declined: (?!rows=\d+ above the ceiling)"
 LNA2_DECLINE_SAMPLE = ("LNA2 declined: x dtype torch.float32 is not fp16 or bf16 (rank=0/8 "
@@ -466,12 +470,12 @@ class Profile(_Strict):
         if self.moe.kernel != "lna2" or self.moe.strict < 1:
             return self
         tp = self.vllm.tensor_parallel_size
-        proving = [(i, m) for i, m in enumerate(self.gates.markers) if LNA2_ACTIVE in m.text]
-        for i, m in proving:
-            if m.ranks != "all" and m.ranks < tp:
+        for i, m in enumerate(self.gates.markers):
+            if LNA2_ACTIVE_ANY in m.text and m.ranks != "all" and m.ranks < tp:
                 raise ValueError(f"gates.markers.{i}.ranks: {m.ranks} of {tp} ranks for the lna2 ACTIVE marker; "
                                  "an lna2 seat under strict mode proves the kernel on every rank: use \"all\"")
-        if not proving:
+        # the image's line ("F3 LNA2 MoE kernel ACTIVE") as a marker is not dsv4serve's proof
+        if not any(LNA2_ACTIVE in m.text for m in self.gates.markers):
             self.gates.markers = [*self.gates.markers, Marker(text=LNA2_ACTIVE, ranks="all")]
         if LNA2_DECLINE not in self.gates.forbidden:  # a narrower pattern of the user's is not a substitute
             self.gates.forbidden = [*self.gates.forbidden, LNA2_DECLINE]
