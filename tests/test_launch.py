@@ -283,3 +283,23 @@ def test_hints_name_a_profile_from_a_file_by_its_path(tmp_path):
     r = cli("patch", "apply", "--profile", str(prof), home=home, timeout=120)
     assert r.returncode == 2 and f"runtime.patch_root {tmp_path / 'nowhere'} is not a directory" in r.stderr, r.stderr
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_an_lna2_seat_must_say_its_speculative_tokens_and_not_replay_a_graph_above_the_ceiling():
+    """A left-out num_speculative_tokens counted as 0 (vLLM fills it in: every decode step (1 + k)x
+    the rows checked), and a capture size above the ceiling holds the incumbent, replayed on every
+    decode step that pads to it without a line or a count (helper audit)."""
+    from dsv4serve.launch import check_plan
+
+    with pytest.raises(ProfileError) as e:
+        check_plan(load_profile("8x16gb-380k", ["vllm.speculative_config={method: dspark}"]))
+    assert "gives no num_speculative_tokens" in e.value.line() and "num_speculative_tokens (the canon" in e.value.line()
+    with pytest.raises(ProfileError) as e:
+        check_plan(load_profile("8x16gb-380k", ["vllm.compilation_config={cudagraph_capture_sizes: [4, 8, 32]}"]))
+    assert e.value.line() == (
+        "profile 8x16gb-380k: a decode step of 16 rows replays the CUDA graph captured at 32 rows "
+        "(vllm.compilation_config.cudagraph_capture_sizes), above the lna2 row ceiling 24; add 16 to "
+        "cudagraph_capture_sizes, or drop the sizes above 24")
+    for sizes in ("[1, 2, 4]", "[4, 16, 32]", "[4, 8, 24, 32]"):
+        check_plan(load_profile("8x16gb-380k", [f"vllm.compilation_config={{cudagraph_capture_sizes: {sizes}}}"]))
+    check_plan(load_profile("8x16gb-380k-incumbent", ["vllm.compilation_config={cudagraph_capture_sizes: [4, 64]}"]))

@@ -656,3 +656,43 @@ def test_on_a_99_kb_card_a_k3_layer_goes_to_the_builds_that_fit(monkeypatch):
     assert h.grep("lna2 fit") == ["dsv4serve plugin lna2 fit rank=0/1 bits=3 hidden=1024 intermediate=128: v26 fits 0 "
                                   "of 24 rows, v46 fits 1 of 24 rows, v36 fits 1 of 24 rows (shared memory per block); "
                                   "the policy serves the next build that fits"]
+
+
+def test_the_worker_recounts_decode_rows_from_the_config_vllm_resolved():
+    """The launcher counts from the profile; vLLM fills in a left-out speculative token count and
+    pads a decode step to its CUDA-graph capture size. Counted from the profile alone, a seat whose
+    every decode step ran above the build's ceiling passed the load-time refusal (helper audit)."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CompilationConfig, CUDAGraphMode, SchedulerConfig
+
+    from dsv4serve.vllm_plugin import with_vllm_decode_rows
+
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, is_encoder_decoder=False)
+    env = md.PluginEnv(run_id="t1", run_dir=None, kernel="lna2", strict=1, decode_rows=8)  # k left out: 8 x 1
+    eager = NS(enforce_eager=True)
+    cfg = NS(scheduler_config=sched, speculative_config=NS(num_speculative_tokens=3), model_config=eager,
+             compilation_config=CompilationConfig())
+    got = with_vllm_decode_rows(env, cfg)
+    assert (got.decode_rows, got.decode_rows_why) == (32, "vLLM's max_num_seqs 8 x (1 + 3 speculative tokens)")
+    h = Harness(strict=1, ceiling=24)
+    h.rt.env = got  # what _after_load hands the Runtime it makes
+    with pytest.raises(md.Lna2NotReadyError, match=r"at most 24 rows a call but this seat decodes 32 \(vLLM's max_num_"
+                                                   r"seqs 8 x \(1 \+ 3 speculative tokens\)\)"):
+        h.prepare()
+
+    # 4 streams x 4 = 16 rows replay the graph captured at 32 (graphs on), not at 16 (eager)
+    sched4 = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048, is_encoder_decoder=False)
+    comp = CompilationConfig(cudagraph_capture_sizes=[4, 8, 32], cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    env16 = md.PluginEnv(run_id="t1", run_dir=None, kernel="lna2", strict=1, decode_rows=16)
+    spec = NS(num_speculative_tokens=3)
+    graphs = with_vllm_decode_rows(env16, NS(scheduler_config=sched4, speculative_config=spec,
+                                             model_config=NS(enforce_eager=False), compilation_config=comp))
+    assert graphs.decode_rows == 32 and graphs.decode_rows_why.endswith("replayed in the CUDA graph captured at 32 rows")
+    for model, mode in ((eager, CUDAGraphMode.FULL_AND_PIECEWISE), (NS(enforce_eager=False), CUDAGraphMode.NONE)):
+        plain = CompilationConfig(cudagraph_capture_sizes=[4, 8, 32], cudagraph_mode=mode)
+        assert with_vllm_decode_rows(env16, NS(scheduler_config=sched4, speculative_config=spec, model_config=model,
+                                               compilation_config=plain)) is env16
+    # the launcher's count is never lowered, and a config the plugin does not know leaves it as it is
+    assert with_vllm_decode_rows(env16, NS(scheduler_config=NS(max_num_seqs=2))).decode_rows == 16
+    assert with_vllm_decode_rows(env16, None) is env16

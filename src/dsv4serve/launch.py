@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from dsv4serve import home
 from dsv4serve.errors import ProfileError
+from dsv4serve.lna2.policy import graph_rows
 from dsv4serve.profile import LNA2_ACTIVE_ANY, Profile, VllmSection
 
 PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
@@ -112,7 +113,21 @@ def check_plan(profile: Profile) -> None:
     p, v = profile, profile.vllm
     tp = v.tensor_parallel_size
     if p.moe.kernel == "lna2":
+        if v.speculative_config and v.speculative_config.get("num_speculative_tokens") is None:
+            # vLLM fills it in (DSpark's block size, MTP's n_predict): counted here as 0, every decode
+            # step would be (1 + k)x the rows checked against the ceiling and go to the incumbent
+            raise ProfileError(f"profile {p.name}: vllm.speculative_config gives no num_speculative_tokens, so vLLM "
+                               "chooses it and the decode rows the lna2 row ceiling must hold are unknown",
+                               hint="set vllm.speculative_config.num_speculative_tokens (the canon seat's is 3)")
         rows = p.decode_rows()
+        padded = graph_rows(rows, (v.compilation_config or {}).get("cudagraph_capture_sizes"))
+        if rows <= p.moe.row_ceiling < padded:
+            # the captured graph of that size holds the incumbent (captured above the ceiling), and a
+            # replay enters no Python: no decline line, no counter, every decode step on the wrong kernel
+            raise ProfileError(
+                f"profile {p.name}: a decode step of {rows} rows replays the CUDA graph captured at {padded} rows "
+                f"(vllm.compilation_config.cudagraph_capture_sizes), above the lna2 row ceiling {p.moe.row_ceiling}",
+                hint=f"add {rows} to cudagraph_capture_sizes, or drop the sizes above {p.moe.row_ceiling}")
         if rows > p.moe.row_ceiling:
             k = p.spec_tokens()
             fit = max(1, p.moe.row_ceiling // (1 + k))

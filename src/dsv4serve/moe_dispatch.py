@@ -99,6 +99,8 @@ class PluginEnv:
     kernel: str  # lna2 | incumbent | none
     strict: int  # 0 | 1 | 2
     decode_rows: int | None = None  # rows of the seat's decode calls, when the launcher said
+    # how decode_rows was counted; the plugin recounts from vLLM's resolved config (vllm_plugin)
+    decode_rows_why: str = "max_num_seqs x (1 + speculative tokens)"
     tuning: str | None = None  # this card's lna2 tuning table (lna2/tuning.py), when the profile names one
 
 
@@ -512,7 +514,7 @@ class Runtime:
                     # every decode step would go to the incumbent as "above the ceiling", which the
                     # gates let through as prefill: the seat would run, proven, on the wrong kernel
                     self._rows_refusal = (f"the lna2 build takes at most {self.ceiling} rows a call but this seat "
-                                          f"decodes {rows} (max_num_seqs x (1 + speculative tokens)); lower "
+                                          f"decodes {rows} ({self.env.decode_rows_why}); lower "
                                           f"vllm.max_num_seqs until that is at most {self.ceiling}, and "
                                           "moe.row_ceiling to the build's (`dsv4serve kernel info`)")
             except (RuntimeError, OSError, ImportError) as e:

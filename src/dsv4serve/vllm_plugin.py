@@ -120,6 +120,35 @@ def _is_draft(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         vllm_config, "model_config", None)
 
 
+def with_vllm_decode_rows(env: Any, vllm_config: Any) -> Any:
+    """env with decode_rows recounted from the config vLLM resolved, when that is more than the
+    launcher counted from the profile: vLLM fills in what a profile leaves out (the speculative
+    token count) and pads a decode step to its CUDA-graph capture size, and a graph captured
+    above the build's ceiling replays the incumbent on every step without a line or a count."""
+    import dataclasses
+
+    from dsv4serve.lna2.policy import graph_rows
+
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if not isinstance(seqs, int) or seqs < 1:
+        return env  # not a config this plugin knows: the launcher's count stands
+    k = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
+    k = k if isinstance(k, int) and k > 0 else 0
+    rows = seqs * (1 + k)
+    why = f"vLLM's max_num_seqs {seqs} x (1 + {k} speculative tokens)"
+    comp = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(comp, "cudagraph_mode", None)
+    eager = bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
+    # an unresolved mode (None) is vLLM's default, graphs on: counted as such (fail closed)
+    if not eager and getattr(mode, "name", str(mode)) != "NONE":
+        padded = graph_rows(rows, getattr(comp, "cudagraph_capture_sizes", None))
+        if padded > rows:
+            rows, why = padded, f"{why}, replayed in the CUDA graph captured at {padded} rows"
+    if env.decode_rows is not None and rows <= env.decode_rows:
+        return env
+    return dataclasses.replace(env, decode_rows=rows, decode_rows_why=why)
+
+
 def moe_layers(model: Any) -> list[tuple[str, Any]]:
     """Every module whose quant method is a FusedMoE method (RoutedExperts in 0.32), once each."""
     try:
@@ -149,6 +178,8 @@ def _after_load(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
     _loads += 1
     draft = _is_draft(args, kwargs)
     if _runtime is None:
+        if env.kernel == "lna2":
+            env = with_vllm_decode_rows(env, kwargs.get("vllm_config", args[0] if args else None))
         rank, tp = _rank()
         counters = Counters(env.run_dir, rank, tp, env.kernel)
         _runtime = moe_dispatch.Runtime(env, rank, tp, emit=_say, counters=counters, ext_loader=loader.load)

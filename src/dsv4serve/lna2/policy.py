@@ -204,3 +204,10 @@ def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,
         if fit.get(v, 0) >= rows:
             return v
     return prefs[-1]
+
+
+def graph_rows(rows: int, capture_sizes: Any) -> int:
+    """The rows a decode step of `rows` runs at under CUDA graphs: vLLM pads a batch up to the
+    smallest capture size that holds it, and runs one larger than every size eagerly."""
+    sizes = [s for s in capture_sizes or [] if isinstance(s, int) and not isinstance(s, bool)]
+    return min((s for s in sizes if s >= rows), default=rows)
