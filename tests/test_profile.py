@@ -531,3 +531,30 @@ def test_the_images_own_active_line_is_not_dsv4serves_proof():
         tr.feed(f"(Worker_TP{r} pid={200 + r}) WARNING LNA2 MoE kernel ACTIVE rank={r}/8 layers=43 bits=2,3 "
                 "ext=b557db3a35138 policy=builtin")
     assert not tr.missing_markers()
+
+
+@pytest.mark.parametrize("where, overrides, text", [
+    ("env.FOO", [], 'extends: cpu-demo\nenv: {FOO: "a\\0b"}\n'),
+    ("model.served_name", ['model.served_name="x\\0y"'], "extends: cpu-demo\n"),
+    ("vllm.extra_args.0", [], 'extends: cpu-demo\nvllm: {extra_args: ["--x\\0"]}\n'),
+])
+def test_a_nul_byte_is_refused_at_load(tmp_path, where, overrides, text):
+    """No argv or env entry can carry NUL: up passed every check, crashed at spawn with a traceback
+    and left the seat recorded as launching with no pid, refusing every later up (helper audit)."""
+    p = tmp_path / "seat.yaml"
+    p.write_text(text)
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p), overrides)
+    assert e.value.message.startswith(f"profile seat: {where} holds a NUL byte") and e.value.hint
+
+
+def test_a_files_bad_env_name_is_not_blamed_on_an_unrelated_set(tmp_path):
+    """loc is ("env",) for every env key, so any --set env.X was named as the source (helper audit)."""
+    p = tmp_path / "seat.yaml"
+    p.write_text("extends: cpu-demo\nenv: {1X: a}\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p), ["env.FOO=1"])
+    assert e.value.message.endswith(f"(in {p})") and "--set" not in e.value.message
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", ["env.2Y=1"])
+    assert e.value.message.endswith("(from --set env.2Y)")

@@ -831,8 +831,12 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
     """The first error as one line; `source(loc)` says where the value came from (see _source)."""
     e = err.errors()[0]
     loc = tuple(e.get("loc", ()))
-    where_from = source(loc) if source else ""
     path = ".".join(str(p) for p in loc)
+    msg0 = str(e.get("msg", "")).removeprefix("Value error, ")
+    exact = re.match(rf"{re.escape(path)}\.([A-Za-z0-9_]+):", msg0) if path else None
+    # our own validators name the exact key below pydantic's loc (env.1X under env): ask where
+    # that key came from, or any --set under env.* would be blamed for a file's env.1X
+    where_from = (source((*loc, exact.group(1)) if exact else loc)) if source else ""
     if e.get("type") == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
@@ -861,6 +865,21 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
     return ProfileError(f"profile {name}: {where}{msg}{got_s}{where_from}", hint=hint)
 
 
+def _nul_at(v: Any, where: str = "") -> str | None:
+    """The dotted key of the first string (key or value) holding a NUL byte, or None."""
+    if isinstance(v, str):
+        return where if "\x00" in v else None
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, val in items:
+        here = f"{where}.{k}" if where else str(k)
+        if isinstance(k, str) and "\x00" in k:
+            return here
+        got = _nul_at(val, here)
+        if got is not None:
+            return got
+    return None
+
+
 def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
     chain: list[tuple[Path, dict[str, Any]]] = []
     data, path = load_raw(ref, chain=chain)
@@ -872,6 +891,11 @@ def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
         # the error is about the name (an empty `name:` is null, which read "profile None"):
         # call the profile by its file
         name = path.name
+    nul = _nul_at(data)
+    if nul is not None:  # exec cannot carry it: up crashed at spawn and left the seat "launching"
+        raise ProfileError(f"profile {name}: {nul} holds a NUL byte, which no argument or environment "
+                           "variable can carry" + _source(tuple(nul.split(".")), chain, overrides or []),
+                           hint="remove the \\0 from that value")
     try:
         prof = Profile.model_validate(data)
     except ValidationError as err:

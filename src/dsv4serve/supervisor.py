@@ -431,10 +431,11 @@ class Supervisor:
         with Interrupts() as intr:
             try:
                 self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: a NUL byte in argv or env (exec cannot carry it)
                 with contextlib.suppress(OSError, state.UnreadableState):
                     state.remove(self.seat, self.spec.run_id)
-                return self._finish(Outcome(False, EXIT_FAILED, f"could not start {self.spec.argv[0]}: {e.strerror}",
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                return self._finish(Outcome(False, EXIT_FAILED, f"could not start {self.spec.argv[0]}: {why}",
                                             None, 0.0))
             pid = self.proc.pid
             # Reap our child the moment it exits: a zombie would hold `down`'s and our own
