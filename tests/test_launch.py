@@ -303,3 +303,26 @@ def test_an_lna2_seat_must_say_its_speculative_tokens_and_not_replay_a_graph_abo
     for sizes in ("[1, 2, 4]", "[4, 16, 32]", "[4, 8, 24, 32]"):
         check_plan(load_profile("8x16gb-380k", [f"vllm.compilation_config={{cudagraph_capture_sizes: {sizes}}}"]))
     check_plan(load_profile("8x16gb-380k-incumbent", ["vllm.compilation_config={cudagraph_capture_sizes: [4, 64]}"]))
+
+
+@pytest.mark.parametrize("host", ["::0", "0:0:0:0:0:0:0:0", '"0"', "0x0", "000.000.000.000", '"[::]"', "::ffff:0.0.0.0"])
+def test_every_spelling_of_the_wildcard_address_needs_the_opt_in(host):
+    """The opt-in compared text against 0.0.0.0 / :: / [::]: "::0" or "0x0" listened on every
+    interface without it (helper audit)."""
+    with pytest.raises(ProfileError, match="would expose the seat on every interface"):
+        build("cpu-demo", f"vllm.host={host}")
+    build("cpu-demo", f"vllm.host={host}", "vllm.allow_public_host=true")
+    for private in ("127.0.0.1", "::1", "localhost", "10.0.0.5"):
+        build("cpu-demo", f"vllm.host={private}")
+
+
+def test_a_bracketed_ipv6_host_reaches_vllm_bare_and_docker_bracketed():
+    """vLLM binds --host as given and "[::1]" does not resolve there; docker's -p wants brackets,
+    and takes no name at all (helper audit)."""
+    assert flag_value(build("cpu-demo", 'vllm.host="[::1]"').argv, "--host") == "::1"
+    docker = build("8x16gb-380k", 'vllm.host="[::1]"', "runtime.patch_root=/tmp")
+    assert "[::1]:8899:8000" in docker.argv
+    with pytest.raises(ProfileError) as e:
+        build("8x16gb-380k", "vllm.host=localhost", "runtime.patch_root=/tmp")
+    assert e.value.line() == ("profile 8x16gb-380k: vllm.host localhost is a name, and docker's -p takes an IP "
+                              "address; use 127.0.0.1 (or the address the name stands for)")

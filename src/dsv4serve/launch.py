@@ -3,9 +3,11 @@ that refuse a seat before it is started (each refusal names the key and the fix)
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +27,27 @@ PLUGIN_ENV_DECODE_ROWS = "DSV4SERVE_DECODE_ROWS"  # rows of the seat's decode ca
 PLUGIN_ENV_TUNING = "DSV4SERVE_LNA2_TUNING"  # moe_dispatch.TUNING_ENV (not imported: it pulls in torch)
 TUNING_COPY = "lna2-tuning.json"
 NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
-PUBLIC_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+
+
+def _numeric_host(host: str) -> str | None:
+    """The address a numeric host spells ("0x0", "000.000.000.000" and "::0" included), or None for a name."""
+    try:
+        return socket.getaddrinfo(host.strip("[]"), None, flags=socket.AI_NUMERICHOST)[0][4][0].split("%")[0]
+    except (socket.gaierror, UnicodeError, ValueError):
+        return None
+
+
+def is_public_host(host: str) -> bool:
+    """Whether listening on `host` listens on every interface: by the address it spells, not the text
+    (the text test let "::0", "0" and "0x0" through the opt-in)."""
+    if not host.strip("[]"):
+        return True
+    addr = _numeric_host(host)
+    if addr is None:
+        return False
+    ip = ipaddress.ip_address(addr)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
 
 # Flags vLLM spells as BooleanOptionalAction: False renders as --no-<flag>.
 _TRISTATE = {"enable_prefix_caching"}
@@ -159,7 +181,7 @@ def check_plan(profile: Profile) -> None:
         if var in p.env:  # the launcher derives it from gpus.ids (native) or --gpus (docker)
             raise ProfileError(f"profile {p.name}: env.{var} would override the seat's GPUs behind the checks' back",
                                hint=f"drop env.{var} and set gpus.ids")
-    if v.host in PUBLIC_HOSTS and not v.allow_public_host:
+    if is_public_host(v.host) and not v.allow_public_host:
         raise ProfileError(
             f"profile {p.name}: vllm.host {v.host or '(empty)'} would expose the seat on every interface",
             hint="use 127.0.0.1, or set vllm.allow_public_host=true to opt in")
@@ -197,6 +219,9 @@ def check_plan(profile: Profile) -> None:
         raise ProfileError(f"profile {p.name}: runtime.exl3_extension is mounted into a docker seat's image; a native "
                            "seat imports the installed exllamav3", hint="drop runtime.exl3_extension, and rebuild the "
                            "installed exllamav3 after `dsv4serve patch apply`")
+    if p.runtime.kind == "docker" and v.host and _numeric_host(v.host) is None:
+        raise ProfileError(f"profile {p.name}: vllm.host {v.host} is a name, and docker's -p takes an IP address",
+                           hint="use 127.0.0.1 (or the address the name stands for)")
     if p.runtime.kind == "docker" and not p.runtime.image:
         raise ProfileError(f"profile {p.name}: runtime.image is required for the docker runtime")
 

@@ -253,6 +253,14 @@ class VllmSection(_Strict):
     allow_public_host: bool = Field(False, description="opt-in needed to listen on 0.0.0.0 / ::")
     extra_args: list[str] = Field(default_factory=list, description="flags passed through verbatim")
 
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        # vLLM binds --host as given: "[::1]" does not resolve there (the port probe stripped the
+        # brackets and passed it); the docker -p form adds them back
+        v = v.strip()
+        return v[1:-1] if v.startswith("[") and v.endswith("]") else v
+
     @field_validator("port")
     @classmethod
     def _port(cls, v: int) -> int:
