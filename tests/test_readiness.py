@@ -63,3 +63,36 @@ def test_a_port_taken_during_bring_up_fails_the_wait_at_once_naming_the_holder(t
     err = sup._probe_error
     assert err is not None and err.message.startswith(f"port {port} is held by pid {os.getpid()} ("), err
     assert "not by this seat" in err.message and "--set vllm.port=N" in err.hint
+
+
+def test_the_probes_ignore_the_shells_proxy(monkeypatch):
+    """An http_proxy without NO_PROXY for 127.0.0.1 carried the probes away: a healthy seat failed
+    readiness and was stopped, and status called it unhealthy (helper audit)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dsv4serve import readiness
+
+    class Seat(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"{}" if self.path == "/health" else json.dumps({"data": [{"id": "demo"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Seat)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for var in ("http_proxy", "HTTP_PROXY", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert readiness.health(base) and readiness.served_models(base) == ["demo"]
+    finally:
+        srv.shutdown()

@@ -1171,7 +1171,7 @@ def _endpoint(rep: Report, ctx: Ctx) -> None:
 
     st = ctx.seat
     try:
-        r = httpx.get(f"{st.base_url}/v1/models", timeout=10.0)
+        r = httpx.get(f"{st.base_url}/v1/models", timeout=10.0, trust_env=False)  # the seat is local
         r.raise_for_status()
         doc = r.json()
     except (httpx.HTTPError, ValueError) as e:
@@ -1224,7 +1224,7 @@ def _own_canary(base_url: str, model: str, cfg: Any, timeout: float) -> str:
     if cfg.thinking_off:
         body["chat_template_kwargs"] = {"thinking": False}
     try:
-        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout)
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout, trust_env=False)
     except httpx.HTTPError as e:
         raise JobFailed(f"canary: {e.__class__.__name__}: {e}") from None
     if r.status_code != 200:

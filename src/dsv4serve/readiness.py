@@ -20,18 +20,20 @@ from dsv4serve.errors import JobFailed
 # httpx.InvalidURL is no HTTPError: a URL httpx cannot build (an unbracketed IPv6 host once) must
 # read as a failed probe, not escape as a crash of `status` or of the readiness thread.
 HTTP_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+# trust_env=False on every probe: the seat is on this machine, and an http_proxy / ALL_PROXY of the
+# user's shell without NO_PROXY for 127.0.0.1 carried them away (a healthy seat failed readiness).
 
 
 def health(base_url: str, timeout: float = 3.0) -> bool:
     try:
-        return httpx.get(f"{base_url}/health", timeout=timeout).status_code == 200
+        return httpx.get(f"{base_url}/health", timeout=timeout, trust_env=False).status_code == 200
     except HTTP_ERRORS:
         return False
 
 
 def served_models(base_url: str, timeout: float = 5.0) -> list[str]:
     try:
-        r = httpx.get(f"{base_url}/v1/models", timeout=timeout)
+        r = httpx.get(f"{base_url}/v1/models", timeout=timeout, trust_env=False)
         r.raise_for_status()
         return [m.get("id", "") for m in r.json().get("data", [])]
     except (*HTTP_ERRORS, ValueError) as e:
@@ -54,7 +56,8 @@ def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 1
     """The canary with its evidence: text, completion tokens, seconds. Raises JobFailed."""
     t0 = time.monotonic()
     try:
-        r = httpx.post(f"{base_url}/v1/chat/completions", json=canary_body(model, canary_cfg), timeout=timeout)
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=canary_body(model, canary_cfg), timeout=timeout,
+                       trust_env=False)
     except HTTP_ERRORS as e:
         raise JobFailed(f"canary completion failed: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
