@@ -129,6 +129,12 @@ class RankState:
         return False
 
 
+# What still fails a seat once it is ready. A traceback is not: vLLM logs one for a single bad
+# request (a tool or reasoning parser that raised on a stream) and keeps serving; what a dead
+# engine leaves behind (a rank gone, the process exiting) is caught on its own.
+SERVING_FATAL = ("rank_died", "cuda", "nccl", "oom", "plugin", "forbidden")
+
+
 @dataclass
 class Fatal:
     kind: str
