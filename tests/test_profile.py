@@ -128,6 +128,19 @@ def test_set_overrides_are_typed():
     ("vllm.max_num_seqs=x", "give vllm.max_num_seqs as a whole number"),
     ("vllm.trust_remote_code=maybe", "give vllm.trust_remote_code as true or false"),
     # options the launcher sets from a key: docker would take both, the later one winning
+    # every spelling vLLM's parser completes or reads with its value attached (helper audit: these
+    # moved the port, TP and model behind the plan's back)
+    ('vllm.extra_args=["--tensor-parallel=4"]', "--tensor-parallel is vllm.tensor_parallel_size's flag (vLLM reads "
+                                                "it as --tensor-parallel-size)"),
+    ('vllm.extra_args=["--por", "9999"]', "--por is vllm.port's flag (vLLM reads it as --port)"),
+    ('vllm.extra_args=["-qfp8"]', "-qfp8 is vllm.quantization's flag (vLLM reads it as -q)"),
+    ('vllm.extra_args=["-t", "4"]', "-t is vllm.tensor_parallel_size's flag (vLLM reads it as -tp)"),
+    ('vllm.extra_args=["-sc.num_speculative_tokens=3"]', "is vllm.speculative_config's flag"),
+    ('vllm.extra_args=["--model", "/x"]', "--model is model.path's flag: set model.path instead"),
+    ('vllm.extra_args=["--served-model-name", "o"]', "--served-model-name is model.served_name's flag"),
+    ('vllm.extra_args=["--config", "f.yaml"]', "--config reads a config file"),
+    ('vllm.extra_args=["-pp", "2"]', "-pp sets pipeline parallelism, which dsv4serve does not supervise"),
+    ('vllm.extra_args=["--data-parallel-size=2"]', "sets data parallelism"),
     ('runtime.extra_args=["--gpus", "all"]', "runtime.extra_args: --gpus is set by the launcher from gpus.ids"),
     ('runtime.extra_args=["-eLNA_DSV4_AUX_STREAMS=1"]', "-e is set by the launcher from env.NAME"),
     ('runtime.extra_args=["--env=X=1"]', "--env is set by the launcher from env.NAME"),
@@ -558,3 +571,8 @@ def test_a_files_bad_env_name_is_not_blamed_on_an_unrelated_set(tmp_path):
     with pytest.raises(ProfileError) as e:
         load_profile("cpu-demo", ["env.2Y=1"])
     assert e.value.message.endswith("(from --set env.2Y)")
+
+
+def test_vllm_flags_without_a_key_of_their_own_still_pass_through():
+    p = load_profile("cpu-demo", ['vllm.extra_args=["--max-loras", "2", "-O3", "--enable-chunked-prefill", "-n", "1"]'])
+    assert p.vllm.extra_args == ["--max-loras", "2", "-O3", "--enable-chunked-prefill", "-n", "1"]

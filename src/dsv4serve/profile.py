@@ -273,21 +273,47 @@ class VllmSection(_Strict):
     def _extra_not_managed(cls, v: list[str]) -> list[str]:
         # vLLM takes the last of two equal flags, and only warns: `--port` here would move the
         # server while readiness, the gates and check-seat read vllm.port (and -tp would change TP
-        # behind the plan's back). A flag with a key of its own must be set through that key.
-        own = {"--" + k.replace("_", "-"): k for k in cls.model_fields if k not in ("extra_args", "allow_public_host")}
+        # behind the plan's back). A flag with a key of its own must be set through that key, in
+        # every spelling vLLM's parser takes: argparse completes an unambiguous prefix (--por,
+        # --tensor-parallel, -t) and reads a short flag's value attached (-tp4, -qfp8).
+        own = {"--" + k.replace("_", "-"): f"vllm.{k}" for k in cls.model_fields
+               if k not in ("extra_args", "allow_public_host")}
         own.update({"--no-" + f[2:]: k for f, k in list(own.items())})
-        own.update({"-tp": "tensor_parallel_size", "-q": "quantization", "-sc": "speculative_config",
-                    "-cc": "compilation_config"})
+        own.update({"--model": "model.path", "--served-model-name": "model.served_name"})
+        shorts = {"-tp": "vllm.tensor_parallel_size", "-q": "vllm.quantization", "-sc": "vllm.speculative_config",
+                  "-cc": "vllm.compilation_config"}
+        # dsv4serve supervises one tensor-parallel group: ranks, markers and counters are keyed on the
+        # TP index, which pipeline or data-parallel workers would share (one stage proving for all)
+        alone = {"--pipeline-parallel-size": "pipeline parallelism", "-pp": "pipeline parallelism",
+                 "--data-parallel-size": "data parallelism", "-dp": "data parallelism",
+                 "--config": "a config file (it can set any flag, behind the profile's keys)"}
         for a in v:
-            # vLLM reads --max_model_len as --max-model-len, and --speculative-config.x=.. replaces
-            # the whole speculative config: both are the key's flag too
-            flag = a.split("=", 1)[0]
-            if flag.startswith("--"):
-                flag = "--" + flag[2:].split(".", 1)[0].replace("_", "-")
-            key = own.get(flag)
-            if key is not None:
-                raise ValueError(f"{flag} is vllm.{key}'s flag: set vllm.{key} instead (vLLM would take the later of "
-                                 "the two, behind the checks' and gates' back)")
+            if a.startswith("--"):
+                # vLLM reads --max_model_len as --max-model-len, and --speculative-config.x=.. replaces
+                # the whole speculative config: both are the key's flag too
+                flag = "--" + a[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+                hits = [f for f in (*own, *alone) if f.startswith(flag)] if len(flag) > 2 else []
+                exact = flag if flag in own or flag in alone else None
+                if exact is None and len(hits) >= 1:
+                    exact = hits[0]  # an abbreviation argparse completes (or refuses as ambiguous)
+            elif a.startswith("-") and len(a) > 1:
+                head = a[1:].split("=", 1)[0].split(".", 1)[0]
+                exact = next((f for f in (*shorts, *alone) if not f.startswith("--") and
+                              (("-" + head).startswith(f) or f.startswith("-" + head))), None)
+            else:
+                continue
+            if exact is None:
+                continue
+            if exact in alone:
+                raise ValueError(f"{a.split('=', 1)[0]} sets {alone[exact]}, which dsv4serve does not supervise "
+                                 "(ranks are keyed on the tensor-parallel index)" if exact != "--config" else
+                                 f"{a.split('=', 1)[0]} reads {alone[exact]}: give each flag its vllm.* key or "
+                                 "extra_args entry")
+            key = own.get(exact) or shorts[exact]
+            spelled = a.split("=", 1)[0]
+            raise ValueError(f"{spelled} is {key}'s flag" + ("" if spelled in (exact, exact.replace("-", "_")) else
+                             f" (vLLM reads it as {exact})") + f": set {key} instead (vLLM would take the later "
+                             "of the two, behind the checks' and gates' back)")
         return v
 
     @field_validator("gpu_memory_utilization")
