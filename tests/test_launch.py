@@ -326,3 +326,47 @@ def test_a_bracketed_ipv6_host_reaches_vllm_bare_and_docker_bracketed():
         build("8x16gb-380k", "vllm.host=localhost", "runtime.patch_root=/tmp")
     assert e.value.line() == ("profile 8x16gb-380k: vllm.host localhost is a name, and docker's -p takes an IP "
                               "address; use 127.0.0.1 (or the address the name stands for)")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    # the launcher sets it from moe.strict: a different value was silently replaced (helper audit)
+    (["env.VLLM_EXL3_MOE_STRICT=1"], "moe.strict is 0 but env.VLLM_EXL3_MOE_STRICT is 1"),
+    # the image's own F1 / native kernel would run while dsv4serve reported the incumbent
+    (["env.VLLM_EXL3_MOE_KERNEL=lna"], "env.VLLM_EXL3_MOE_KERNEL=lna but moe.kernel is incumbent"),
+    (["env.VLLM_EXL3_MOE_KERNEL=native"], "env.VLLM_EXL3_MOE_KERNEL=native but moe.kernel is incumbent"),
+    (["env.VLLM_EXL3_MOE_KERNEL=lna2"], "env.VLLM_EXL3_MOE_KERNEL=lna2 but moe.kernel is incumbent"),
+])
+def test_an_incumbent_seat_carries_no_kernel_or_strict_env_it_would_not_honour(overrides, words):
+    with pytest.raises(ProfileError, match=words):
+        build("8x16gb-380k-incumbent", "runtime.patch_root=/tmp", *overrides)
+    build("8x16gb-380k-incumbent", "runtime.patch_root=/tmp", "env.VLLM_EXL3_MOE_KERNEL=exllamav3",
+          "env.VLLM_EXL3_MOE_STRICT=0")
+
+
+def test_strict_2_is_refused_where_vllms_prefill_passes_exceed_the_ceiling():
+    """Strict 2 raises on any call above the ceiling; vLLM's profile run and prefill chunks are
+    max_num_batched_tokens rows: such a seat failed in its workers at boot (helper audit)."""
+    with pytest.raises(ProfileError) as e:
+        build("8x16gb-380k", "moe.strict=2", "env.VLLM_EXL3_MOE_STRICT=2")
+    assert "moe.strict 2 raises on every MoE call above the row ceiling 24, and vLLM's prefill passes take 512" \
+        in e.value.line() and "max_num_batched_tokens <= 24" in e.value.line()
+    build("8x16gb-380k", "moe.strict=2", "env.VLLM_EXL3_MOE_STRICT=2", "vllm.max_num_batched_tokens=24",
+          "runtime.patch_root=/tmp")
+
+
+def test_a_profile_cannot_write_the_launchers_own_variables():
+    """env.DSV4SERVE_LNA2_EXT put another build into the workers than check-seat described."""
+    for var in ("DSV4SERVE_LNA2_EXT", "DSV4SERVE_LNA2_TUNING", "DSV4SERVE_RUN_ID"):
+        with pytest.raises(ProfileError, match=f"env.{var}: DSV4SERVE_\\* variables are set by the launcher"):
+            load_profile("cpu-demo", [f"env.{var}=/x"])
+
+
+def test_the_shells_run_channel_does_not_reach_the_seat(monkeypatch):
+    """A DSV4SERVE_LNA2_TUNING exported in the shell reached the workers of a seat whose profile
+    names no table; DSV4SERVE_HOME still passes (the checks read the same one)."""
+    monkeypatch.setenv("DSV4SERVE_LNA2_TUNING", "/srv/old-card-table.json")
+    monkeypatch.setenv("DSV4SERVE_DECODE_ROWS", "4")
+    monkeypatch.setenv("DSV4SERVE_HOME", "/tmp/dsv4home-x")
+    env = launch.env_for_child(build("cpu-demo"))
+    assert "DSV4SERVE_LNA2_TUNING" not in env and "DSV4SERVE_DECODE_ROWS" not in env
+    assert env["DSV4SERVE_HOME"] == "/tmp/dsv4home-x" and env["DSV4SERVE_RUN_ID"] == "r1"

@@ -186,19 +186,32 @@ def check_plan(profile: Profile) -> None:
             f"profile {p.name}: vllm.host {v.host or '(empty)'} would expose the seat on every interface",
             hint="use 127.0.0.1, or set vllm.allow_public_host=true to opt in")
     env = p.env
+    strict_env = env.get("VLLM_EXL3_MOE_STRICT")
+    if (p.moe.kernel == "lna2" or strict_env is not None) and strict_env != str(p.moe.strict):
+        # the launcher sets it from moe.strict: a different value written here was silently replaced
+        raise ProfileError(f"profile {p.name}: moe.strict is {p.moe.strict} but env.VLLM_EXL3_MOE_STRICT is "
+                           f"{strict_env or 'unset'}", hint=f"set env.VLLM_EXL3_MOE_STRICT={p.moe.strict}")
     if p.moe.kernel == "lna2":
         if env.get("VLLM_EXL3_MOE_KERNEL") != "lna2":
             raise ProfileError(f"profile {p.name}: moe.kernel is lna2 but env.VLLM_EXL3_MOE_KERNEL is "
                                f"{env.get('VLLM_EXL3_MOE_KERNEL', 'unset')}", hint="set env.VLLM_EXL3_MOE_KERNEL=lna2")
-        if env.get("VLLM_EXL3_MOE_STRICT") != str(p.moe.strict):
-            raise ProfileError(f"profile {p.name}: moe.strict is {p.moe.strict} but env.VLLM_EXL3_MOE_STRICT is "
-                               f"{env.get('VLLM_EXL3_MOE_STRICT', 'unset')}",
-                               hint=f"set env.VLLM_EXL3_MOE_STRICT={p.moe.strict}")
+        batched = v.max_num_batched_tokens
+        if p.moe.strict >= 2 and (batched is None or batched > p.moe.row_ceiling):
+            # strict 2 raises on any call above the ceiling, and vLLM's first pass (the profile run,
+            # a prefill chunk) is max_num_batched_tokens rows: such a seat cannot boot
+            raise ProfileError(f"profile {p.name}: moe.strict 2 raises on every MoE call above the row ceiling "
+                               f"{p.moe.row_ceiling}, and vLLM's prefill passes take "
+                               f"{batched if batched else 'its default'} rows (vllm.max_num_batched_tokens)",
+                               hint="use moe.strict 1 (prefill goes to the incumbent, every other decline fails "
+                                    f"the seat), or set vllm.max_num_batched_tokens <= {p.moe.row_ceiling}")
         if p.moe.tuning:
             tuning_table(p)  # unreadable or not a table: refused here, not in eight workers
-    elif env.get("VLLM_EXL3_MOE_KERNEL") == "lna2":
-        raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL=lna2 but moe.kernel is {p.moe.kernel}",
-                           hint="make moe.kernel and env.VLLM_EXL3_MOE_KERNEL agree")
+    elif env.get("VLLM_EXL3_MOE_KERNEL") not in (None, "exllamav3", "auto"):
+        # lna / native / lna2 pick one of the image's own kernels: the seat would run it while
+        # dsv4serve reports the incumbent (a restore carries no MOE_KERNEL, seat-reference 4.5)
+        raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL={env['VLLM_EXL3_MOE_KERNEL']} but moe.kernel is "
+                           f"{p.moe.kernel}", hint="drop env.VLLM_EXL3_MOE_KERNEL (or set moe.kernel=lna2 with "
+                                                   "env.VLLM_EXL3_MOE_KERNEL=lna2)")
     else:
         if p.moe.tuning:
             raise ProfileError(f"profile {p.name}: moe.tuning picks lna2 builds but moe.kernel is {p.moe.kernel}",
@@ -400,8 +413,14 @@ def write_plugin_dist_info(run_dir: Path) -> Path:
     return d
 
 
+# The plugin's run channel: set by this launch alone. One exported in the user's shell (a
+# DSV4SERVE_LNA2_TUNING left from a device session) reached the workers of a seat whose profile
+# names no table. DSV4SERVE_HOME and DSV4SERVE_LNA2_EXT pass: the CLI's checks read the same ones.
+_RUN_CHANNEL = (PLUGIN_ENV_RUN_ID, PLUGIN_ENV_RUN_DIR, PLUGIN_ENV_KERNEL, PLUGIN_ENV_DECODE_ROWS, PLUGIN_ENV_TUNING)
+
+
 def env_for_child(spec: LaunchSpec) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _RUN_CHANNEL}
     env.update(spec.env)
     return env
 

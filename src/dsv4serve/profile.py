@@ -483,6 +483,12 @@ class Profile(_Strict):
             if not isinstance(k, str) or not _ENV_NAME.fullmatch(k):
                 raise ValueError(f"env.{k}: not a valid variable name (letters, digits and '_', "
                                  "not starting with a digit)")
+            if k.startswith("DSV4SERVE_") and val is not None:
+                # the launcher's own channel to the plugin: env.DSV4SERVE_LNA2_EXT here put another
+                # build into the workers than the one check-seat describes
+                raise ValueError(f"env.{k}: DSV4SERVE_* variables are set by the launcher (run id, kernel, decode "
+                                 "rows, the lna2 build and tuning table); use moe.extension / moe.tuning, or "
+                                 "export DSV4SERVE_HOME before running dsv4serve")
             if val is None:  # deleted by a child profile
                 continue
             if isinstance(val, bool):
