@@ -139,6 +139,8 @@ def test_saved_atomically_read_back_with_the_digest_of_its_bytes(tmp_path):
     ("picks", "picks: Value error, key 'K4/mcg'"),
     ("extra", "surprise: Extra inputs are not permitted"),
     ("sm", "sm_count: Input should be greater than or equal to 1"),
+    # a key that timed nothing: the ACTIVE line said policy=tuned while nothing was tuned (helper audit)
+    ("empty", "picks: Value error, K2/mcg: no row counts"),
 ])
 def test_a_bad_table_is_one_line_naming_the_field(tmp_path, content, phrase):
     good = json.loads(tuning.dumps(measured({"K2/mcg": {1: 26}})))
@@ -149,6 +151,8 @@ def test_a_bad_table_is_one_line_naming_the_field(tmp_path, content, phrase):
         good["surprise"] = 1
     elif content == "sm":
         good["sm_count"] = 0
+    elif content == "empty":
+        good["picks"] = {"K2/mcg": {}}
     if isinstance(content, bytes):
         path.write_bytes(content)
     elif content is not None:
@@ -301,14 +305,22 @@ def test_the_run_gets_its_own_copy_of_the_table(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("setup, phrase", [
-    ("missing", "No such file or directory"),
+    ("missing", f"lna2 tuning table {{path}}: missing"),
     ("bad", "not JSON"),
+    # a FIFO blocked the dry run, check-seat and up forever (helper audit); a directory is no table
+    ("fifo", "lna2 tuning table {path}: not a regular file"),
+    ("dir", "lna2 tuning table {path}: not a regular file"),
     ("incumbent", "moe.tuning picks lna2 builds but moe.kernel is incumbent"),
 ])
 def test_the_launch_plan_refuses_a_table_it_cannot_use(tmp_path, setup, phrase):
     path = tmp_path / "t.json"
     if setup == "bad":
         path.write_text("{")
+    elif setup == "fifo":
+        os.mkfifo(path)
+    elif setup == "dir":
+        path.mkdir()
+    phrase = phrase.format(path=path)
     over = ["runtime.kind=native", f"moe.tuning={path}"]
     if setup == "incumbent":
         _canon_table(tmp_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from dsv4serve.ranklog import SeatTracker, parse_line
 
 REAL = Path(__file__).parent / "data" / "vllm-cpu-tp2-mtp.log"
@@ -90,7 +92,7 @@ def test_fatal_signatures_and_hints():
     tr.feed("(Worker_TP1 pid=9) ERROR RuntimeError: lna2 not ready: rank=1/2 layer=model.layers.1.mlp.experts: no CUDA")
     f = [x for x in tr.fatal if x.kind == "traceback"][0]
     assert f.stream == "rank1" and f.line.startswith("RuntimeError: lna2 not ready")
-    assert "kernel build" in f.hint
+    assert "lna2 runs on a CUDA GPU" in f.hint
     assert tr.ranks[1].first_error.startswith("RuntimeError")
     tr.feed("(Worker_TP0 pid=8) ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     assert any(x.kind == "oom" for x in tr.fatal)
@@ -310,3 +312,20 @@ def test_vllm_refusing_its_own_command_line_is_the_fatal_line_with_a_fix():
     assert len(tr.fatal) == 1
     tr.feed("vllm serve: error: unrecognized arguments: --bogus")  # the docker seat's entrypoint names itself so
     assert [f.kind for f in tr.fatal] == ["argv", "argv"]
+
+
+@pytest.mark.parametrize("reason, words", [
+    ("lna2 tuning table /srv/t.json (8a54ef4635a9) is not this card's: it was measured on a Another Card (132 SMs), "
+     "this is a NVIDIA H100 80GB HBM3 (132 SMs); re-run `dsv4serve kernel check --bench --save-tuning FILE` on this "
+     "card, or drop moe.tuning", "--save-tuning FILE` on the seat's card"),
+    ("the lna2 build takes at most 32 rows a call but this seat decodes 33 (max_num_seqs x (1 + speculative tokens))",
+     "lower vllm.max_num_seqs"),
+    ("lna2 extension: extension not built (x.so missing)", "`dsv4serve kernel build`"),
+])
+def test_a_refusals_hint_matches_its_cause(reason, words):
+    """Every 'lna2 not ready' line got "build the lna2 extension", contradicting a refusal for
+    another card's table or too many decode rows (helper audit)."""
+    tr = SeatTracker(2, [], [])
+    tr.feed(f"(Worker_TP0 pid=200) ERROR dsv4serve plugin FAILED lna2 not ready: rank=0/2 layer=model.layers.3.mlp."
+            f"experts: {reason} (VLLM_EXL3_MOE_STRICT=1)")
+    assert tr.fatal and words in tr.fatal[-1].hint

@@ -266,9 +266,9 @@ def tuning_table(profile: Profile) -> tuple[Path, Any, str, bytes] | None:
     if path is None:
         return None
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ProfileError(f"profile {profile.name}: moe.tuning {path}: {e.strerror or e}",
+        data = tuning.read_bytes(path)
+    except tuning.TuningError as e:
+        raise ProfileError(f"profile {profile.name}: moe.tuning: {e}",
                            hint="write it with `dsv4serve kernel check --bench --save-tuning FILE` on the seat's "
                                 "card, or drop moe.tuning") from None
     try:

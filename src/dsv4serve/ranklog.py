@@ -394,7 +394,20 @@ class SeatTracker:
         if "nccl" in low:
             return "check NCCL_P2P_DISABLE=1 and --disable-custom-all-reduce on PCIe seats without P2P"
         if "lna2 not ready" in low:
-            return "build the lna2 extension for this GPU (`dsv4serve kernel build`) or use moe.kernel=incumbent"
+            # the refusal names its own cause; the hint must not contradict it (a tuning table of
+            # another card or too many decode rows read "build the lna2 extension")
+            if "tuning table" in low:
+                return ("re-run `dsv4serve kernel check --bench --save-tuning FILE` on the seat's card with the "
+                        "seat's build, or drop moe.tuning")
+            if "rows a call" in low:
+                return ("lower vllm.max_num_seqs until max_num_seqs x (1 + speculative tokens), or the CUDA-graph "
+                        "size it pads to, fits the build's rows (`dsv4serve kernel info`)")
+            if "no cuda" in low:
+                return ("lna2 runs on a CUDA GPU: check that gpus.ids gives every worker one (nvidia-smi), or use "
+                        "moe.kernel=incumbent")
+            if "extension" in low:
+                return "build the lna2 extension for this GPU (`dsv4serve kernel build`) or use moe.kernel=incumbent"
+            return "the line names the layer and why lna2 cannot serve it; moe.kernel=incumbent runs without lna2"
         if "safetensor" in low or "incomplete metadata" in low or "header" in low and "deserializ" in low:
             return "the pack's safetensors are damaged or incomplete: re-download or re-copy the model files"
         if low.startswith("docker: ") or "response from daemon" in low or "docker daemon" in low:

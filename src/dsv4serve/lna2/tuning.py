@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import stat
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
@@ -80,6 +81,8 @@ class TuningTable(BaseModel):
         for k, rows in v.items():
             if not _KEY.fullmatch(k):
                 raise ValueError(f"key {k!r} is not K2/mcg, K3/mcg, K2/mul1 or K3/mul1")
+            if not rows:  # it would be "served" (policy=tuned on the ACTIVE line) with nothing in it
+                raise ValueError(f"{k}: no row counts (a check that timed nothing at this K)")
             if any(r < 1 for r in rows) or any(b < 0 for b in rows.values()):
                 raise ValueError(f"{k}: rows start at 1 and build numbers at 0")
         return v
@@ -173,16 +176,30 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-def load(path: str | Path) -> tuple[TuningTable, str]:
-    """The table at `path` and the digest of its bytes, or TuningError naming what is wrong."""
+MAX_BYTES = 1 << 20  # a table is a few KB; a path to a device or a huge file must not be read whole
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """The bytes of the table file at `path`, or TuningError: a FIFO named here blocked the dry run,
+    check-seat and up forever, and /dev/zero would have been read without end."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise TuningError(f"lna2 tuning table {p}: not a regular file")
+        if st.st_size > MAX_BYTES:
+            raise TuningError(f"lna2 tuning table {p}: {st.st_size} bytes, more than a table ({MAX_BYTES} at most)")
+        with p.open("rb") as f:
+            return f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise TuningError(f"lna2 tuning table {p}: missing") from None
     except OSError as e:
         raise TuningError(f"lna2 tuning table {p}: {e.strerror or e}") from None
-    return parse(data, str(p))
+
+
+def load(path: str | Path) -> tuple[TuningTable, str]:
+    """The table at `path` and the digest of its bytes, or TuningError naming what is wrong."""
+    return parse(read_bytes(path), str(path))
 
 
 def parse(data: bytes, p: str) -> tuple[TuningTable, str]:
