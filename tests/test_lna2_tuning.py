@@ -305,7 +305,7 @@ def test_the_run_gets_its_own_copy_of_the_table(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("setup, phrase", [
-    ("missing", f"lna2 tuning table {{path}}: missing"),
+    ("missing", "lna2 tuning table {path}: missing"),
     ("bad", "not JSON"),
     # a FIFO blocked the dry run, check-seat and up forever (helper audit); a directory is no table
     ("fifo", "lna2 tuning table {path}: not a regular file"),
