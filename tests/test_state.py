@@ -596,3 +596,17 @@ def test_an_empty_profile_name_names_no_seat_and_never_means_all(home, cmd):
     r = cli(cmd, "--profile", "", home=home, timeout=60)
     assert r.returncode == 2 and "--profile '' names no seat" in r.stderr, r.stdout + r.stderr
     assert state.load("good") is not None
+
+
+def test_a_relative_home_is_made_absolute_and_a_relative_xdg_state_home_ignored(tmp_path, monkeypatch):
+    """A relative DSV4SERVE_HOME gave docker relative -v paths and a relative run dir, and status or
+    down from another directory found no seat (helper audit)."""
+    from dsv4serve import home as home_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DSV4SERVE_HOME", "relhome")
+    assert home_mod.home() == tmp_path / "relhome"
+    monkeypatch.delenv("DSV4SERVE_HOME")
+    monkeypatch.setenv("XDG_STATE_HOME", "relstate")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert home_mod.home() == tmp_path / "h" / ".local" / "state" / "dsv4serve"

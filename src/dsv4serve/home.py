@@ -13,9 +13,12 @@ _FIX = "set DSV4SERVE_HOME to a writable directory"
 def _configured() -> Path:
     env = os.environ.get("DSV4SERVE_HOME")
     if env:
-        return Path(env).expanduser()
+        # absolute: a relative home put relative paths into docker's -v and the run dir, and
+        # status / down from another directory found no seat
+        return Path(env).expanduser().absolute()
     xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
+    # the XDG spec: a relative XDG_STATE_HOME is invalid and is ignored
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".local" / "state"
     return base / "dsv4serve"
 
 
