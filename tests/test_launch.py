@@ -370,3 +370,30 @@ def test_the_shells_run_channel_does_not_reach_the_seat(monkeypatch):
     env = launch.env_for_child(build("cpu-demo"))
     assert "DSV4SERVE_LNA2_TUNING" not in env and "DSV4SERVE_DECODE_ROWS" not in env
     assert env["DSV4SERVE_HOME"] == "/tmp/dsv4home-x" and env["DSV4SERVE_RUN_ID"] == "r1"
+
+
+@pytest.mark.parametrize("value, words", [
+    ("{home.x}", "unknown placeholder {home.x}"),
+    ("{home[0]}", "unknown placeholder {home[0]}"),
+    ("{home!r}", "placeholder with a conversion or format {home!r}"),
+    ("{cache:>20}", "placeholder with a conversion or format {cache:>20}"),
+    ("{}", "unknown placeholder {}"),
+])
+def test_a_placeholder_is_a_name_and_nothing_more(value, words):
+    """str.format ran {home.x} (AttributeError traceback, the --json dry run printing nothing) and
+    {home!r} / {cache:>20} (silently other text) (helper audit)."""
+    with pytest.raises(ProfileError) as e:
+        build("cpu-demo", f"env.FOO={value}")
+    assert e.value.message == f"env.FOO: {words}" and "{home}" in e.value.hint
+    assert build("cpu-demo", "env.FOO={home}/a{{b}}").env["FOO"].endswith("/a{b}")
+
+
+def test_check_seat_judges_the_assembled_plan_as_up_does(tmp_path, monkeypatch):
+    """check-seat ran only check_plan, so a placeholder up refuses read as a passing plan."""
+    from dsv4serve import checks
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path))
+    rep = checks.Report("cpu-demo")
+    checks.check_plan(rep, checks.Ctx(profile=load_profile("cpu-demo", ["env.FOO={home.x}"])))
+    row = next(r for r in rep.rows if r.check == "launch-plan")
+    assert row.status == "fail" and row.found == "env.FOO: unknown placeholder {home.x}"

@@ -918,7 +918,9 @@ def _docker(rep: Report, ctx: Ctx) -> None:
 def check_plan(rep: Report, ctx: Ctx) -> None:
     p = ctx.profile
     try:
-        launch.check_plan(p)
+        # the whole assembly, as the dry run does it: placeholders ({home.x} in an env value) and
+        # mounts are judged there, and check-seat passed what up then refused
+        launch.build(p, run_id="<run-id>", run_dir=home.runs_dir() / "<run-id>")
         rep.add("plan", "launch-plan", "ok", "profile passes the launch plan checks")
     except DsvError as e:
         rep.add("plan", "launch-plan", "fail", e.message, "", e.hint or "")

@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import socket
+import string
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -88,13 +89,24 @@ def placeholders(profile: Profile, run_dir: Path) -> dict[str, str]:
 
 
 def _expand(value: str, ctx: dict[str, str], where: str) -> str:
+    """{home}, {cache}, ... replaced, and nothing else: str.format would also run {home.x} (an
+    AttributeError traceback), {home[0]} and {home!r} / {cache:>20} (silently other text)."""
+    names = ", ".join("{" + k + "}" for k in ctx)
+    out = []
     try:
-        return value.format_map(ctx)
-    except KeyError as e:
-        raise ProfileError(f"{where}: unknown placeholder {{{e.args[0]}}}",
-                           hint=f"use one of {', '.join('{' + k + '}' for k in ctx)}") from None
-    except (ValueError, IndexError):
+        for literal, field, spec, conv in string.Formatter().parse(value):
+            out.append(literal)
+            if field is None:
+                continue
+            if field not in ctx or spec or conv:
+                shown = "{" + field + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+                what = "unknown placeholder" if field not in ctx else "placeholder with a conversion or format"
+                raise ProfileError(f"{where}: {what} {shown}", hint=f"use one of {names} as written "
+                                   "(a literal brace is {{ or }})")
+            out.append(ctx[field])
+    except ValueError:
         raise ProfileError(f"{where}: malformed placeholder in '{value}' (write a literal brace as {{{{ or }}}})") from None
+    return "".join(out)
 
 
 def resolve_model_path(profile: Profile, expand: bool = True) -> str:
