@@ -130,11 +130,11 @@ def test_set_overrides_are_typed():
     # options the launcher sets from a key: docker would take both, the later one winning
     # every spelling vLLM's parser completes or reads with its value attached (helper audit: these
     # moved the port, TP and model behind the plan's back)
-    ('vllm.extra_args=["--tensor-parallel=4"]', "--tensor-parallel is vllm.tensor_parallel_size's flag (vLLM reads "
-                                                "it as --tensor-parallel-size)"),
-    ('vllm.extra_args=["--por", "9999"]', "--por is vllm.port's flag (vLLM reads it as --port)"),
-    ('vllm.extra_args=["-qfp8"]', "-qfp8 is vllm.quantization's flag (vLLM reads it as -q)"),
-    ('vllm.extra_args=["-t", "4"]', "-t is vllm.tensor_parallel_size's flag (vLLM reads it as -tp)"),
+    ('vllm.extra_args=["--tensor-parallel=4"]', "--tensor-parallel (vLLM reads it as --tensor-parallel-size) is "
+                                                "vllm.tensor_parallel_size's flag"),
+    ('vllm.extra_args=["--por", "9999"]', "--por (vLLM reads it as --port) is vllm.port's flag"),
+    ('vllm.extra_args=["-qfp8"]', "-qfp8 (vLLM reads it as -q) is vllm.quantization's flag"),
+    ('vllm.extra_args=["-t", "4"]', "-t (vLLM reads it as -tp) is vllm.tensor_parallel_size's flag"),
     ('vllm.extra_args=["-sc.num_speculative_tokens=3"]', "is vllm.speculative_config's flag"),
     ('vllm.extra_args=["--model", "/x"]', "--model is model.path's flag: set model.path instead"),
     ('vllm.extra_args=["--served-model-name", "o"]', "--served-model-name is model.served_name's flag"),

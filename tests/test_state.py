@@ -610,3 +610,62 @@ def test_a_relative_home_is_made_absolute_and_a_relative_xdg_state_home_ignored(
     monkeypatch.setenv("XDG_STATE_HOME", "relstate")
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
     assert home_mod.home() == tmp_path / "h" / ".local" / "state" / "dsv4serve"
+
+
+HOLDER = """
+import sys, time
+from dsv4serve import state
+lk = state.acquire("cpu-demo", "up")  # an up in its pre-launch steps: the lock, no state yet
+print("held", flush=True)
+deadline = time.time() + 60
+while time.time() < deadline:
+    if state.cancel_requested("cpu-demo"):  # what up's checkpoints do
+        state.clear_cancel("cpu-demo")
+        print("cancelled", flush=True)
+        break
+    time.sleep(0.1)
+lk.release()
+"""
+
+
+def test_down_during_ups_pre_launch_steps_stops_that_up(home):
+    """`down` while `up` ran its pre-launch checks said "nothing to stop" and the seat came up
+    afterwards (helper audit): it now asks that up to stop and waits until it has."""
+    from dsv4serve import seat
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env={**os.environ, "DSV4SERVE_HOME": str(home)},
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert state.starting_seats() == ["cpu-demo"]
+        rep = seat.down("cpu-demo")
+        assert rep["clean"] and rep["seats"][0]["cancelled_before_launch"], rep
+        assert holder.stdout.readline().strip() == "cancelled"
+        assert holder.wait(10) == 0
+        assert not state.cancel_requested("cpu-demo") and state.starting_seats() == []
+        assert seat.down("cpu-demo")["message"] == "seat cpu-demo is not running: nothing to stop"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_up_stops_at_its_next_checkpoint_and_the_supervisor_before_spawning(home, monkeypatch, tmp_path):
+    from dsv4serve import launch, seat, supervisor
+    from dsv4serve.errors import JobFailed
+    from dsv4serve.profile import load_profile
+
+    state.seat_dir("cpu-demo").mkdir(parents=True, exist_ok=True)
+    state.request_cancel("cpu-demo")
+    with pytest.raises(JobFailed, match="stopped by `dsv4serve down` before vLLM was started; nothing was started"):
+        seat._stop_if_cancelled("cpu-demo")
+    assert not state.cancel_requested("cpu-demo")
+
+    # the request lands after up's last checkpoint, before the supervisor records the state
+    profile = load_profile("cpu-demo")
+    spec = launch.build(profile, run_id="cpu-demo-cancel-test", run_dir=tmp_path / "run")
+    sup = supervisor.Supervisor(profile, spec, json_events=True, foreground=False)
+    monkeypatch.setattr(supervisor, "spawn", lambda *a, **k: pytest.fail("spawned after a cancel"))
+    state.request_cancel("cpu-demo")
+    out = sup.run()
+    assert not out.ok and "stopped by `dsv4serve down` before vLLM was started" in out.reason
+    assert state.load("cpu-demo") is None and not state.cancel_requested("cpu-demo")

@@ -311,9 +311,10 @@ class VllmSection(_Strict):
                                  "extra_args entry")
             key = own.get(exact) or shorts[exact]
             spelled = a.split("=", 1)[0]
-            raise ValueError(f"{spelled} is {key}'s flag" + ("" if spelled in (exact, exact.replace("-", "_")) else
-                             f" (vLLM reads it as {exact})") + f": set {key} instead (vLLM would take the later "
-                             "of the two, behind the checks' and gates' back)")
+            plain = spelled == exact or (spelled.startswith("--") and "--" + spelled[2:].replace("_", "-") == exact)
+            raise ValueError(f"{spelled}" + ("" if plain else f" (vLLM reads it as {exact})") + f" is {key}'s flag: "
+                             f"set {key} instead (vLLM would take the later of the two, behind the checks' and "
+                             "gates' back)")
         return v
 
     @field_validator("gpu_memory_utilization")

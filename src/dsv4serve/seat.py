@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
@@ -373,6 +374,7 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
     lk = state.acquire(name, "up")  # held while bringing up (and while attached with --foreground)
     old, stage = _signals_raise()  # before the launch nothing runs: a SIGTERM is a one-line exit, not a silent 143
     try:
+        state.clear_cancel(name)  # a request of `down` to an up before this one is not for this one
         _clear_if_stale(name, json_events)
         _check_port(profile)  # before anything starts, and with the owner named
         if profile.model.demo:
@@ -382,11 +384,14 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
             if not demo_model.is_complete(path, profile.model.demo_seed):
                 _say(f"generating the demo model into {path}", json_events, event="demo_model", path=str(path))
             demo_model.ensure_demo_model(seed=profile.model.demo_seed)  # before checks: they read the pack
+        _stop_if_cancelled(name)
         _prelaunch(profile, apply_patches, skip_checks, json_events)
+        _stop_if_cancelled(name)
         run_id = _run_id(name)
         run_dir = home.runs_dir() / run_id
         spec = launch.build(profile, run_id=run_id, run_dir=run_dir)
         check_vllm_argv(profile, spec, validate, json_events)  # a rejected flag: exit 2, nothing started
+        _stop_if_cancelled(name)
         home.ensure(run_dir)
         launch.write_tuning(profile, run_dir)
         if spec.runtime == "docker":
@@ -404,6 +409,17 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         _signals_restore(old)
         if lk.is_locked:
             lk.release()
+
+
+def _stop_if_cancelled(name: str) -> None:
+    """`down` ran while this up was in its pre-launch steps (no state to stop yet): stop here.
+    The supervisor asks once more right after it records the state."""
+    from dsv4serve import state
+    from dsv4serve.errors import JobFailed
+
+    if state.cancel_requested(name):
+        state.clear_cancel(name)
+        raise JobFailed(f"up of seat {name} stopped by `dsv4serve down` before vLLM was started; nothing was started")
 
 
 def _signals_raise() -> tuple[dict[int, Any], dict[str, bool]]:
@@ -476,19 +492,30 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
 
     names, unreadable = [], []
     asked = _seat_names(profile_name)
-    for n in asked:
+    pool = state.starting_seats()
+    starting = [n for n in asked if n in pool] if profile_name else pool
+    cancelled: list[dict[str, Any]] = []
+    for n in starting:
+        # an up in its pre-launch steps has no state to stop yet: ask it to stop, and wait until it
+        # has (the lock is released) or has launched after all (its state appears: stopped below)
+        got = _cancel_starting(n)
+        if got is not None:
+            cancelled.append(got)
+    for n in asked if profile_name else state.all_seats():
         try:
             if state.load(n) is not None:
                 names.append(n)
         except state.UnreadableState:
             unreadable.append(n)
+    if cancelled and not names and not unreadable:
+        return {"clean": all(c["clean"] for c in cancelled), "seats": cancelled}
     if not names and not unreadable:
         what = f"seat {asked[0]} is not running" if profile_name and asked else "no seat is running"
         return {"clean": True, "seats": [], "message": f"{what}: nothing to stop"}
     if len(names) + len(unreadable) > 1:
         known = sorted(names + unreadable)
         raise BadInput(f"{len(known)} seats are known ({', '.join(known)})", hint="name one with --profile")
-    out: dict[str, Any] = {"seats": [], "clean": True}
+    out: dict[str, Any] = {"seats": list(cancelled), "clean": all(c["clean"] for c in cancelled)}
     for n in unreadable:
         rep = _down_unreadable(n)
         out["seats"].append(rep)
@@ -517,6 +544,29 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
         out["seats"].append(rep)
         out["clean"] = out["clean"] and rep["clean"]
     return out
+
+
+CANCEL_WAIT_S = 120.0  # an up checks between its pre-launch steps; the longest (the checks) takes ~10-60 s
+
+
+def _cancel_starting(name: str) -> dict[str, Any] | None:
+    """Stop an up that is still in its pre-launch steps: None when it launched meanwhile (its
+    state is there for `down` to stop), else the seat's report."""
+    from dsv4serve import state
+
+    state.request_cancel(name)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while time.monotonic() < deadline:
+        if state.state_path(name).exists():
+            return None
+        if not state.lock_held(name):
+            state.clear_cancel(name)
+            return {"seat": name, "clean": True, "cancelled_before_launch": True, "signalled": [],
+                    "note": "its up was still in its pre-launch steps: stopped before vLLM was started"}
+        time.sleep(0.2)
+    return {"seat": name, "clean": False, "cancelled_before_launch": False, "signalled": [],
+            "note": f"its up holds the seat in its pre-launch steps and did not stop within {CANCEL_WAIT_S:.0f} s: "
+                    "stop it with Ctrl-C where it runs, then `dsv4serve down` again"}
 
 
 def _down_unreadable(name: str) -> dict[str, Any]:
@@ -556,6 +606,11 @@ def render_down(report: dict) -> None:
             if rep.get("remaining"):
                 console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False,
                               soft_wrap=True)
+            continue
+        if "cancelled_before_launch" in rep:
+            console.print(f"seat {rep['seat']}: {rep['note']}: "
+                          f"{'[bold green]clean[/]' if rep['clean'] else '[bold red]NOT stopped[/]'}", highlight=False,
+                          soft_wrap=True)
             continue
         n = len(rep.get("signalled", []))
         console.print(f"seat {rep['seat']} (run {rep['run_id']}, was {rep.get('phase_before')}/{rep.get('was')}): "

@@ -354,6 +354,26 @@ def _seat_entries() -> list[Path]:
     return [p for p in d.iterdir() if SEAT_NAME.fullmatch(p.name)]
 
 
+CANCEL_FILE = "cancel-up"  # `down` asks an `up` still in its pre-launch steps (no state yet) to stop
+
+
+def request_cancel(seat: str) -> None:
+    atomic_write(seat_dir(seat) / CANCEL_FILE, json.dumps({"pid": os.getpid(), "at": time.time()}))
+
+
+def cancel_requested(seat: str) -> bool:
+    return (seat_dir(seat) / CANCEL_FILE).exists()
+
+
+def clear_cancel(seat: str) -> None:
+    (seat_dir(seat) / CANCEL_FILE).unlink(missing_ok=True)
+
+
+def starting_seats() -> list[str]:
+    """Seats an `up` holds the lock of but has not recorded a state for yet (its pre-launch steps)."""
+    return sorted(p.name for p in _seat_entries() if not (p / "state.json").exists() and lock_held(p.name))
+
+
 def all_seats() -> list[str]:
     # exists(), not is_file(): a state.json that is a directory (or anything unreadable) is still a
     # seat's state; load() reports it as unreadable and `down` sets it aside, instead of the seat

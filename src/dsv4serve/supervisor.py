@@ -428,6 +428,13 @@ class Supervisor:
             with contextlib.suppress(OSError, state.UnreadableState):
                 state.remove(self.seat, self.spec.run_id)
             raise self._state_write_failed(e) from None
+        if state.cancel_requested(self.seat):
+            # a `down` that found no state yet asked us to stop; from here on it would find this one
+            state.clear_cancel(self.seat)
+            with contextlib.suppress(OSError, state.UnreadableState):
+                state.remove(self.seat, self.spec.run_id)
+            return self._finish(Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` before vLLM was started; "
+                                        "nothing was started", None, 0.0))
         with Interrupts() as intr:
             try:
                 self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
