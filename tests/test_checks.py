@@ -850,3 +850,52 @@ def test_lna2_is_asked_to_serve_the_canary_not_only_the_warm_up(tmp_path):
     quiet = {**healthy, 2: {"lna2": 120, "incumbent": 30}}
     row = _counters_row(tmp_path, p, warm, quiet)
     assert row.status == "warn" and row.fix.startswith("rank 2 recorded no call of the canary"), row
+
+
+def test_a_docker_seats_moe_extension_is_the_build_check_seat_describes(tmp_path, monkeypatch):
+    """check-seat described the default build while a docker seat mounted moe.extension: the lna2,
+    rows and tuning rows spoke of another file, and a missing moe.extension passed (helper audits).
+    The mounted file is built for the image's torch, so its metadata is read, not the module."""
+    import json as _json
+
+    from dsv4serve.lna2.build import source_digest
+    from dsv4serve.lna2.loader import build_tag
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    so = tmp_path / "img" / "dsv4serve_lna2.so"
+    p = load_profile("8x16gb-380k", [f"moe.extension={so}"])
+    r = _st(_software(p), "lna2")
+    assert r.status == "fail" and f"moe.extension {so} is missing" in r.found
+    so.parent.mkdir()
+    so.write_bytes(b"\x7fELF not loaded here")
+    r = _st(_software(p), "lna2")
+    assert r.status == "fail" and "no build metadata beside moe.extension" in r.found
+    digest = source_digest()
+    so.with_suffix(".json").write_text(_json.dumps({"build_id": digest, "arch": "9.0;12.0", "max_rows": 8}))
+    rep = _software(p)
+    assert _st(rep, "lna2").status == "ok" and _st(rep, "lna2").found == f"{so} (build {build_tag(digest)})"
+    assert _st(rep, "lna2-rows").status == "fail"  # 16 decode rows, the mounted build takes 8
+    assert _st(rep, "lna2-arch").status == "ok"
+
+
+@pytest.mark.parametrize("value, words", [
+    ("rel/dsv4serve_lna2.so", "must be an absolute path"),
+    ("/x/dsv4serve_lna2", "must be the path of a built lna2 extension (.so)"),
+])
+def test_moe_extension_is_an_absolute_so(value, words):
+    from dsv4serve.errors import ProfileError
+
+    with pytest.raises(ProfileError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        load_profile("8x16gb-380k", [f"moe.extension={value}"])
+
+
+def test_moe_extension_expands_home_in_the_mount_and_is_refused_on_a_native_seat(tmp_path, monkeypatch):
+    from dsv4serve import launch
+    from dsv4serve.errors import ProfileError
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path))
+    spec = launch.build(load_profile("8x16gb-380k", ["moe.extension={home}/lna2/dsv4serve_lna2.so"]), run_id="r",
+                        run_dir=tmp_path / "run")
+    assert any(a.startswith(f"{tmp_path}/lna2/dsv4serve_lna2.so:") for a in spec.argv), spec.argv
+    with pytest.raises(ProfileError, match="moe.extension is mounted into a docker seat's image"):
+        launch.check_plan(load_profile("8x16gb-380k", ["runtime.kind=native", "moe.extension=/x/dsv4serve_lna2.so"]))

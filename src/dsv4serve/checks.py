@@ -766,13 +766,11 @@ def _lna2(rep: Report, ctx: Ctx) -> None:
     if p.moe.kernel != "lna2":
         rep.add("software", "lna2", "n/a", f"not used (moe.kernel {p.moe.kernel})")
         return
-    try:
-        from dsv4serve.lna2 import loader
-    except ImportError:
+    info = ctx.lna2_info = _lna2_describe(p)
+    if info.get("not_built"):
         rep.add("software", "lna2", "fail", "lna2 extension not built: run `dsv4serve kernel build`",
                 "an importable lna2 extension", "dsv4serve kernel build")
         return
-    info = ctx.lna2_info = loader.describe()
     if not info.get("loadable"):
         rep.add("software", "lna2", "fail", f"not loadable: {info.get('error') or '?'} ({info.get('path') or 'no path'})",
                 "an importable lna2 extension", "dsv4serve kernel build", data=info)
@@ -829,9 +827,7 @@ def _lna2_tuning(rep: Report, ctx: Ctx) -> None:
     path, table, digest, _ = got
     problems = []
     if ctx.lna2_info is None:  # the lna2 row did not get as far as reading it
-        from dsv4serve.lna2 import loader
-
-        ctx.lna2_info = loader.describe()
+        ctx.lna2_info = _lna2_describe(p)
     info = ctx.lna2_info
     built = info.get("build_id") if info.get("loadable") else None
     if built and built != table.build_id:
@@ -866,6 +862,17 @@ def _lna2_tuning(rep: Report, ctx: Ctx) -> None:
 def _cc_of(sm: str) -> str:
     d = sm.replace("sm_", "")
     return f"{d[:-1]}.{d[-1]}" if len(d) > 1 else d
+
+
+def _lna2_describe(p: Profile) -> dict[str, Any]:
+    """The build the seat's workers will load: a docker seat's moe.extension (mounted, described by
+    its metadata), else the build this environment loads."""
+    try:
+        from dsv4serve.lna2 import loader
+    except ImportError as e:
+        return {"loadable": False, "not_built": True, "error": f"the lna2 loader does not import ({e})"}
+    ext = launch.lna2_extension_path(p)
+    return loader.describe_file(Path(ext)) if ext else loader.describe()
 
 
 def _lna2_archs(info: dict[str, Any]) -> list[str]:

@@ -240,6 +240,10 @@ def check_plan(profile: Profile) -> None:
             if env.get(var) != want:
                 raise ProfileError(f"profile {p.name}: env.{var} must be {want} for an EXL3 seat ({why})",
                                    hint=f"set env.{var}={want}")
+    if p.runtime.kind == "native" and p.moe.extension:
+        raise ProfileError(f"profile {p.name}: moe.extension is mounted into a docker seat's image; a native seat "
+                           "loads the default build", hint="drop moe.extension, and run `dsv4serve kernel build` "
+                                                           "(or export DSV4SERVE_LNA2_EXT=FILE)")
     if p.runtime.kind == "native" and p.runtime.exl3_extension:
         raise ProfileError(f"profile {p.name}: runtime.exl3_extension is mounted into a docker seat's image; a native "
                            "seat imports the installed exllamav3", hint="drop runtime.exl3_extension, and rebuild the "
@@ -373,8 +377,7 @@ def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, boo
            (str(pkg), f"{sp}/dsv4serve", True),
            (str(run_dir / "plugin-dist-info"), f"{sp}/dsv4serve-plugin.dist-info", True)]
     if profile.moe.kernel == "lna2":
-        ext = profile.moe.extension or "{cache}/lna2/dsv4serve_lna2.so"
-        ext = ext.replace("{cache}", str(home.cache_dir()))
+        ext = lna2_extension_path(profile) or str(home.cache_dir() / "lna2" / "dsv4serve_lna2.so")
         out.append((ext, f"{sp}/dsv4serve_lna2.so", True))
     exl3 = exl3_extension_path(profile)
     if exl3:  # over the image's own module of the same name: the patched CUDA fixes run only from a rebuild
@@ -387,6 +390,12 @@ def _state_path(value: str | None, where: str) -> str | None:
     if not value:
         return None
     return _expand(value, {"home": str(home.home()), "cache": str(home.cache_dir())}, where)
+
+
+def lna2_extension_path(profile: Profile) -> str | None:
+    """moe.extension with {cache} / {home} expanded, for the docker seat that mounts it (None when
+    unset: the default build is mounted)."""
+    return _state_path(profile.moe.extension, "moe.extension")
 
 
 def exl3_extension_path(profile: Profile) -> str | None:

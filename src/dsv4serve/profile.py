@@ -364,12 +364,15 @@ class MoeSection(_Strict):
                                                  "--save-tuning FILE`): which build serves each row count it "
                                                  "measured; {cache} and {home} expand")
 
-    @field_validator("tuning")
+    @field_validator("tuning", "extension")
     @classmethod
-    def _tuning(cls, v: str | None) -> str | None:
+    def _tuning(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # docker's -v takes a relative source for a volume name, and a literal {home} went into it unexpanded
         if v is not None and not v.startswith(("/", "{cache}", "{home}")):
             raise ValueError("must be an absolute path (or start with {cache} or {home}): the seat's workers run "
                              "elsewhere than the shell that typed it")
+        if info.field_name == "extension" and v is not None and not v.endswith(".so"):
+            raise ValueError("must be the path of a built lna2 extension (.so): `dsv4serve kernel build --out DIR`")
         return v
 
 

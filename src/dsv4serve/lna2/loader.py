@@ -112,6 +112,27 @@ def describe() -> dict[str, Any]:
     return info
 
 
+def describe_file(path: Path) -> dict[str, Any]:
+    """What describe() says, for a build this process does not load: a docker seat's moe.extension,
+    built for the image's Python and torch and mounted there. Its metadata beside it (written by
+    `dsv4serve kernel build`) is all there is to go by; without it the build cannot be named."""
+    digest = _safe(source_digest)
+    info: dict[str, Any] = {"module": MODULE, "source_build_id": build_tag(digest) if digest else None,
+                            "path": str(path), "loaded_here": False}
+    if not path.is_file():
+        info.update(loadable=False, error=f"moe.extension {path} is {'not a file' if path.exists() else 'missing'}")
+        return info
+    _read_meta(info, path.with_suffix(".json"), None)
+    meta = info.get("built")
+    if not isinstance(meta, dict) or not meta.get("build_id"):
+        info.update(loadable=False, error=f"no build metadata beside moe.extension {path} "
+                                          f"({path.with_suffix('.json').name}): its build cannot be named")
+        return info
+    info.update(loadable=True, build_id=build_tag(str(meta["build_id"])), max_rows=meta.get("max_rows"))
+    info["stale"] = info["build_id"] != info["source_build_id"]
+    return info
+
+
 def _read_meta(info: dict[str, Any], meta_path: Path, build_id: str | None) -> None:
     if not meta_path.is_file():
         return
