@@ -746,3 +746,24 @@ def test_needle_without_the_servers_prompt_count_shows_the_tokenizers():
          "ttft_s": 2.0, "prefill_tok_s": 406.0, "decode_tok_s": 10.0, "reference": None, "ratio": None, "notes": []}
     md = needle_markdown(r)
     assert "- prompt: ~812 tokens" in md and "None" not in md.split("| metric")[0]
+
+
+def test_bench_sends_the_key_the_server_demands(monkeypatch):
+    """A seat started with --api-key (or VLLM_API_KEY) answered 401 to every bench request; with
+    --base-url the key comes from VLLM_API_KEY, as vLLM's own clients take it."""
+    from dsv4serve import bench
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    seen = {}
+
+    def fake_endpoint(client, base_url, model, fallback_len):
+        seen["auth"] = client.headers.get("Authorization")
+        return bench.Endpoint(base_url=base_url, model=model or "m")
+
+    monkeypatch.setattr(bench, "resolve_endpoint", fake_endpoint)
+    client = bench.make_client()
+    target = bench.resolve_target(client, base_url="http://127.0.0.1:1", model="m", profile=None, seat=None)
+    assert seen["auth"] == "Bearer s3cret" and target.api_key == "s3cret"
+    assert bench.make_client(target.api_key).headers["Authorization"] == "Bearer s3cret"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert "Authorization" not in bench.make_client(None).headers

@@ -15,9 +15,9 @@ from dsv4serve.errors import JobFailed
 @pytest.fixture()
 def probes(monkeypatch):
     monkeypatch.setattr(readiness, "health", lambda base, timeout=5.0: True)
-    monkeypatch.setattr(readiness, "served_models", lambda base, timeout=5.0: ["m"])
+    monkeypatch.setattr(readiness, "served_models", lambda base, timeout=5.0, api_key=None: ["m"])
     monkeypatch.setattr(readiness, "canary_result",
-                        lambda base, model, cfg, timeout: {"text": "ok", "tokens": 2, "seconds": 0.1})
+                        lambda base, model, cfg, timeout, api_key=None: {"text": "ok", "tokens": 2, "seconds": 0.1})
 
     def set_owners(owners):
         monkeypatch.setattr(readiness, "listeners", lambda port: set(owners))
@@ -96,3 +96,58 @@ def test_the_probes_ignore_the_shells_proxy(monkeypatch):
         assert readiness.health(base) and readiness.served_models(base) == ["demo"]
     finally:
         srv.shutdown()
+
+
+def test_a_seat_with_an_api_key_is_probed_with_it(monkeypatch):
+    """vLLM demands the key on every /v1 path when started with --api-key or VLLM_API_KEY: readiness
+    read 401 and stopped a healthy seat (helper audit). The key is found as vLLM finds it."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from dsv4serve import launch, readiness
+    from dsv4serve.errors import JobFailed
+
+    class Seat(BaseHTTPRequestHandler):
+        def _send(self, code, doc):
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _authorised(self):
+            if self.path.startswith("/v1") and self.headers.get("Authorization") != "Bearer s3cret":
+                self._send(401, {"error": "Unauthorized"})
+                return False
+            return True
+
+        def do_GET(self):
+            if self._authorised():
+                self._send(200, {} if self.path == "/health" else {"data": [{"id": "demo"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self._authorised():
+                self._send(200, {"choices": [{"message": {"content": "ok"}}], "usage": {"completion_tokens": 1}})
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Seat)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        canary = SimpleNamespace(prompt="hi", max_tokens=2, thinking_off=False)
+        with pytest.raises(JobFailed, match="401"):
+            readiness.check(base, "demo", canary, timeout=10)
+        assert readiness.check(base, "demo", canary, timeout=10, api_key="s3cret")["canary_tokens"] == 1
+    finally:
+        srv.shutdown()
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert launch.api_key(["--port", "1", "--api-key", "a", "b"], {"VLLM_API_KEY": "env"}) == "a"  # CLI first
+    assert launch.api_key(["--api-key=k"], {}) == "k" and launch.api_key([], {"VLLM_API_KEY": "env"}) == "env"
+    monkeypatch.setenv("VLLM_API_KEY", "shell")
+    assert launch.seat_api_key("native", [], {}) == "shell"  # a native server inherits the shell
+    assert launch.seat_api_key("docker", [], {}) is None  # a container sees the profile's env only

@@ -9,7 +9,9 @@ around each measurement.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import stat
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any, Callable
 import httpx
 
 from dsv4serve import state
+from dsv4serve.readiness import auth
 from dsv4serve.bench_client import (
     Endpoint,
     SpecDelta,
@@ -32,6 +35,7 @@ from dsv4serve.bench_client import (
     stream_chat,
 )
 from dsv4serve.errors import BadInput, DsvError, JobFailed
+from dsv4serve.launch import seat_api_key
 from dsv4serve.profile import Profile, load_profile
 
 # Three kinds of text that speculate differently: prose, Japanese, code. Code drafts best.
@@ -130,6 +134,7 @@ class Target:
     seat: str | None                 # the running seat measured, when it came from the state
     max_num_seqs: int | None         # the measured seat's, when known
     notes: list[str] = field(default_factory=list)
+    api_key: str | None = None       # what the server's /v1 paths demand (--api-key / VLLM_API_KEY), if any
 
 
 def _running_seat(seat: str | None, profile: str | None) -> tuple[state.SeatState, bool]:
@@ -156,6 +161,7 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     seat_profile: Profile | None = None
     seat_name: str | None = None
     picked_by_profile = False
+    st = None
     if base_url is not None:
         base_url = check_base_url(base_url)
     else:
@@ -175,17 +181,24 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     # --profile given only for comparison does not); with --base-url, --profile is the best guess.
     fallback = seat_profile if seat_name else ref_profile
     fallback_len = fallback.vllm.max_model_len if fallback else None
+    if st is None:  # another server: vLLM's own convention for a client's key
+        key = os.environ.get("VLLM_API_KEY") or None
+    else:  # the key the seat's server was started with (a 401 on every request otherwise)
+        key = seat_api_key(st.runtime, st.argv, st.env if st.runtime == "native" else
+                           (seat_profile.env if seat_profile else {}))
+    client.headers.update(auth(key))
     endpoint = resolve_endpoint(client, base_url, model, fallback_len)
     seqs = seat_profile.vllm.max_num_seqs if seat_profile else None
     if ref_profile is None:
         notes.append("no reference figures: pass --profile NAME (e.g. 8x16gb-380k) to compare with that "
                      "profile's reference figures")
-    return Target(endpoint=endpoint, profile=ref_profile, seat=seat_name, max_num_seqs=seqs, notes=notes)
+    return Target(endpoint=endpoint, profile=ref_profile, seat=seat_name, max_num_seqs=seqs, notes=notes,
+                  api_key=key)
 
 
-def make_client() -> httpx.Client:
+def make_client(api_key: str | None = None) -> httpx.Client:
     # Per-call timeouts are always passed explicitly; this default only guards a forgotten one.
-    return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0))
+    return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,8 +410,10 @@ Progress = Callable[[str], None]
 
 def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
               progress: Progress | None = None,
-              client_factory: Callable[[], httpx.Client] = make_client) -> dict[str, Any]:
+              client_factory: Callable[[], httpx.Client] | None = None) -> dict[str, Any]:
     ep = target.endpoint
+    if client_factory is None:  # one client per stream, each with the target's key
+        client_factory = functools.partial(make_client, target.api_key)
     settings.validate(ep)
     notes = list(target.notes)
     if target.profile is not None and not target.profile.reference.tok_s:

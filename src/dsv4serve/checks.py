@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from dsv4serve import gpu, home, launch, pack
+from dsv4serve import gpu, home, launch, pack, readiness
 from dsv4serve.errors import DsvError, JobFailed
 from dsv4serve.profile import Profile
 from dsv4serve.ranklog import with_seat
@@ -1175,12 +1175,18 @@ def _forbidden_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
         rep.add("live", "errors", "ok", "no tracebacks or fatal lines", "")
 
 
+def _seat_key(ctx: Ctx) -> str | None:
+    st = ctx.seat
+    return launch.seat_api_key(st.runtime, st.argv, st.env if st.runtime == "native" else ctx.profile.env)
+
+
 def _endpoint(rep: Report, ctx: Ctx) -> None:
     import httpx
 
     st = ctx.seat
     try:
-        r = httpx.get(f"{st.base_url}/v1/models", timeout=10.0, trust_env=False)  # the seat is local
+        r = httpx.get(f"{st.base_url}/v1/models", timeout=10.0, trust_env=False,  # the seat is local
+                      headers=readiness.auth(_seat_key(ctx)))
         r.raise_for_status()
         doc = r.json()
     except (httpx.HTTPError, ValueError) as e:
@@ -1207,13 +1213,7 @@ def _canary(rep: Report, ctx: Ctx, timeout: float | None) -> None:
     t = timeout or min(p.gates.timeouts.ready_s, 120.0)
     cfg = p.gates.canary
     try:
-        from dsv4serve import readiness
-
-        fn = getattr(readiness, "canary")
-    except (ImportError, AttributeError):
-        fn = _own_canary
-    try:
-        text = fn(st.base_url, p.model.served_name, cfg, t)
+        text = readiness.canary(st.base_url, p.model.served_name, cfg, t, api_key=_seat_key(ctx))
     except JobFailed as e:
         rep.add("live", "canary", "fail", e.message, "a completion with tokens", e.hint or "")
         return
@@ -1222,27 +1222,6 @@ def _canary(rep: Report, ctx: Ctx, timeout: float | None) -> None:
     else:
         rep.add("live", "canary", "warn", "completion returned no text", "a completion with tokens",
                 "thinking may have eaten max_tokens (trap 6): gates.canary.thinking_off=true")
-
-
-def _own_canary(base_url: str, model: str, cfg: Any, timeout: float) -> str:
-    """Fallback until dsv4serve.readiness lands: one greedy chat completion, thinking off."""
-    import httpx
-
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": cfg.prompt}],
-                            "max_tokens": cfg.max_tokens, "temperature": 0}
-    if cfg.thinking_off:
-        body["chat_template_kwargs"] = {"thinking": False}
-    try:
-        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout, trust_env=False)
-    except httpx.HTTPError as e:
-        raise JobFailed(f"canary: {e.__class__.__name__}: {e}") from None
-    if r.status_code != 200:
-        raise JobFailed(f"canary: HTTP {r.status_code}: {r.text[:200]}")
-    try:
-        msg = r.json()["choices"][0]["message"]
-    except (ValueError, KeyError, IndexError) as e:  # an error chunk must surface (trap 18)
-        raise JobFailed(f"canary: malformed response ({e.__class__.__name__}): {r.text[:200]}") from None
-    return (msg.get("content") or "") or (msg.get("reasoning_content") or msg.get("reasoning") or "")
 
 
 def _calls(c: dict[str, Any] | None, kind: str | None = None) -> int:

@@ -446,6 +446,23 @@ def env_for_child(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
+def api_key(vllm_args: list[str], env: dict[str, str]) -> str | None:
+    """A key the seat's API server takes on its /v1 paths: the first of vLLM's --api-key values,
+    else VLLM_API_KEY as the server process sees it (vLLM's own precedence), else None."""
+    for i, a in enumerate(vllm_args):
+        if a == "--api-key" and i + 1 < len(vllm_args) and not vllm_args[i + 1].startswith("-"):
+            return vllm_args[i + 1]
+        if a.startswith("--api-key="):
+            return a.split("=", 1)[1] or None
+    return env.get("VLLM_API_KEY") or None
+
+
+def seat_api_key(runtime: str, vllm_args: list[str], env: dict[str, str]) -> str | None:
+    """api_key() of a seat: a native seat's server inherits this shell's environment, a container
+    sees only the profile's env (the -e entries)."""
+    return api_key(vllm_args, {**os.environ, **env} if runtime == "native" else env)
+
+
 def describe_gates(profile: Profile) -> dict[str, Any]:
     tp = profile.vllm.tensor_parallel_size
     return {

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import psutil
 
-from dsv4serve.errors import JobFailed
+from dsv4serve.errors import JobFailed, first_line
 
 # httpx.InvalidURL is no HTTPError: a URL httpx cannot build (an unbracketed IPv6 host once) must
 # read as a failed probe, not escape as a crash of `status` or of the readiness thread.
@@ -31,13 +31,19 @@ def health(base_url: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def served_models(base_url: str, timeout: float = 5.0) -> list[str]:
+def auth(api_key: str | None) -> dict[str, str]:
+    """The header vLLM wants on every /v1 path of a seat started with --api-key / VLLM_API_KEY
+    (/health needs none); without it readiness read 401 and stopped a healthy seat."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_models(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> list[str]:
     try:
-        r = httpx.get(f"{base_url}/v1/models", timeout=timeout, trust_env=False)
+        r = httpx.get(f"{base_url}/v1/models", timeout=timeout, trust_env=False, headers=auth(api_key))
         r.raise_for_status()
         return [m.get("id", "") for m in r.json().get("data", [])]
     except (*HTTP_ERRORS, ValueError) as e:
-        raise JobFailed(f"{base_url}/v1/models did not answer ({type(e).__name__}: {e})") from None
+        raise JobFailed(f"{base_url}/v1/models did not answer ({type(e).__name__}: {first_line(e)})") from None
 
 
 def canary_body(model: str, canary_cfg: Any) -> dict[str, Any]:
@@ -52,12 +58,13 @@ def canary_body(model: str, canary_cfg: Any) -> dict[str, Any]:
     return body
 
 
-def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0) -> dict[str, Any]:
+def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0,
+                  api_key: str | None = None) -> dict[str, Any]:
     """The canary with its evidence: text, completion tokens, seconds. Raises JobFailed."""
     t0 = time.monotonic()
     try:
         r = httpx.post(f"{base_url}/v1/chat/completions", json=canary_body(model, canary_cfg), timeout=timeout,
-                       trust_env=False)
+                       trust_env=False, headers=auth(api_key))
     except HTTP_ERRORS as e:
         raise JobFailed(f"canary completion failed: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
@@ -76,9 +83,9 @@ def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 1
     return {"text": text, "tokens": tokens, "seconds": round(time.monotonic() - t0, 2)}
 
 
-def canary(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0) -> str:
+def canary(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0, api_key: str | None = None) -> str:
     """One chat completion that must return tokens; the generated text (may be gibberish)."""
-    return canary_result(base_url, model, canary_cfg, timeout)["text"]
+    return canary_result(base_url, model, canary_cfg, timeout, api_key=api_key)["text"]
 
 
 def listeners(port: int) -> set[int]:
@@ -107,12 +114,12 @@ def foreign_listeners(port: int, our_pids: set[int]) -> str | None:
 
 
 def check(base_url: str, model: str, canary_cfg: Any, timeout: float, port: int | None = None,
-          our_pids: set[int] | None = None) -> dict[str, Any]:
+          our_pids: set[int] | None = None, api_key: str | None = None) -> dict[str, Any]:
     """/health, the served name, that the listener is one of our processes (when the caller can
     say which are ours), then the canary."""
     if not health(base_url, timeout=5.0):
         raise JobFailed(f"{base_url}/health is not 200")
-    names = served_models(base_url)
+    names = served_models(base_url, api_key=api_key)
     if model not in names:
         raise JobFailed(f"the server at {base_url} serves {names}, not {model}",
                         hint="another server may own this port")
@@ -126,6 +133,6 @@ def check(base_url: str, model: str, canary_cfg: Any, timeout: float, port: int 
             raise JobFailed(f"port {port} is also served by pid {sorted(foreign)}, which is not one of this seat's "
                             f"processes", hint="another server listens on this port: stop it")
         owner = sorted(owners & our_pids) or None
-    res = canary_result(base_url, model, canary_cfg, timeout)
+    res = canary_result(base_url, model, canary_cfg, timeout, api_key=api_key)
     return {"health": 200, "models": names, "listener": owner, "canary": res["text"][:80],
             "canary_tokens": res["tokens"], "canary_s": res["seconds"]}

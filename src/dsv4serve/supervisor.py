@@ -34,7 +34,7 @@ from rich.markup import escape
 from dsv4serve import procs, readiness, state, stop
 from dsv4serve.cli_common import console, emit_json_line, err_console, silence
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
-from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child
+from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child, seat_api_key
 from dsv4serve.profile import Profile
 from dsv4serve.ranklog import PHASE_LABEL, SERVING_FATAL, SeatTracker, with_seat
 from dsv4serve.state import RUN_ID_ENV, SeatState
@@ -627,9 +627,11 @@ class Supervisor:
                     time.sleep(0.5)
                 self.display.http = "canary"
                 ours = {p.pid for p in procs.run_processes(self.st)} if self.spec.runtime == "native" and self.st else None
+                key = seat_api_key(self.spec.runtime, self.spec.vllm_args,
+                                   self.spec.env if self.spec.runtime == "native" else self.profile.env)
                 self._probe_result = readiness.check(base, self.spec.served_name, self.profile.gates.canary,
                                                      timeout=max(5.0, deadline - time.time()), port=self.spec.port,
-                                                     our_pids=ours)
+                                                     our_pids=ours, api_key=key)
             except JobFailed as e:
                 self._probe_error = e
             except Exception as e:  # noqa: BLE001 - any probe crash is a readiness failure, reported
