@@ -223,3 +223,31 @@ def test_an_up_taken_over_by_down_stops_its_child_if_down_missed_it(monkeypatch)
         if child.poll() is None:
             child.kill()
         child.wait()
+
+
+NO_REAPER = ("import os, subprocess, sys, time; env = {**os.environ, sys.argv[1]: sys.argv[2]}; "
+             "c = subprocess.Popen(['sleep', '60'], env=env, start_new_session=True); print(c.pid, flush=True); "
+             "time.sleep(60)")
+# the parent, untagged, never waits on its tagged child, as a container's `sleep infinity` PID 1
+
+
+def test_a_zombie_whose_parent_never_reaps_is_named_not_counted_against_the_stop():
+    """Under a PID 1 that never reaps, every down waited 10 s and reported NOT clean over zombies,
+    which hold no memory, files or port (helper audit)."""
+    run_id = f"unit-stop-{os.getpid()}-{time.time_ns()}"
+    env = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}
+    parent = subprocess.Popen([sys.executable, "-c", NO_REAPER, RUN_ID_ENV, run_id], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        st = make_state(run_id=run_id, pid=child, pgid=child, start_time=psutil.Process(child).create_time())
+        t0 = time.monotonic()
+        rep = procs.stop(st, grace=5.0)
+        took = time.monotonic() - t0
+        assert [p["pid"] for p in rep["signalled"]] == [child], rep
+        assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE and parent.poll() is None
+        assert not rep["remaining"] and not rep["unreaped"] and rep["zombies"] == [child], rep
+        assert took < 15.0  # the reap wait (10 s) and no more
+    finally:
+        parent.kill()
+        parent.wait()

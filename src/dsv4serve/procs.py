@@ -12,6 +12,7 @@ A run's processes are found two ways, and the union is taken:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -157,20 +158,39 @@ def wait_gone(st: SeatState, timeout: float, abort: Callable[[], bool] | None = 
     return left
 
 
-def wait_reaped(st: SeatState, timeout: float) -> list[int]:
-    """GPU memory is released when a process is reaped, not when it is signalled: wait for the
-    zombies too (init reaps re-parented ones; `up` reaps its own child). Returns unreaped pids."""
+def _zombie_parent(pid: int) -> int | None:
+    """The parent of `pid` when it is a zombie (exited: no memory, files or port held), else None."""
+    try:
+        p = psutil.Process(pid)
+        return p.ppid() if p.status() == psutil.STATUS_ZOMBIE else None
+    except psutil.Error:
+        return None
+
+
+def wait_reaped(st: SeatState, timeout: float) -> tuple[list[int], list[int]]:
+    """Wait for the run's exited processes to be reaped (init reaps re-parented ones, some inits
+    only every few seconds; `up` reaps its own child): (pids not yet exited, zombies left at the
+    end). A container's PID 1 that never reaps (`sleep infinity`) left every `down` reporting "NOT
+    clean" over zombies, which hold no memory, files or port (NVML's check still runs): they are
+    named, not counted against the stop."""
     deadline = time.monotonic() + timeout
-    left = [p.pid for p in run_processes(st, include_zombies=True)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while True:
         left = [p.pid for p in run_processes(st, include_zombies=True)]
-    return left
+        if not left:
+            return [], []
+        parents = {pid: _zombie_parent(pid) for pid in left}
+        for pid, pp in parents.items():
+            if pp == os.getpid():
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)  # ours to reap
+        if time.monotonic() >= deadline:
+            return [pid for pid, pp in parents.items() if pp is None], [pid for pid, pp in parents.items() if pp]
+        time.sleep(0.1)
 
 
 def stop(st: SeatState, grace: float, escalate: Callable[[], bool] | None = None) -> dict[str, Any]:
     """SIGTERM to the group and the tagged strays, `grace` seconds, SIGKILL, wait for the reap."""
-    report: dict[str, Any] = {"signalled": [], "killed": [], "remaining": [], "unreaped": []}
+    report: dict[str, Any] = {"signalled": [], "killed": [], "remaining": [], "unreaped": [], "zombies": []}
     procs = run_processes(st)
     report["signalled"] = [describe(p) for p in procs]
     if not procs:
@@ -183,6 +203,6 @@ def stop(st: SeatState, grace: float, escalate: Callable[[], bool] | None = None
         signal_run(st, left, signal.SIGKILL)
         left = wait_gone(st, 15.0)
     report["remaining"] = [describe(p) for p in left]
-    report["unreaped"] = wait_reaped(st, 10.0) if not left else []
+    report["unreaped"], report["zombies"] = wait_reaped(st, 10.0) if not left else ([], [])
     report["seconds"] = round(time.monotonic() - t0, 2)
     return report

@@ -577,13 +577,13 @@ def _down_unreadable(name: str) -> dict[str, Any]:
     runs = procs.tagged_runs(name, home.runs_dir())
     rep: dict[str, Any] = {"seat": name, "run_id": ", ".join(sorted(runs)) or "unknown", "was": "unreadable state",
                            "phase_before": "unknown", "unreadable_state": True, "signalled": [], "killed": [],
-                           "remaining": [], "unreaped": []}
+                           "remaining": [], "unreaped": [], "zombies": []}
     for run_id in sorted(runs):
         # only what procs.stop reads: the run's tag (no pid or group is known without the state)
         st = state.SeatState(seat=name, run_id=run_id, profile=name, profile_digest="", runtime="native", argv=[],
                              env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir="", log_path="")
         r = procs.stop(st, stop.STARTUP_GRACE_S)
-        for k in ("signalled", "killed", "remaining", "unreaped"):
+        for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
     moved = state.set_aside(name)
     rep["set_aside"] = str(moved) if moved else None
@@ -635,6 +635,9 @@ def render_down(report: dict) -> None:
                           soft_wrap=True)
         if rep.get("unreaped"):
             console.print(f"  [red]not reaped yet[/]: {rep['unreaped']}", highlight=False, soft_wrap=True)
+        if rep.get("zombies"):
+            console.print(f"  exited, left unreaped by a parent that does not reap (a container's init?): "
+                          f"{rep['zombies']}; they hold no memory, files or port", highlight=False, soft_wrap=True)
         for f in rep.get("leftovers_failed", []):
             console.print(f"  [red]could not remove[/] {f}", highlight=False, markup=False, soft_wrap=True)
         gpu = rep.get("gpu") or {}
