@@ -261,6 +261,10 @@ def test_a_missing_shard_fails_on_its_files_not_on_the_dense_entries_it_held(tmp
     # the checks enumerate each layer's experts: these exhausted memory before any row was written
     (lambda c: {**c, "n_routed_experts": 100_000_000}, "n_routed_experts is 100,000,000, beyond any model (65,536 at most)"),
     (lambda c: {**c, "num_hidden_layers": 1_000_000_000}, "num_hidden_layers is 1,000,000,000, beyond any model (65,536 at most)"),
+    # each within its bound, their product 13 billion expert names (MemoryError; helper audit)
+    (lambda c: {**c, "num_hidden_layers": 65_536, "n_routed_experts": 65_536},
+     "num_hidden_layers x n_routed_experts is 4,294,967,296, beyond any model (1,048,576 at most; DeepSeek-V4 has "
+     "61 x 256)"),
 ])
 def test_a_config_of_the_wrong_shape_is_one_config_failure_not_a_crash(tmp_path, clean, edit, found):
     import shutil
@@ -433,3 +437,22 @@ def test_a_shard_linked_from_outside_the_pack_is_dead_in_the_container(tmp_path,
     shutil.move(str(inside / name), str(inside / "sub" / name))
     (inside / name).symlink_to(inside / "sub" / name)  # a link that stays inside the mount is visible there
     assert pack.validate(inside, mounted_only=True, **kw).get("symlinks").status == "warn"
+
+
+@pytest.mark.parametrize("edit, check", [
+    # 10**400 has no float: OverflowError crashed the pack check (helper audit)
+    (lambda c: c["quantization_config"].__setitem__("bits", 10**400), "routed-bits"),
+    # a 5,000-digit layer index passed int()'s digit limit: ValueError crashed the check
+    (lambda c: c["quantization_config"]["non_routed_exl3"]["layers"].__setitem__(
+        "language_model.model.layers." + "9" * 5000 + ".attn.wq_b", {"bits": 6}), "dense-coverage"),
+])
+def test_absurd_numbers_in_a_config_are_findings_not_crashes(tmp_path, clean, edit, check):
+    import shutil
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    cfg = json.loads((p / "config.json").read_text())
+    edit(cfg)
+    (p / "config.json").write_text(json.dumps(cfg))
+    rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    assert rep.get(check).status == "fail" and not any("crashed" in f.found for f in rep.findings)

@@ -58,10 +58,11 @@ CLASS_ROOT = {
 }
 VISION_CLASS = "DeepseekV4ForConditionalGeneration"
 
-_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])$")
-_TRUNK = re.compile(r"^layers\.(\d+)\.(.+)$")
-_ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d+)\.(?P<rest>.+)$")
-_SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d+)$")
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d{1,9})\.ffn\.experts\.(\d{1,9})\.(w[123])$")
+_TRUNK = re.compile(r"^layers\.(\d{1,9})\.(.+)$")
+# indices bounded: a 5,000-digit one (a corrupt header or config) made int() raise past Python's limit
+_ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d{1,9})\.(?P<rest>.+)$")
+_SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d{1,9})$")
 _SHARD_NAME = re.compile(r"\.safetensors$")
 
 
@@ -233,7 +234,7 @@ def _kstr(k: float) -> str:
 def _bits_eq(a: Any, b: float) -> bool:
     try:
         return abs(float(a) - b) < 1e-9
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # 10**400 has no float
         return False
 
 
@@ -342,6 +343,7 @@ def _config(rep: PackReport, root: Path) -> dict[str, Any] | None:
 
 
 CONFIG_COUNT_MAX = 65_536  # layers, experts or groups: DeepSeek-V4 has 61 layers and 256 experts
+CONFIG_MODULES_MAX = 1_048_576  # layers x routed experts: DeepSeek-V4 has 15,616
 
 
 def _config_problem(cfg: Any) -> str | None:
@@ -360,6 +362,11 @@ def _config_problem(cfg: Any) -> str | None:
             # the checks enumerate every layer's experts: an absurd count is a broken config, and
             # would exhaust memory before any row is written
             return f"{key} is {v:,}, beyond any model ({CONFIG_COUNT_MAX:,} at most)"
+    layers, experts = cfg.get("num_hidden_layers"), cfg.get("n_routed_experts")
+    if isinstance(layers, int) and isinstance(experts, int) and layers * experts > CONFIG_MODULES_MAX:
+        # each bound alone let 65,536 x 65,536 through: 13 billion expert names before any row
+        return (f"num_hidden_layers x n_routed_experts is {layers * experts:,}, beyond any model "
+                f"({CONFIG_MODULES_MAX:,} at most; DeepSeek-V4 has 61 x 256)")
     ratios = cfg.get("compress_ratios")
     odd = next((r for r in ratios if not isinstance(r, int) or isinstance(r, bool)), None) \
         if isinstance(ratios, list) else None
