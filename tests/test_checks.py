@@ -899,3 +899,22 @@ def test_moe_extension_expands_home_in_the_mount_and_is_refused_on_a_native_seat
     assert any(a.startswith(f"{tmp_path}/lna2/dsv4serve_lna2.so:") for a in spec.argv), spec.argv
     with pytest.raises(ProfileError, match="moe.extension is mounted into a docker seat's image"):
         launch.check_plan(load_profile("8x16gb-380k", ["runtime.kind=native", "moe.extension=/x/dsv4serve_lna2.so"]))
+
+
+def test_each_ranks_active_line_names_the_build_check_seat_describes(fake_seat, monkeypatch):
+    """Nothing compared the build each rank's ACTIVE line names (ext=) with the build the seat is set
+    to load: a stale mount or another DSV4SERVE_LNA2_EXT in one worker passed (helper audit)."""
+    monkeypatch.setattr(checks, "_lna2_describe", lambda p: {"loadable": True, "build_id": "bGOOD"})
+    p = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+
+    def active(r, build):
+        return (f"(Worker_TP{r} pid={200 + r}) WARNING 12-02 18:00:03 [moe_dispatch.py:1] LNA2 MoE kernel ACTIVE "
+                f"rank={r}/2 layers=2 bits=2 ext={build} policy=builtin")
+
+    rep, _ = fake_seat(p, _log(2, extra=[active(0, "bGOOD"), active(1, "bOLD")]))
+    r = _st(rep, "lna2-build", "live")
+    assert r.status == "fail" and r.found == "rank 0: bGOOD, rank 1: bOLD" and "rank 1" in r.fix
+    rep, _ = fake_seat(p, _log(2, extra=[active(0, "bGOOD"), active(1, "bGOOD")]))
+    assert _st(rep, "lna2-build", "live").status == "ok"
+    rep, _ = fake_seat(load_profile("cpu-demo"), _log(2, extra=[active(0, "bOLD")]))
+    assert not any(r.check == "lna2-build" for r in rep.rows)  # an incumbent seat has no such row

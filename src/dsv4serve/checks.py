@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -1098,13 +1099,18 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
     rep.add("live", "seat", "ok", f"run {st.run_id}, pid {st.pid}, phase {st.phase}, {st.base_url}",
             f"liveness {state.liveness(st)}")
     tracker = _tracker(st.tp, [m.text for m in p.gates.markers], list(p.gates.forbidden))
+    builds: dict[int, str] = {}  # rank -> the lna2 build its ACTIVE line names
     try:
         with open(st.log_path, errors="replace") as f:
             for line in f:
                 tracker.feed(line, now=0.0)
+                if "LNA2 MoE kernel ACTIVE rank=" in line and (m := _ACTIVE_EXT.search(line)):
+                    builds[int(m.group(1))] = m.group(2)
     except OSError as e:
         rep.add("live", "log", "fail", f"cannot read {st.log_path}: {e.strerror}", "the seat's log", "")
     _markers_live(rep, ctx, tracker)
+    if p.moe.kernel == "lna2":
+        _guard(rep, "live", "lna2-build", lambda: _build_live(rep, ctx, builds))
     _kv_live(rep, ctx, tracker)
     _forbidden_live(rep, ctx, tracker)
     _guard(rep, "live", "endpoint", lambda: _endpoint(rep, ctx))
@@ -1112,6 +1118,32 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
     t0 = time.time()
     _guard(rep, "live", "canary", lambda: _canary(rep, ctx, canary_timeout))
     _guard(rep, "live", "counters", lambda: _counters(rep, ctx, before, t0))
+
+
+_ACTIVE_EXT = re.compile(r"LNA2 MoE kernel ACTIVE rank=(\d+)/\d+ .*\bext=(\S+)")
+
+
+def _build_live(rep: Report, ctx: Ctx, builds: dict[int, str]) -> None:
+    """The build each rank's ACTIVE line names, against the build the seat is set to load: a rank
+    serving another build (a stale mount, another DSV4SERVE_LNA2_EXT) is not the seat checked above."""
+    if not builds:
+        rep.add("live", "lna2-build", "n/a", "no rank has logged its ACTIVE line yet (the markers row says which)")
+        return
+    if ctx.lna2_info is None:
+        ctx.lna2_info = _lna2_describe(ctx.profile)
+    want = ctx.lna2_info.get("build_id") if ctx.lna2_info.get("loadable") else None
+    seen = ", ".join(f"rank {r}: {b}" for r, b in sorted(builds.items()))
+    if want is None:
+        rep.add("live", "lna2-build", "warn", seen, "the seat's build (not readable here: see the lna2 row)")
+        return
+    off = {r: b for r, b in builds.items() if b != want}
+    if off:
+        rep.add("live", "lna2-build", "fail", seen, f"build {want} on every rank",
+                f"rank {min(off)} loaded another build than check-seat describes: rebuild or remount it, then "
+                "restart the seat")
+    else:
+        rep.add("live", "lna2-build", "ok", f"build {want} on ranks {','.join(map(str, sorted(builds)))}",
+                f"build {want}")
 
 
 def _tracker(tp: int, markers: list[str], forbidden: list[str]) -> Any:
