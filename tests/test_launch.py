@@ -397,3 +397,16 @@ def test_check_seat_judges_the_assembled_plan_as_up_does(tmp_path, monkeypatch):
     checks.check_plan(rep, checks.Ctx(profile=load_profile("cpu-demo", ["env.FOO={home.x}"])))
     row = next(r for r in rep.rows if r.check == "launch-plan")
     assert row.status == "fail" and row.found == "env.FOO: unknown placeholder {home.x}"
+
+
+@pytest.mark.parametrize("mounts, words", [
+    ('[{host: data, container: /data}]', "docker mount path data is relative"),
+    ('[{host: /data, container: data}]', "docker mount path data is relative"),
+    ('[{host: /a, container: /root/.cache}, {host: /b, container: /root/.cache}]',
+     "docker mounts /a and /b both at /root/.cache"),
+])
+def test_docker_mounts_are_absolute_and_one_per_target(mounts, words):
+    """docker takes a relative source as a named volume (created empty), and a later mount on the same
+    target hides the earlier one; both passed the dry run (helper audit)."""
+    with pytest.raises(ProfileError, match=words):
+        build("8x16gb-380k", f"runtime.mounts={mounts}")

@@ -166,3 +166,10 @@ def test_up_of_a_docker_seat_without_patch_root_is_refused_with_the_right_fix():
         patches.ensure_patched(prof, apply=True)
     line = e.value.line()
     assert "runtime.patch_root" in line and "install" not in line
+
+
+@pytest.mark.parametrize("action", ["status", "apply", "revert"])
+def test_an_empty_root_is_refused_not_taken_as_the_working_directory(action):
+    """`--root "$ROOT"` with ROOT unset became Path('.'): the command acted on the working directory."""
+    r = _cli(action, "--root", "")
+    assert r.exit_code == 2 and "--root': is empty; give a directory, or leave the option out" in _flat(r.output.replace("│", " "))

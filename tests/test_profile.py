@@ -576,3 +576,16 @@ def test_a_files_bad_env_name_is_not_blamed_on_an_unrelated_set(tmp_path):
 def test_vllm_flags_without_a_key_of_their_own_still_pass_through():
     p = load_profile("cpu-demo", ['vllm.extra_args=["--max-loras", "2", "-O3", "--enable-chunked-prefill", "-n", "1"]'])
     assert p.vllm.extra_args == ["--max-loras", "2", "-O3", "--enable-chunked-prefill", "-n", "1"]
+
+
+def test_a_long_extends_chain_is_named_as_such(tmp_path):
+    """A chain thousands of files deep read as "nests deeper than YAML can be read here", naming a
+    one-line file (helper audit)."""
+    from dsv4serve.profile import MAX_EXTENDS
+
+    for i in range(MAX_EXTENDS + 2):
+        (tmp_path / f"d{i}.yaml").write_text(f"extends: d{i + 1}.yaml\n" if i <= MAX_EXTENDS else "extends: cpu-demo\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(tmp_path / "d0.yaml"))
+    assert e.value.message == f"profile d0.yaml: its extends chain is more than {MAX_EXTENDS} files deep"
+    assert load_profile(str(tmp_path / f"d{MAX_EXTENDS - 1}.yaml")).vllm.tensor_parallel_size == 2

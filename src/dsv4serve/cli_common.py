@@ -22,10 +22,10 @@ err_console = Console(stderr=True)
 
 
 def dir_path(value: str) -> Path:
-    """An --out directory. Typer turns '' into Path('.'), so an empty value (an unset shell
-    variable) would silently write into the working directory; refuse it instead."""
+    """A directory option (--out, --root). Typer turns '' into Path('.'), so an empty value (an
+    unset shell variable) would silently act on the working directory; refuse it instead."""
     if not value.strip():
-        raise typer.BadParameter("is empty; give a directory, or leave --out out")
+        raise typer.BadParameter("is empty; give a directory, or leave the option out")
     return Path(value)
 
 

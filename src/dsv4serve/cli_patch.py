@@ -21,7 +21,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from dsv4serve.cli_common import console, emit_json, handled
+from dsv4serve.cli_common import console, dir_path, emit_json, handled
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, BadInput, Signalled, restore_signals, stop_signals_raise
 
 app = typer.Typer(help="Apply, verify and revert the exllamav3 / vLLM patch sets by content hash.",
@@ -30,7 +30,7 @@ app = typer.Typer(help="Apply, verify and revert the exllamav3 / vLLM patch sets
 ProfileOpt = typer.Option(None, "--profile", "-p",
                           help="the sets this profile names, in its runtime.patch_root if it has one")
 SetNameOpt = typer.Option(None, "--set-name", "-s", help="a patch set by name, e.g. vllm-0.32.0 (repeatable)")
-RootOpt = typer.Option(None, "--root", help="site-packages tree to act on (check, patch or restore) instead of the installed packages")
+RootOpt = typer.Option(None, "--root", parser=dir_path, metavar="DIR", help="site-packages tree to act on (check, patch or restore) instead of the installed packages")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
 
 _STYLE = {"patched": "green", "pristine": "yellow", "not-applicable": "dim", "modified-unknown": "bold red",

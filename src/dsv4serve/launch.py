@@ -350,11 +350,23 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
                m.read_only) for m in rt.mounts]
     mounts += _overlay_mounts(profile, run_dir)
     mounts += patched_file_mounts(profile)
+    targets: dict[str, str] = {}
     for host_path, cont, ro in mounts:
         if ":" in host_path or ":" in cont:  # -v splits on ':': docker would mount something else
             bad = host_path if ":" in host_path else cont
             raise ProfileError(f"docker mount path {bad} contains ':', which `docker run -v` reads as a separator",
                                hint="use paths without ':' (for the state dir: DSV4SERVE_HOME)")
+        if not host_path.startswith("/") or not cont.startswith("/"):
+            # docker takes a relative source for a named volume (silently created, empty) and
+            # refuses a relative target only at `docker run`
+            bad = host_path if not host_path.startswith("/") else cont
+            raise ProfileError(f"docker mount path {bad} is relative: docker would read a source as a volume name "
+                               "(created empty) and refuses a relative target", hint="give both sides of "
+                               "runtime.mounts as absolute paths (or start the host side with {home} or {cache})")
+        if cont in targets:  # the later mount would hide the earlier one, unseen by the checks
+            raise ProfileError(f"docker mounts {targets[cont]} and {host_path} both at {cont}",
+                               hint="give each runtime.mounts entry its own container path")
+        targets[cont] = host_path
         argv += ["-v", f"{host_path}:{cont}" + (":ro" if ro else "")]
     argv += list(rt.extra_args)
     argv.append(rt.image or "")

@@ -727,10 +727,16 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_EXTENDS = 32
+
+
 def load_raw(ref: str, _seen: tuple[str, ...] = (),
              chain: list[tuple[Path, dict[str, Any]]] | None = None) -> tuple[dict[str, Any], Path]:
     """The profile's data with its extends merged in, and its file. `chain`, when given, receives
     each file read and its own data, the furthest ancestor first."""
+    if len(_seen) >= MAX_EXTENDS:  # each level recursed: past Python's limit this read as a YAML nesting error
+        raise ProfileError(f"profile {Path(_seen[0]).name}: its extends chain is more than {MAX_EXTENDS} files deep",
+                           hint="extend a shipped profile or a file close to one")
     path = _resolve_ref(ref, Path(_seen[-1]).parent if _seen else None)
     key = str(path.resolve())
     if key in _seen:
