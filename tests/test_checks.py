@@ -918,3 +918,14 @@ def test_each_ranks_active_line_names_the_build_check_seat_describes(fake_seat, 
     assert _st(rep, "lna2-build", "live").status == "ok"
     rep, _ = fake_seat(load_profile("cpu-demo"), _log(2, extra=[active(0, "bOLD")]))
     assert not any(r.check == "lna2-build" for r in rep.rows)  # an incumbent seat has no such row
+
+
+def test_a_window_past_the_models_own_is_a_plan_failure(home_env):
+    """vllm.max_model_len beyond the model's max_position_embeddings passed every check, and vLLM
+    refuses it only at start (helper audit)."""
+    rep = checks.prelaunch(load_profile("cpu-demo", ["vllm.max_model_len=99999"]))
+    r = _st(rep, "max-model-len", "plan")
+    assert r.status == "fail" and r.expected == "≤ 512 (the model's max_position_embeddings)" and "<= 512" in r.fix
+    assert _st(checks.prelaunch(load_profile("cpu-demo")), "max-model-len", "plan").status == "ok"
+    allowed = load_profile("cpu-demo", ["vllm.max_model_len=99999", "env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"])
+    assert _st(checks.prelaunch(allowed), "max-model-len", "plan").status == "n/a"

@@ -934,12 +934,33 @@ def check_plan(rep: Report, ctx: Ctx) -> None:
         rep.add("plan", "launch-plan", "fail", e.message, "", e.hint or "")
     _guard(rep, "plan", "weights-per-gpu", lambda: _weights(rep, ctx))
     _guard(rep, "plan", "dsv4-env", lambda: _dsv4_env(rep, ctx))
+    _guard(rep, "plan", "max-model-len", lambda: _max_len(rep, ctx))
     if p.moe.kernel == "lna2":
         k = p.spec_tokens()
         rows = p.decode_rows()
         st = "ok" if rows <= p.moe.row_ceiling else "fail"
         rep.add("plan", "decode-rows", st, f"{p.vllm.max_num_seqs or 1} seqs x (1 + {k}) = {rows} rows",
                 f"≤ {p.moe.row_ceiling} (moe.row_ceiling)", "" if st == "ok" else "lower vllm.max_num_seqs")
+
+
+def _max_len(rep: Report, ctx: Ctx) -> None:
+    """vllm.max_model_len against the model's own window: vLLM refuses a longer one at start, after
+    the weights' checks and minutes of loading, unless told to allow it. With rope scaling vLLM
+    derives the window itself, so the row stands aside."""
+    p = ctx.profile
+    cfg = ctx.pack_report.config if ctx.pack_report is not None else None
+    want = p.vllm.max_model_len
+    window = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    if want is None or not isinstance(window, int) or isinstance(window, bool):
+        rep.add("plan", "max-model-len", "n/a", "no vllm.max_model_len, or the pack's config gives no window")
+        return
+    if cfg.get("rope_scaling") or p.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1":
+        rep.add("plan", "max-model-len", "n/a", f"{want:,} tokens; the window is vLLM's to derive (rope scaling, or "
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+        return
+    st = "ok" if want <= window else "fail"
+    rep.add("plan", "max-model-len", st, f"{want:,} tokens", f"≤ {window:,} (the model's max_position_embeddings)",
+            "" if st == "ok" else f"set vllm.max_model_len <= {window}")
 
 
 # seat-reference §1.6 / §8: what a DSV4 EXL3 seat keeps in every mode, incumbent included. Not
