@@ -920,12 +920,23 @@ def test_each_ranks_active_line_names_the_build_check_seat_describes(fake_seat, 
     assert not any(r.check == "lna2-build" for r in rep.rows)  # an incumbent seat has no such row
 
 
-def test_a_window_past_the_models_own_is_a_plan_failure(home_env):
+def test_a_window_past_the_models_own_is_a_plan_warning(home_env):
     """vllm.max_model_len beyond the model's max_position_embeddings passed every check, and vLLM
-    refuses it only at start (helper audit)."""
+    refuses it only at start (helper audit). A warning: vLLM's derivation has more inputs (rope
+    parameters, model_max_length), and a false failure would refuse a seat it starts (review)."""
     rep = checks.prelaunch(load_profile("cpu-demo", ["vllm.max_model_len=99999"]))
     r = _st(rep, "max-model-len", "plan")
-    assert r.status == "fail" and r.expected == "≤ 512 (the model's max_position_embeddings)" and "<= 512" in r.fix
+    assert r.status == "warn" and r.expected == "≤ 512 (the model's max_position_embeddings)" and "<= 512" in r.fix
     assert _st(checks.prelaunch(load_profile("cpu-demo")), "max-model-len", "plan").status == "ok"
     allowed = load_profile("cpu-demo", ["vllm.max_model_len=99999", "env.VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"])
     assert _st(checks.prelaunch(allowed), "max-model-len", "plan").status == "n/a"
+
+
+def test_a_docker_seat_without_moe_extension_is_described_by_the_default_build_it_mounts(tmp_path, monkeypatch):
+    """Review: check-seat followed this shell's DSV4SERVE_LNA2_EXT (which never reaches the
+    container) and loaded the module in the host's torch, while the seat mounts the default build."""
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(tmp_path / "other" / "dsv4serve_lna2.so"))
+    r = _st(_software(load_profile("8x16gb-380k")), "lna2")
+    assert r.status == "fail" and f"the default build (mounted) {tmp_path}/home/cache/lna2/dsv4serve_lna2.so is " \
+        "missing" in r.found, r.found

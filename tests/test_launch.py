@@ -322,6 +322,7 @@ def test_a_bracketed_ipv6_host_reaches_vllm_bare_and_docker_bracketed():
     assert flag_value(build("cpu-demo", 'vllm.host="[::1]"').argv, "--host") == "::1"
     docker = build("8x16gb-380k", 'vllm.host="[::1]"', "runtime.patch_root=/tmp")
     assert "[::1]:8899:8000" in docker.argv
+    assert "127.0.0.1:8899:8000" in build("8x16gb-380k", 'vllm.host="127.1"', "runtime.patch_root=/tmp").argv
     with pytest.raises(ProfileError) as e:
         build("8x16gb-380k", "vllm.host=localhost", "runtime.patch_root=/tmp")
     assert e.value.line() == ("profile 8x16gb-380k: vllm.host localhost is a name, and docker's -p takes an IP "
@@ -410,3 +411,25 @@ def test_docker_mounts_are_absolute_and_one_per_target(mounts, words):
     target hides the earlier one; both passed the dry run (helper audit)."""
     with pytest.raises(ProfileError, match=words):
         build("8x16gb-380k", f"runtime.mounts={mounts}")
+
+
+def test_the_graph_check_reads_capture_sizes_as_vllm_does():
+    """Review of this session's change: with speculative decoding vLLM may round each capture size up
+    to a multiple of 1 + k (22 -> 25 at k 4: a 20-row step replays 25 rows, above 24), and it drops the
+    sizes above max_num_batched_tokens; an eager seat or graph mode NONE replays nothing."""
+    from dsv4serve.launch import check_plan
+
+    seat = ["vllm.speculative_config={method: dspark, num_speculative_tokens: 4}"]  # 4 seqs x 5 = 20 rows
+    with pytest.raises(ProfileError, match="a decode step of 20 rows replays the CUDA graph captured at 25 rows"):
+        check_plan(load_profile("8x16gb-380k", [*seat, "vllm.compilation_config={cudagraph_capture_sizes: [22, 64]}"]))
+    for fine in (["vllm.enforce_eager=true", "vllm.compilation_config={cudagraph_capture_sizes: [8, 32]}"],
+                 ["vllm.compilation_config={cudagraph_capture_sizes: [8, 32], cudagraph_mode: NONE}"],
+                 ["vllm.max_num_batched_tokens=24", "vllm.compilation_config={cudagraph_capture_sizes: [8, 32]}"]):
+        check_plan(load_profile("8x16gb-380k", fine))
+
+
+def test_the_incumbent_kernel_env_is_read_without_regard_to_case():
+    """Review: the plugin lower-cases VLLM_EXL3_MOE_KERNEL; the launcher refused EXLLAMAV3."""
+    build("8x16gb-380k-incumbent", "runtime.patch_root=/tmp", "env.VLLM_EXL3_MOE_KERNEL=EXLLAMAV3")
+    with pytest.raises(ProfileError, match="env.VLLM_EXL3_MOE_KERNEL=LNA but moe.kernel is incumbent"):
+        build("8x16gb-380k-incumbent", "runtime.patch_root=/tmp", "env.VLLM_EXL3_MOE_KERNEL=LNA")

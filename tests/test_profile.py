@@ -589,3 +589,14 @@ def test_a_long_extends_chain_is_named_as_such(tmp_path):
         load_profile(str(tmp_path / "d0.yaml"))
     assert e.value.message == f"profile d0.yaml: its extends chain is more than {MAX_EXTENDS} files deep"
     assert load_profile(str(tmp_path / f"d{MAX_EXTENDS - 1}.yaml")).vllm.tensor_parallel_size == 2
+
+
+def test_vllms_own_short_flags_and_capture_size_flags_are_read_as_vllm_reads_them():
+    """Review: -dpl / -dpa (data-parallel flags of their own) were refused as -dp with a value, a
+    made-up --no-compilation-config claimed --no-co, and --cudagraph-capture-sizes (which writes
+    compilation_config) went past the guard."""
+    assert load_profile("cpu-demo", ['vllm.extra_args=["-dpl", "1", "--no-co"]']).vllm.extra_args == ["-dpl", "1",
+                                                                                                    "--no-co"]
+    for extra in ('["-dp4"]', '["--cudagraph-capture-sizes", "32"]', '["--max-cudagraph-capture-size=64"]'):
+        with pytest.raises(ProfileError):
+            load_profile("cpu-demo", [f"vllm.extra_args={extra}"])

@@ -329,3 +329,19 @@ def test_a_refusals_hint_matches_its_cause(reason, words):
     tr.feed(f"(Worker_TP0 pid=200) ERROR dsv4serve plugin FAILED lna2 not ready: rank=0/2 layer=model.layers.3.mlp."
             f"experts: {reason} (VLLM_EXL3_MOE_STRICT=1)")
     assert tr.fatal and words in tr.fatal[-1].hint
+
+
+def test_a_traceback_ending_in_a_cuda_error_is_that_kind_of_fatal():
+    """Review: after ready only SERVING_FATAL kinds stop a seat, and a traceback ending in a CUDA,
+    NCCL or OOM error was kind 'traceback' (the patterns were not tried on its last line)."""
+    from dsv4serve.ranklog import SERVING_FATAL
+
+    for last, kind in (("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+                       ("RuntimeError: CUDA error: an illegal memory access was encountered", "cuda"),
+                       ("ValueError: bad tool call", "traceback")):
+        tr = SeatTracker(2, [], [])
+        tr.feed("(Worker_TP1 pid=9) ERROR Traceback (most recent call last):")
+        tr.feed('(Worker_TP1 pid=9) ERROR   File "x.py", line 1, in f')
+        tr.feed(f"(Worker_TP1 pid=9) ERROR {last}")
+        assert [f.kind for f in tr.fatal] == [kind], tr.fatal
+        assert (kind in SERVING_FATAL) == (kind != "traceback")

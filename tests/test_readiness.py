@@ -147,6 +147,9 @@ def test_a_seat_with_an_api_key_is_probed_with_it(monkeypatch):
         srv.shutdown()
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert launch.api_key(["--port", "1", "--api-key", "a", "b"], {"VLLM_API_KEY": "env"}) == "a"  # CLI first
+    # as vLLM's parser reads it (review): the last one wins, --api_key and a completed prefix count
+    assert launch.api_key(["--api-key", "a", "--api-key", "b"], {}) == "b"
+    assert launch.api_key(["--api_key", "s"], {}) == "s" and launch.api_key(["--api-k", "s"], {}) == "s"
     assert launch.api_key(["--api-key=k"], {}) == "k" and launch.api_key([], {"VLLM_API_KEY": "env"}) == "env"
     monkeypatch.setenv("VLLM_API_KEY", "shell")
     assert launch.seat_api_key("native", [], {}) == "shell"  # a native server inherits the shell

@@ -669,3 +669,24 @@ def test_up_stops_at_its_next_checkpoint_and_the_supervisor_before_spawning(home
     out = sup.run()
     assert not out.ok and "stopped by `dsv4serve down` before vLLM was started" in out.reason
     assert state.load("cpu-demo") is None and not state.cancel_requested("cpu-demo")
+
+
+def test_down_without_a_name_refuses_before_stopping_a_starting_up(home):
+    """Review: with one seat running and another's up still starting, a bare down asked that up to
+    stop and only then refused with "name one"."""
+    from dsv4serve import seat
+
+    state.save(make(seat="cpu-demo", pid=None, phase="ready"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.replace('"cpu-demo"', '"other-seat"')],
+                              env={**os.environ, "DSV4SERVE_HOME": str(home)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(BadInput, match=r"2 seats are known \(cpu-demo, other-seat\)"):
+            seat.down(None)
+        assert not state.cancel_requested("other-seat")
+        # named, a first up of a profile file (no state, no last run, no shipped profile) is reached
+        rep = seat.down("other-seat")
+        assert rep["seats"][0]["cancelled_before_launch"] and holder.wait(10) == 0
+    finally:
+        holder.kill()
+        holder.wait()

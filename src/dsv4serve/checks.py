@@ -866,14 +866,20 @@ def _cc_of(sm: str) -> str:
 
 
 def _lna2_describe(p: Profile) -> dict[str, Any]:
-    """The build the seat's workers will load: a docker seat's moe.extension (mounted, described by
-    its metadata), else the build this environment loads."""
+    """The build the seat's workers will load: for a docker seat the file it mounts (moe.extension,
+    else the default build; described by its metadata, since it is built for the image's torch and
+    this shell's DSV4SERVE_LNA2_EXT does not reach the container), else the build this environment
+    loads."""
     try:
         from dsv4serve.lna2 import loader
     except ImportError as e:
         return {"loadable": False, "not_built": True, "error": f"the lna2 loader does not import ({e})"}
-    ext = launch.lna2_extension_path(p)
-    return loader.describe_file(Path(ext)) if ext else loader.describe()
+    if p.runtime.kind == "docker":
+        ext = launch.lna2_extension_path(p)
+        if ext:
+            return loader.describe_file(Path(ext))
+        return loader.describe_file(home.cache_dir() / "lna2" / "dsv4serve_lna2.so", "the default build (mounted)")
+    return loader.describe()
 
 
 def _lna2_archs(info: dict[str, Any]) -> list[str]:
@@ -945,8 +951,8 @@ def check_plan(rep: Report, ctx: Ctx) -> None:
 
 def _max_len(rep: Report, ctx: Ctx) -> None:
     """vllm.max_model_len against the model's own window: vLLM refuses a longer one at start, after
-    the weights' checks and minutes of loading, unless told to allow it. With rope scaling vLLM
-    derives the window itself, so the row stands aside."""
+    minutes of loading, unless told to allow it. With rope scaling vLLM derives the window itself,
+    so the row stands aside."""
     p = ctx.profile
     cfg = ctx.pack_report.config if ctx.pack_report is not None else None
     want = p.vllm.max_model_len
@@ -954,13 +960,18 @@ def _max_len(rep: Report, ctx: Ctx) -> None:
     if want is None or not isinstance(window, int) or isinstance(window, bool):
         rep.add("plan", "max-model-len", "n/a", "no vllm.max_model_len, or the pack's config gives no window")
         return
-    if cfg.get("rope_scaling") or p.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1":
+    if cfg.get("rope_scaling") or cfg.get("rope_parameters") or p.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1":
         rep.add("plan", "max-model-len", "n/a", f"{want:,} tokens; the window is vLLM's to derive (rope scaling, or "
                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
         return
-    st = "ok" if want <= window else "fail"
+    extra = cfg.get("model_max_length")
+    if isinstance(extra, int) and not isinstance(extra, bool):
+        window = max(window, extra)  # vLLM lets a config's model_max_length raise the window
+    # a warning, not a failure: vLLM's own derivation has more inputs than these, and a false
+    # failure here would refuse a seat it starts
+    st = "ok" if want <= window else "warn"
     rep.add("plan", "max-model-len", st, f"{want:,} tokens", f"≤ {window:,} (the model's max_position_embeddings)",
-            "" if st == "ok" else f"set vllm.max_model_len <= {window}")
+            "" if st == "ok" else f"vLLM will likely refuse it at start: set vllm.max_model_len <= {window}")
 
 
 # seat-reference §1.6 / §8: what a DSV4 EXL3 seat keeps in every mode, incumbent included. Not

@@ -154,7 +154,10 @@ def check_plan(profile: Profile) -> None:
                                "chooses it and the decode rows the lna2 row ceiling must hold are unknown",
                                hint="set vllm.speculative_config.num_speculative_tokens (the canon seat's is 3)")
         rows = p.decode_rows()
-        padded = graph_rows(rows, (v.compilation_config or {}).get("cudagraph_capture_sizes"))
+        cc = v.compilation_config or {}
+        graphs = not v.enforce_eager and str(cc.get("cudagraph_mode", "")).upper() not in ("NONE", "0")
+        padded = graph_rows(rows, cc.get("cudagraph_capture_sizes"), p.spec_tokens(),
+                            v.max_num_batched_tokens) if graphs else rows
         if rows <= p.moe.row_ceiling < padded:
             # the captured graph of that size holds the incumbent (captured above the ceiling), and a
             # replay enters no Python: no decline line, no counter, every decode step on the wrong kernel
@@ -218,7 +221,7 @@ def check_plan(profile: Profile) -> None:
                                     f"the seat), or set vllm.max_num_batched_tokens <= {p.moe.row_ceiling}")
         if p.moe.tuning:
             tuning_table(p)  # unreadable or not a table: refused here, not in eight workers
-    elif env.get("VLLM_EXL3_MOE_KERNEL") not in (None, "exllamav3", "auto"):
+    elif (env.get("VLLM_EXL3_MOE_KERNEL") or "exllamav3").strip().lower() not in ("exllamav3", "auto", "incumbent"):
         # lna / native / lna2 pick one of the image's own kernels: the seat would run it while
         # dsv4serve reports the incumbent (a restore carries no MOE_KERNEL, seat-reference 4.5)
         raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL={env['VLLM_EXL3_MOE_KERNEL']} but moe.kernel is "
@@ -342,7 +345,7 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
     if not rt.core_dumps:
         argv += ["--ulimit", "core=0"]
     argv += [f"--cap-add={c}" for c in rt.cap_add]
-    bare = v.host.strip("[]")
+    bare = _numeric_host(v.host) or v.host.strip("[]")  # the address it spells: docker takes 127.0.0.1, not 127.1
     argv += ["-p", f"{f'[{bare}]' if ':' in bare else bare}:{v.port}:{rt.container_port}"]  # docker's IPv6 form
     for k, val in env.items():
         argv += ["-e", f"{k}={val}"]
@@ -459,14 +462,20 @@ def env_for_child(spec: LaunchSpec) -> dict[str, str]:
 
 
 def api_key(vllm_args: list[str], env: dict[str, str]) -> str | None:
-    """A key the seat's API server takes on its /v1 paths: the first of vLLM's --api-key values,
-    else VLLM_API_KEY as the server process sees it (vLLM's own precedence), else None."""
+    """A key the seat's API server takes on its /v1 paths, read as vLLM's parser reads its argv:
+    the last --api-key wins (spelled --api_key too, or any prefix from --api-k, which argparse
+    completes), any one of its values is accepted; else VLLM_API_KEY as the server process sees it."""
+    key = None
     for i, a in enumerate(vllm_args):
-        if a == "--api-key" and i + 1 < len(vllm_args) and not vllm_args[i + 1].startswith("-"):
-            return vllm_args[i + 1]
-        if a.startswith("--api-key="):
-            return a.split("=", 1)[1] or None
-    return env.get("VLLM_API_KEY") or None
+        flag, eq, val = a.partition("=")
+        flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        if len(flag) < len("--api-k") or not "--api-key".startswith(flag):
+            continue
+        if eq:
+            key = val or None
+        elif i + 1 < len(vllm_args) and not vllm_args[i + 1].startswith("-"):
+            key = vllm_args[i + 1]
+    return key or env.get("VLLM_API_KEY") or None
 
 
 def seat_api_key(runtime: str, vllm_args: list[str], env: dict[str, str]) -> str | None:

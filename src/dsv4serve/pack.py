@@ -135,8 +135,9 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             raise HeaderError(f"header length {n} does not fit a {size}-byte file")
         raw = f.read(n)
     try:
-        hdr = json.loads(raw)
-    except (ValueError, RecursionError) as e:
+        # text first, strictly: json.loads(bytes) also takes a BOM or UTF-16, which safetensors refuses
+        hdr = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise HeaderError(f"header is not JSON ({e.__class__.__name__})") from None
     if not isinstance(hdr, dict):
         raise HeaderError("header is not a JSON object")

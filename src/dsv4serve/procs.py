@@ -12,7 +12,6 @@ A run's processes are found two ways, and the union is taken:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -179,12 +178,9 @@ def wait_reaped(st: SeatState, timeout: float) -> tuple[list[int], list[int]]:
         if not left:
             return [], []
         parents = {pid: _zombie_parent(pid) for pid in left}
-        for pid, pp in parents.items():
-            if pp == os.getpid():
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(pid, os.WNOHANG)  # ours to reap
         if time.monotonic() >= deadline:
-            return [pid for pid, pp in parents.items() if pp is None], [pid for pid, pp in parents.items() if pp]
+            running = [pid for pid, pp in parents.items() if pp is None]
+            return running, [pid for pid in left if pid not in running]
         time.sleep(0.1)
 
 

@@ -276,10 +276,16 @@ class VllmSection(_Strict):
         # behind the plan's back). A flag with a key of its own must be set through that key, in
         # every spelling vLLM's parser takes: argparse completes an unambiguous prefix (--por,
         # --tensor-parallel, -t) and reads a short flag's value attached (-tp4, -qfp8).
-        own = {"--" + k.replace("_", "-"): f"vllm.{k}" for k in cls.model_fields
-               if k not in ("extra_args", "allow_public_host")}
-        own.update({"--no-" + f[2:]: k for f, k in list(own.items())})
-        own.update({"--model": "model.path", "--served-model-name": "model.served_name"})
+        fields = {k: f for k, f in cls.model_fields.items() if k not in ("extra_args", "allow_public_host")}
+        own = {"--" + k.replace("_", "-"): f"vllm.{k}" for k in fields}
+        # --no-X exists for vLLM's booleans only: a made-up --no-compilation-config would claim --no-co
+        own.update({"--no-" + k.replace("_", "-"): f"vllm.{k}" for k, f in fields.items() if bool in
+                    (getattr(f.annotation, "__args__", None) or (f.annotation,))})
+        own.update({"--model": "model.path", "--served-model-name": "model.served_name",
+                    # vLLM's own shorthands that write compilation_config's capture sizes
+                    "--cudagraph-capture-sizes": "vllm.compilation_config",
+                    "--max-cudagraph-capture-size": "vllm.compilation_config",
+                    "--cuda-graph-sizes": "vllm.compilation_config"})
         shorts = {"-tp": "vllm.tensor_parallel_size", "-q": "vllm.quantization", "-sc": "vllm.speculative_config",
                   "-cc": "vllm.compilation_config"}
         # dsv4serve supervises one tensor-parallel group: ranks, markers and counters are keyed on the
@@ -297,9 +303,12 @@ class VllmSection(_Strict):
                 if exact is None and len(hits) >= 1:
                     exact = hits[0]  # an abbreviation argparse completes (or refuses as ambiguous)
             elif a.startswith("-") and len(a) > 1:
-                head = a[1:].split("=", 1)[0].split(".", 1)[0]
+                head = "-" + a[1:].split("=", 1)[0].split(".", 1)[0]
+                # an abbreviation (-t), the flag, or the flag with its value attached (-tp4, -qfp8);
+                # -dp's value must be a number: vLLM has -dpl, -dpa, ... of their own
                 exact = next((f for f in (*shorts, *alone) if not f.startswith("--") and
-                              (("-" + head).startswith(f) or f.startswith("-" + head))), None)
+                              (f.startswith(head) or (head.startswith(f) and (f != "-dp" or
+                                                                               head[3:].isdigit())))), None)
             else:
                 continue
             if exact is None:

@@ -362,7 +362,10 @@ class SeatTracker:
             return None
         self._tb[stream] = False
         self._tb_skipped[stream] = 0
-        return self._add_fatal("traceback", stream, rank, body, self._hint_for(body), now)
+        # the exception line is classified like any line (a CUDA error, NCCL, OOM): after ready
+        # only SERVING_FATAL kinds stop a seat, and a traceback of one of those must still do
+        kind = next((k for k, pat in FATAL if pat.search(body)), "traceback")
+        return self._add_fatal(kind, stream, rank, body, self._hint_for(body), now)
 
     def _fatal_checks(self, stream: str, rank: int | None, text: str, now: float) -> list[dict[str, Any]]:
         events = []

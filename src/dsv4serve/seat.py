@@ -468,7 +468,8 @@ def _seat_names(profile_name: str | None) -> list[str]:
         # not a seat name, so a profile file: it must load (a broken or missing one is said so,
         # never taken as a seat that "is not running", nor joined onto the state dir as a path)
         return [load_profile(profile_name).name]
-    if state.state_path(profile_name).exists() or state.last_path(profile_name).exists():
+    if state.state_path(profile_name).exists() or state.last_path(profile_name).exists() or \
+            profile_name in state.starting_seats():  # a first up of a profile file, still before its launch
         return [profile_name]
     # No seat ever ran under this name: it must be a profile, or it is a typo, which is said (exit 2)
     # rather than answered "not running" while the seat the user meant keeps running.
@@ -494,6 +495,10 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
     asked = _seat_names(profile_name)
     pool = state.starting_seats()
     starting = [n for n in asked if n in pool] if profile_name else pool
+    if not profile_name and len(set(asked) | set(starting)) > 1:
+        # decided before any up is asked to stop: "name one" must not come after stopping one
+        known = sorted(set(asked) | set(starting))
+        raise BadInput(f"{len(known)} seats are known ({', '.join(known)})", hint="name one with --profile")
     cancelled: list[dict[str, Any]] = []
     for n in starting:
         # an up in its pre-launch steps has no state to stop yet: ask it to stop, and wait until it
@@ -558,6 +563,7 @@ def _cancel_starting(name: str) -> dict[str, Any] | None:
     deadline = time.monotonic() + CANCEL_WAIT_S
     while time.monotonic() < deadline:
         if state.state_path(name).exists():
+            state.clear_cancel(name)  # launched after all: down stops it by its state
             return None
         if not state.lock_held(name):
             state.clear_cancel(name)

@@ -141,7 +141,9 @@ def with_vllm_decode_rows(env: Any, vllm_config: Any) -> Any:
     eager = bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
     # an unresolved mode (None) is vLLM's default, graphs on: counted as such (fail closed)
     if not eager and getattr(mode, "name", str(mode)) != "NONE":
-        padded = graph_rows(rows, getattr(comp, "cudagraph_capture_sizes", None))
+        batched = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+        padded = graph_rows(rows, getattr(comp, "cudagraph_capture_sizes", None), k,
+                            batched if isinstance(batched, int) else None)
         if padded > rows:
             rows, why = padded, f"{why}, replayed in the CUDA graph captured at {padded} rows"
     if env.decode_rows is not None and rows <= env.decode_rows:

@@ -112,7 +112,7 @@ def describe() -> dict[str, Any]:
     return info
 
 
-def describe_file(path: Path) -> dict[str, Any]:
+def describe_file(path: Path, what: str = "moe.extension") -> dict[str, Any]:
     """What describe() says, for a build this process does not load: a docker seat's moe.extension,
     built for the image's Python and torch and mounted there. Its metadata beside it (written by
     `dsv4serve kernel build`) is all there is to go by; without it the build cannot be named."""
@@ -120,12 +120,12 @@ def describe_file(path: Path) -> dict[str, Any]:
     info: dict[str, Any] = {"module": MODULE, "source_build_id": build_tag(digest) if digest else None,
                             "path": str(path), "loaded_here": False}
     if not path.is_file():
-        info.update(loadable=False, error=f"moe.extension {path} is {'not a file' if path.exists() else 'missing'}")
+        info.update(loadable=False, error=f"{what} {path} is {'not a file' if path.exists() else 'missing'}")
         return info
     _read_meta(info, path.with_suffix(".json"), None)
     meta = info.get("built")
     if not isinstance(meta, dict) or not meta.get("build_id"):
-        info.update(loadable=False, error=f"no build metadata beside moe.extension {path} "
+        info.update(loadable=False, error=f"no build metadata beside {what} {path} "
                                           f"({path.with_suffix('.json').name}): its build cannot be named")
         return info
     info.update(loadable=True, build_id=build_tag(str(meta["build_id"])), max_rows=meta.get("max_rows"))

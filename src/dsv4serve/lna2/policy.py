@@ -206,8 +206,18 @@ def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,
     return prefs[-1]
 
 
-def graph_rows(rows: int, capture_sizes: Any) -> int:
+def graph_rows(rows: int, capture_sizes: Any, spec_tokens: int = 0, max_tokens: int | None = None) -> int:
     """The rows a decode step of `rows` runs at under CUDA graphs: vLLM pads a batch up to the
-    smallest capture size that holds it, and runs one larger than every size eagerly."""
-    sizes = [s for s in capture_sizes or [] if isinstance(s, int) and not isinstance(s, bool)]
-    return min((s for s in sizes if s >= rows), default=rows)
+    smallest capture size that holds it, and runs one larger than every size eagerly. It drops the
+    sizes above max_num_batched_tokens, and with speculative decoding may round each size up to a
+    multiple of 1 + k (dropping those past the largest, keeping 1 + k if none is left); whether it
+    rounds depends on the graph mode, so the larger of the two readings is taken (fail closed)."""
+    sizes = sorted({s for s in capture_sizes or [] if isinstance(s, int) and not isinstance(s, bool) and s > 0
+                    and (max_tokens is None or s <= max_tokens)})
+    readings = [sizes]
+    q = 1 + max(0, spec_tokens)
+    if sizes and q > 1:
+        top = sizes[-1]
+        rounded = sorted({-(-s // q) * q for s in sizes if -(-s // q) * q <= top}) or ([q] if q <= top else [])
+        readings.append(rounded)
+    return max(min((s for s in r if s >= rows), default=rows) for r in readings)
