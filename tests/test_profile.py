@@ -600,3 +600,10 @@ def test_vllms_own_short_flags_and_capture_size_flags_are_read_as_vllm_reads_the
     for extra in ('["-dp4"]', '["--cudagraph-capture-sizes", "32"]', '["--max-cudagraph-capture-size=64"]'):
         with pytest.raises(ProfileError):
             load_profile("cpu-demo", [f"vllm.extra_args={extra}"])
+
+
+def test_an_exponent_without_a_point_is_explained():
+    """YAML 1.1 reads 1e3 as text; the error said only "Input should be a valid number" (audit)."""
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", ["gates.timeouts.stall_s=1e3"])
+    assert e.value.hint == "YAML reads 1e3 as text, not a number: write 1000"

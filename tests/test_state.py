@@ -690,3 +690,16 @@ def test_down_without_a_name_refuses_before_stopping_a_starting_up(home):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_launching_state_without_a_pid_whose_up_is_gone_is_stale(home):
+    """An up that died between its state write and the spawn left a 'launching' state with no pid,
+    which refused every later up as 'already running' (helper audit)."""
+    from dsv4serve import seat
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    st = make(pid=None, phase="launching", supervisor_pid=gone.pid)
+    assert seat._running_refusal(st) is None
+    alive = make(pid=None, phase="launching", supervisor_pid=os.getpid())
+    assert "is already running" in seat._running_refusal(alive).message

@@ -921,6 +921,9 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
         hint = f"give {path} as a whole number"
     elif kind in ("bool_type", "bool_parsing"):
         hint = f"give {path} as true or false"
+    if isinstance(got, str) and re.fullmatch(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+", got.strip()):
+        # YAML 1.1 takes 1e3 for text (it wants 1.0e+3): say so, or the user reads "not a number" as a riddle
+        hint = f"YAML reads {got} as text, not a number: write {float(got):.15g}"
     return ProfileError(f"profile {name}: {where}{msg}{got_s}{where_from}", hint=hint)
 
 

@@ -201,7 +201,11 @@ def _running_refusal(st: SeatState) -> BadInput | None:
     from dsv4serve.errors import BadInput
 
     name = st.seat
-    running = state.liveness(st) in ("alive", "unknown") and st.phase != "stopped"
+    live = state.liveness(st)
+    # no pid recorded: an up between its state write and the spawn, unless that up is gone (a crash
+    # there left a "launching" state that refused every later up)
+    orphaned = live == "unknown" and bool(st.supervisor_pid) and not state.pid_alive(st.supervisor_pid)
+    running = (live == "alive" or (live == "unknown" and not orphaned)) and st.phase != "stopped"
     if st.runtime == "docker" and st.container_name:
         exists = stop.container_exists(st.container_name)
         if exists is None:  # docker cannot answer: the stale run's container may still hold the GPUs
@@ -226,7 +230,8 @@ def _clear_if_stale(name: str, json_events: bool) -> None:
     if refusal is not None:
         raise refusal
     live = state.liveness(st)
-    why = "its process is gone" if live == "gone" else f"pid {st.pid} now belongs to another process"
+    why = ("its process is gone" if live == "gone" else f"pid {st.pid} now belongs to another process"
+           if live == "reused" else f"the up that was starting it (pid {st.supervisor_pid}) is gone")
     _say(f"clearing the stale state of seat {name} (run {st.run_id}: {why})", json_events, event="stale_cleared",
          run_id=st.run_id, liveness=live)
     # Orphans of a SIGKILLed main process still carry the run tag: stop those, never the reused pid.
