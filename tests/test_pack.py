@@ -456,3 +456,21 @@ def test_absurd_numbers_in_a_config_are_findings_not_crashes(tmp_path, clean, ed
     (p / "config.json").write_text(json.dumps(cfg))
     rep = pack.validate(p, expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
     assert rep.get(check).status == "fail" and not any("crashed" in f.found for f in rep.findings)
+
+
+def test_a_header_that_is_not_plain_utf8_is_refused_as_safetensors_refuses_it(tmp_path, clean):
+    """json.loads(bytes) also takes a UTF-8 BOM or UTF-16, which safetensors refuses: the pack
+    check passed a shard vLLM could not open (helper audit). The header is decoded strictly first
+    (landed in 8ad0760 without its test)."""
+    import shutil
+    import struct
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    shard = p / clean.shards[0]
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    bom = b"\xef\xbb\xbf" + data[8:8 + n]
+    shard.write_bytes(struct.pack("<Q", len(bom)) + bom + data[8 + n:])
+    with pytest.raises(pack.HeaderError, match="header is not JSON"):
+        pack.read_header(shard)
