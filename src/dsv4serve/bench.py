@@ -196,9 +196,11 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
                   api_key=key)
 
 
-def make_client(api_key: str | None = None) -> httpx.Client:
+def make_client(api_key: str | None = None, *, local: bool = False) -> httpx.Client:
     # Per-call timeouts are always passed explicitly; this default only guards a forgotten one.
-    return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key))
+    # `local`: a seat on this machine, which an http_proxy of the shell must not carry away (a
+    # --base-url may be reached through one on purpose).
+    return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key), trust_env=not local)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +415,7 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
               client_factory: Callable[[], httpx.Client] | None = None) -> dict[str, Any]:
     ep = target.endpoint
     if client_factory is None:  # one client per stream, each with the target's key
-        client_factory = functools.partial(make_client, target.api_key)
+        client_factory = functools.partial(make_client, target.api_key, local=target.seat is not None)
     settings.validate(ep)
     notes = list(target.notes)
     if target.profile is not None and not target.profile.reference.tok_s:

@@ -113,7 +113,7 @@ def _session(sh: Shared):
             raise BadInput(f"{flag} is empty", hint="give it a value, or leave it out")
     if sh.base_url is not None and sh.seat is not None:
         raise BadInput("--seat and --base-url both name what to measure", hint="give one of them")
-    client = make_client()
+    client = make_client(local=sh.base_url is None)  # no --base-url: a seat of this machine
     try:
         yield client, resolve_target(client, base_url=sh.base_url, model=sh.model, profile=sh.profile, seat=sh.seat)
     finally:
