@@ -20,9 +20,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -53,6 +57,40 @@ def cli(*args: str, home: Path, timeout: float = 300, env_extra: dict | None = N
     """The real CLI in a subprocess, with its own DSV4SERVE_HOME."""
     env = {**os.environ, "DSV4SERVE_HOME": str(home), **(env_extra or {})}
     return subprocess.run([*DSV4SERVE, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet handler for local stand-in servers: `send_json(code, doc)`."""
+
+    def send_json(self, code: int, doc: object) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+
+@contextmanager
+def local_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on 127.0.0.1 in a thread for the block; yields the base URL."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def dead_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shell's proxy variables point at a port nothing listens on, and nothing is exempt."""
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
 
 
 def json_lines(text: str) -> list[dict]:

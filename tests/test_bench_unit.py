@@ -27,6 +27,8 @@ from dsv4serve.bench_client import (
     parse_metrics,
     spec_delta,
 )
+
+from .conftest import JsonHandler, dead_proxy, local_server
 from dsv4serve.bench_needle import NeedleSettings, _boundary, build_prompt, compose
 from dsv4serve.bench_ppl import PplSettings, _exp, window_nll, windows
 from dsv4serve.bench_report import bench_markdown, needle_markdown, ppl_markdown, write_outputs
@@ -772,32 +774,15 @@ def test_bench_sends_the_key_the_server_demands(monkeypatch):
 def test_bench_of_a_local_seat_ignores_the_shells_proxy(monkeypatch):
     """bench of this machine's seat went through an http_proxy of the shell (and failed with it);
     a --base-url may be reached through one on purpose, so only the local seat ignores it."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from dsv4serve import bench
 
-    class Seat(BaseHTTPRequestHandler):
+    class Seat(JsonHandler):
         def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
+            self.send_json(200, {})
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Seat)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
-            monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
-        for var in ("no_proxy", "NO_PROXY"):
-            monkeypatch.delenv(var, raising=False)
-        url = f"http://127.0.0.1:{srv.server_address[1]}/health"
+    with local_server(Seat) as base:
+        dead_proxy(monkeypatch)
         with bench.make_client(local=True) as c:
-            assert c.get(url, timeout=5).status_code == 200
+            assert c.get(f"{base}/health", timeout=5).status_code == 200
         with bench.make_client() as c, pytest.raises(httpx.HTTPError):
-            c.get(url, timeout=5)  # through the (dead) proxy, as the user's shell asks for a --base-url
-    finally:
-        srv.shutdown()
+            c.get(f"{base}/health", timeout=5)  # through the (dead) proxy, as the shell asks for a --base-url

@@ -11,6 +11,8 @@ import pytest
 from dsv4serve import readiness
 from dsv4serve.errors import JobFailed
 
+from .conftest import JsonHandler, dead_proxy, local_server
+
 
 @pytest.fixture()
 def probes(monkeypatch):
@@ -68,83 +70,43 @@ def test_a_port_taken_during_bring_up_fails_the_wait_at_once_naming_the_holder(t
 def test_the_probes_ignore_the_shells_proxy(monkeypatch):
     """An http_proxy without NO_PROXY for 127.0.0.1 carried the probes away: a healthy seat failed
     readiness and was stopped, and status called it unhealthy (helper audit)."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from dsv4serve import readiness
-
-    class Seat(BaseHTTPRequestHandler):
+    class Seat(JsonHandler):
         def do_GET(self):
-            body = b"{}" if self.path == "/health" else json.dumps({"data": [{"id": "demo"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_json(200, {} if self.path == "/health" else {"data": [{"id": "demo"}]})
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Seat)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        for var in ("http_proxy", "HTTP_PROXY", "ALL_PROXY", "all_proxy"):
-            monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
-        monkeypatch.delenv("NO_PROXY", raising=False)
-        monkeypatch.delenv("no_proxy", raising=False)
-        base = f"http://127.0.0.1:{srv.server_address[1]}"
+    with local_server(Seat) as base:
+        dead_proxy(monkeypatch)
         assert readiness.health(base) and readiness.served_models(base) == ["demo"]
-    finally:
-        srv.shutdown()
 
 
 def test_a_seat_with_an_api_key_is_probed_with_it(monkeypatch):
     """vLLM demands the key on every /v1 path when started with --api-key or VLLM_API_KEY: readiness
     read 401 and stopped a healthy seat (helper audit). The key is found as vLLM finds it."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from types import SimpleNamespace
 
-    from dsv4serve import launch, readiness
-    from dsv4serve.errors import JobFailed
+    from dsv4serve import launch
 
-    class Seat(BaseHTTPRequestHandler):
-        def _send(self, code, doc):
-            body = json.dumps(doc).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Seat(JsonHandler):
         def _authorised(self):
             if self.path.startswith("/v1") and self.headers.get("Authorization") != "Bearer s3cret":
-                self._send(401, {"error": "Unauthorized"})
+                self.send_json(401, {"error": "Unauthorized"})
                 return False
             return True
 
         def do_GET(self):
             if self._authorised():
-                self._send(200, {} if self.path == "/health" else {"data": [{"id": "demo"}]})
+                self.send_json(200, {} if self.path == "/health" else {"data": [{"id": "demo"}]})
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self._authorised():
-                self._send(200, {"choices": [{"message": {"content": "ok"}}], "usage": {"completion_tokens": 1}})
+                self.send_json(200, {"choices": [{"message": {"content": "ok"}}], "usage": {"completion_tokens": 1}})
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Seat)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        base = f"http://127.0.0.1:{srv.server_address[1]}"
+    with local_server(Seat) as base:
         canary = SimpleNamespace(prompt="hi", max_tokens=2, thinking_off=False)
         with pytest.raises(JobFailed, match="401"):
             readiness.check(base, "demo", canary, timeout=10)
         assert readiness.check(base, "demo", canary, timeout=10, api_key="s3cret")["canary_tokens"] == 1
-    finally:
-        srv.shutdown()
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert launch.api_key(["--port", "1", "--api-key", "a", "b"], {"VLLM_API_KEY": "env"}) == "a"  # CLI first
     # as vLLM's parser reads it (review): the last one wins, --api_key and a completed prefix count
