@@ -433,3 +433,12 @@ def test_the_incumbent_kernel_env_is_read_without_regard_to_case():
     build("8x16gb-380k-incumbent", "runtime.patch_root=/tmp", "env.VLLM_EXL3_MOE_KERNEL=EXLLAMAV3")
     with pytest.raises(ProfileError, match="env.VLLM_EXL3_MOE_KERNEL=LNA but moe.kernel is incumbent"):
         build("8x16gb-380k-incumbent", "runtime.patch_root=/tmp", "env.VLLM_EXL3_MOE_KERNEL=LNA")
+
+
+def test_a_seats_api_key_is_read_from_its_own_launch():
+    """The supervisor, check-seat and bench find the key from the launch argv and env alone: a docker
+    seat's profile env reaches the container as -e entries, a native seat's as its env."""
+    docker = build("8x16gb-380k", "env.VLLM_API_KEY=k1", "runtime.patch_root=/tmp")
+    assert launch.seat_api_key(docker.runtime, docker.argv, docker.env) == "k1"
+    native = build("cpu-demo", "env.VLLM_API_KEY=k2")
+    assert launch.seat_api_key(native.runtime, native.argv, native.env) == "k2"

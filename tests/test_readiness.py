@@ -115,4 +115,5 @@ def test_a_seat_with_an_api_key_is_probed_with_it(monkeypatch):
     assert launch.api_key(["--api-key=k"], {}) == "k" and launch.api_key([], {"VLLM_API_KEY": "env"}) == "env"
     monkeypatch.setenv("VLLM_API_KEY", "shell")
     assert launch.seat_api_key("native", [], {}) == "shell"  # a native server inherits the shell
-    assert launch.seat_api_key("docker", [], {}) is None  # a container sees the profile's env only
+    assert launch.seat_api_key("docker", [], {}) is None  # a container sees its -e entries only
+    assert launch.seat_api_key("docker", ["docker", "run", "-e", "VLLM_API_KEY=c0nt", "img", "--port", "1"], {}) == "c0nt"

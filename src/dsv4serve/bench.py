@@ -184,8 +184,7 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     if st is None:  # another server: vLLM's own convention for a client's key
         key = os.environ.get("VLLM_API_KEY") or None
     else:  # the key the seat's server was started with (a 401 on every request otherwise)
-        key = seat_api_key(st.runtime, st.argv, st.env if st.runtime == "native" else
-                           (seat_profile.env if seat_profile else {}))
+        key = seat_api_key(st.runtime, st.argv, st.env)
     client.headers.update(auth(key))
     endpoint = resolve_endpoint(client, base_url, model, fallback_len)
     seqs = seat_profile.vllm.max_num_seqs if seat_profile else None

@@ -875,10 +875,8 @@ def _lna2_describe(p: Profile) -> dict[str, Any]:
     except ImportError as e:
         return {"loadable": False, "not_built": True, "error": f"the lna2 loader does not import ({e})"}
     if p.runtime.kind == "docker":
-        ext = launch.lna2_extension_path(p)
-        if ext:
-            return loader.describe_file(Path(ext))
-        return loader.describe_file(home.cache_dir() / "lna2" / "dsv4serve_lna2.so", "the default build (mounted)")
+        what = "moe.extension" if p.moe.extension else "the default build (mounted)"
+        return loader.describe_file(Path(launch.lna2_mounted(p)), what)
     return loader.describe()
 
 
@@ -1241,7 +1239,7 @@ def _forbidden_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
 
 def _seat_key(ctx: Ctx) -> str | None:
     st = ctx.seat
-    return launch.seat_api_key(st.runtime, st.argv, st.env if st.runtime == "native" else ctx.profile.env)
+    return launch.seat_api_key(st.runtime, st.argv, st.env)
 
 
 def _endpoint(rep: Report, ctx: Ctx) -> None:

@@ -392,8 +392,7 @@ def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, boo
            (str(pkg), f"{sp}/dsv4serve", True),
            (str(run_dir / "plugin-dist-info"), f"{sp}/dsv4serve-plugin.dist-info", True)]
     if profile.moe.kernel == "lna2":
-        ext = lna2_extension_path(profile) or str(home.cache_dir() / "lna2" / "dsv4serve_lna2.so")
-        out.append((ext, f"{sp}/dsv4serve_lna2.so", True))
+        out.append((lna2_mounted(profile), f"{sp}/dsv4serve_lna2.so", True))
     exl3 = exl3_extension_path(profile)
     if exl3:  # over the image's own module of the same name: the patched CUDA fixes run only from a rebuild
         out.append((exl3, f"{sp}/{Path(exl3).name}", True))
@@ -411,6 +410,13 @@ def lna2_extension_path(profile: Profile) -> str | None:
     """moe.extension with {cache} / {home} expanded, for the docker seat that mounts it (None when
     unset: the default build is mounted)."""
     return _state_path(profile.moe.extension, "moe.extension")
+
+
+def lna2_mounted(profile: Profile) -> str:
+    """The lna2 build a docker seat mounts: moe.extension, else the default build."""
+    from dsv4serve.lna2.build import MODULE, default_out
+
+    return lna2_extension_path(profile) or str(default_out() / f"{MODULE}.so")
 
 
 def exl3_extension_path(profile: Profile) -> str | None:
@@ -478,10 +484,12 @@ def api_key(vllm_args: list[str], env: dict[str, str]) -> str | None:
     return key or env.get("VLLM_API_KEY") or None
 
 
-def seat_api_key(runtime: str, vllm_args: list[str], env: dict[str, str]) -> str | None:
-    """api_key() of a seat: a native seat's server inherits this shell's environment, a container
-    sees only the profile's env (the -e entries)."""
-    return api_key(vllm_args, {**os.environ, **env} if runtime == "native" else env)
+def seat_api_key(runtime: str, argv: list[str], env: dict[str, str]) -> str | None:
+    """api_key() of a seat from its launch argv and env (a LaunchSpec's or a SeatState's): a native
+    server inherits this shell's environment plus `env`, a container sees only its `-e` entries."""
+    if runtime == "native":
+        return api_key(argv, {**os.environ, **env})
+    return api_key(argv, dict(a.split("=", 1) for flag, a in zip(argv, argv[1:]) if flag == "-e" and "=" in a))
 
 
 def describe_gates(profile: Profile) -> dict[str, Any]:

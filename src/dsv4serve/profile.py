@@ -891,8 +891,8 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
     e = err.errors()[0]
     loc = tuple(e.get("loc", ()))
     path = ".".join(str(p) for p in loc)
-    msg0 = str(e.get("msg", "")).removeprefix("Value error, ")
-    exact = re.match(rf"{re.escape(path)}\.([A-Za-z0-9_]+):", msg0) if path else None
+    msg = str(e.get("msg", "invalid value")).rstrip(".").removeprefix("Value error, ")
+    exact = re.match(rf"{re.escape(path)}\.([A-Za-z0-9_]+):", msg) if path else None
     # our own validators name the exact key below pydantic's loc (env.1X under env): ask where
     # that key came from, or any --set under env.* would be blamed for a file's env.1X
     where_from = (source((*loc, exact.group(1)) if exact else loc)) if source else ""
@@ -904,7 +904,6 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
         return ProfileError(f"profile {name}: unknown key '{path}'{where_from}", hint=hint)
     if e.get("type") == "missing":
         return ProfileError(f"profile {name}: missing required key '{path}'{source(()) if source else ''}")
-    msg = e.get("msg", "invalid value").rstrip(".").removeprefix("Value error, ")
     # Our own validators name the exact key (env.X, gates.markers.0.ranks) below the one pydantic
     # reports; saying both would read twice.
     where = "" if not path or msg.startswith(f"{path}.") else f"{path}: "

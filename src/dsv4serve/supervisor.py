@@ -627,8 +627,7 @@ class Supervisor:
                     time.sleep(0.5)
                 self.display.http = "canary"
                 ours = {p.pid for p in procs.run_processes(self.st)} if self.spec.runtime == "native" and self.st else None
-                key = seat_api_key(self.spec.runtime, self.spec.vllm_args,
-                                   self.spec.env if self.spec.runtime == "native" else self.profile.env)
+                key = seat_api_key(self.spec.runtime, self.spec.argv, self.spec.env)
                 self._probe_result = readiness.check(base, self.spec.served_name, self.profile.gates.canary,
                                                      timeout=max(5.0, deadline - time.time()), port=self.spec.port,
                                                      our_pids=ours, api_key=key)
