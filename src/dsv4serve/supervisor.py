@@ -415,6 +415,12 @@ class Supervisor:
         return self._update(**changed)
 
     # -- run ------------------------------------------------------------------------------------
+    def _not_started(self, reason: str) -> Outcome:
+        """Nothing was spawned: no state of this run may stay behind."""
+        with contextlib.suppress(OSError, state.UnreadableState):
+            state.remove(self.seat, self.spec.run_id)
+        return self._finish(Outcome(False, EXIT_FAILED, reason, None, 0.0))
+
     def run(self) -> Outcome:
         self.st = self._initial_state()
         try:
@@ -431,19 +437,13 @@ class Supervisor:
         if state.cancel_requested(self.seat):
             # a `down` that found no state yet asked us to stop; from here on it would find this one
             state.clear_cancel(self.seat)
-            with contextlib.suppress(OSError, state.UnreadableState):
-                state.remove(self.seat, self.spec.run_id)
-            return self._finish(Outcome(False, EXIT_FAILED, "stopped by `dsv4serve down` before vLLM was started; "
-                                        "nothing was started", None, 0.0))
+            return self._not_started("stopped by `dsv4serve down` before vLLM was started; nothing was started")
         with Interrupts() as intr:
             try:
                 self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
             except (OSError, ValueError) as e:  # ValueError: a NUL byte in argv or env (exec cannot carry it)
-                with contextlib.suppress(OSError, state.UnreadableState):
-                    state.remove(self.seat, self.spec.run_id)
                 why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-                return self._finish(Outcome(False, EXIT_FAILED, f"could not start {self.spec.argv[0]}: {why}",
-                                            None, 0.0))
+                return self._not_started(f"could not start {self.spec.argv[0]}: {why}")
             pid = self.proc.pid
             # Reap our child the moment it exits: a zombie would hold `down`'s and our own
             # teardown's reap wait (Popen.poll() stays safe alongside a waiting thread).

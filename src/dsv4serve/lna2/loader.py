@@ -75,9 +75,14 @@ def load() -> Any:
     raise RuntimeError(_error)
 
 
-def describe() -> dict[str, Any]:
+def _sources() -> dict[str, Any]:
+    """What every description starts from: the module's name and the build id of these sources."""
     digest = _safe(source_digest)
-    info: dict[str, Any] = {"module": MODULE, "source_build_id": build_tag(digest) if digest else None}
+    return {"module": MODULE, "source_build_id": build_tag(digest) if digest else None}
+
+
+def describe() -> dict[str, Any]:
+    info = _sources()
     try:
         mod = load()
     except (RuntimeError, OSError) as e:
@@ -116,9 +121,7 @@ def describe_file(path: Path, what: str = "moe.extension") -> dict[str, Any]:
     """What describe() says, for a build this process does not load: a docker seat's moe.extension,
     built for the image's Python and torch and mounted there. Its metadata beside it (written by
     `dsv4serve kernel build`) is all there is to go by; without it the build cannot be named."""
-    digest = _safe(source_digest)
-    info: dict[str, Any] = {"module": MODULE, "source_build_id": build_tag(digest) if digest else None,
-                            "path": str(path), "loaded_here": False}
+    info = {**_sources(), "path": str(path), "loaded_here": False}
     if not path.is_file():
         info.update(loadable=False, error=f"{what} {path} is {'not a file' if path.exists() else 'missing'}")
         return info
