@@ -16,9 +16,9 @@ def _configured() -> Path:
         # absolute: a relative home put relative paths into docker's -v and the run dir, and
         # status / down from another directory found no seat
         return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_STATE_HOME")
-    # the XDG spec: a relative XDG_STATE_HOME is invalid and is ignored
-    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".local" / "state"
+    # the XDG spec: a relative XDG_STATE_HOME is invalid and is ignored (unset reads as ".", relative too)
+    xdg = Path(os.environ.get("XDG_STATE_HOME", "")).expanduser()
+    base = xdg if xdg.is_absolute() else Path.home() / ".local" / "state"
     return base / "dsv4serve"
 
 
