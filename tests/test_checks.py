@@ -648,7 +648,7 @@ def fake_seat(tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "COUNTERS_WAIT_S", 0.6)
     made = []
 
-    def make(profile, log_text, counters=True, models_doc=None):
+    def make(profile, log_text, counters=True, models_doc=None, lna2_build=None):
         tp = profile.vllm.tensor_parallel_size
         run_dir = tmp_path / "run"
         run_dir.mkdir(exist_ok=True)
@@ -664,7 +664,8 @@ def fake_seat(tmp_path, monkeypatch):
         st = state.SeatState(seat=profile.name, run_id="r1", profile=profile.name, profile_digest=profile.digest(),
                              runtime="native", pid=me.pid, start_time=me.create_time(), argv=["vllm"], env={},
                              host="127.0.0.1", port=ep.port, served_name=profile.model.served_name, tp=tp,
-                             run_dir=str(run_dir), log_path=str(run_dir / "vllm.log"), phase="ready")
+                             run_dir=str(run_dir), log_path=str(run_dir / "vllm.log"), phase="ready",
+                             lna2_build=lna2_build)
         state.save(st)
         ctx = checks.Ctx(profile=profile)
         checks._find_seat(ctx)
@@ -918,6 +919,53 @@ def test_each_ranks_active_line_names_the_build_check_seat_describes(fake_seat, 
     assert _st(rep, "lna2-build", "live").status == "ok"
     rep, _ = fake_seat(load_profile("cpu-demo"), _log(2, extra=[active(0, "bOLD")]))
     assert not any(r.check == "lna2-build" for r in rep.rows)  # an incumbent seat has no such row
+
+
+def test_the_ranks_build_is_judged_against_the_one_up_launched(fake_seat, monkeypatch):
+    """The live row compared the ranks with the build check-seat's own shell describes: on a native
+    seat that is this shell's DSV4SERVE_LNA2_EXT or default build, not necessarily what up ran with.
+    up now keeps the build in the seat's state; the ranks are judged against it, and a build that
+    changed since (a rebuild, another DSV4SERVE_LNA2_EXT here) is a warning to restart."""
+    p = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+
+    def active(r, build):
+        return (f"(Worker_TP{r} pid={200 + r}) WARNING 12-02 18:00:03 [moe_dispatch.py:1] LNA2 MoE kernel ACTIVE "
+                f"rank={r}/2 layers=2 bits=2 ext={build} policy=builtin")
+
+    launched = {"path": "/srv/lna2/dsv4serve_lna2.so", "build_id": "bUP"}
+    both = [active(0, "bUP"), active(1, "bUP")]
+    monkeypatch.setattr(checks, "_lna2_describe", lambda p: {"loadable": True, "build_id": "bUP"})
+    rep, _ = fake_seat(p, _log(2, extra=both), lna2_build=launched)
+    assert _st(rep, "lna2-build", "live").status == "ok"
+    monkeypatch.setattr(checks, "_lna2_describe", lambda p: {"loadable": True, "build_id": "bNEW"})
+    rep, _ = fake_seat(p, _log(2, extra=both), lna2_build=launched)
+    r = _st(rep, "lna2-build", "live")
+    assert r.status == "warn" and "build bUP on ranks 0,1, as launched" in r.found and "bNEW" in r.found
+    assert "restart the seat" in r.fix
+    rep, _ = fake_seat(p, _log(2, extra=[active(0, "bUP"), active(1, "bNEW")]), lna2_build=launched)
+    r = _st(rep, "lna2-build", "live")
+    assert r.status == "fail" and "/srv/lna2/dsv4serve_lna2.so" in r.expected and "rank 1" in r.fix
+    rep, _ = fake_seat(p, _log(2, extra=both), lna2_build={"path": "/srv/x.so", "build_id": None})
+    r = _st(rep, "lna2-build", "live")
+    assert r.status == "warn" and "not readable" in r.expected
+
+
+def test_up_keeps_the_lna2_build_its_workers_load(tmp_path, monkeypatch):
+    """launch.lna2_launched names the file the workers resolve (docker: the mount; native: the
+    loader's choice from this process's env, which the workers inherit) and the build its metadata
+    names; None for an incumbent seat."""
+    from dsv4serve import launch
+    from dsv4serve.lna2.build import build_tag
+
+    so = tmp_path / "mine.so"
+    so.write_bytes(b"\x7fELF")
+    so.with_suffix(".json").write_text(json.dumps({"build_id": "abc123", "max_rows": 24}))
+    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(so))
+    native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+    assert launch.lna2_launched(native) == {"path": str(so), "build_id": build_tag("abc123")}
+    assert launch.lna2_launched(load_profile("cpu-demo")) is None
+    docker = load_profile("8x16gb-380k", [f"moe.extension={tmp_path}/gone.so"])
+    assert launch.lna2_launched(docker) == {"path": f"{tmp_path}/gone.so", "build_id": None}
 
 
 def test_a_window_past_the_models_own_is_a_plan_warning(home_env):

@@ -1140,7 +1140,7 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
         rep.add("live", "log", "fail", f"cannot read {st.log_path}: {e.strerror}", "the seat's log", "")
     _markers_live(rep, ctx, tracker)
     if p.moe.kernel == "lna2":
-        _guard(rep, "live", "lna2-build", lambda: _build_live(rep, ctx, builds))
+        _guard(rep, "live", "lna2-build", lambda: _build_live(rep, ctx, builds, st.lna2_build))
     _kv_live(rep, ctx, tracker)
     _forbidden_live(rep, ctx, tracker)
     _guard(rep, "live", "endpoint", lambda: _endpoint(rep, ctx))
@@ -1153,24 +1153,33 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
 _ACTIVE_EXT = re.compile(r"LNA2 MoE kernel ACTIVE rank=(\d+)/\d+ .*\bext=(\S+)")
 
 
-def _build_live(rep: Report, ctx: Ctx, builds: dict[int, str]) -> None:
-    """The build each rank's ACTIVE line names, against the build the seat is set to load: a rank
+def _build_live(rep: Report, ctx: Ctx, builds: dict[int, str], launched: dict[str, str | None] | None) -> None:
+    """The build each rank's ACTIVE line names, against the build `up` launched the seat with (its
+    state's lna2_build; check-seat's own description for a state written before it was kept): a rank
     serving another build (a stale mount, another DSV4SERVE_LNA2_EXT) is not the seat checked above."""
     if not builds:
         rep.add("live", "lna2-build", "n/a", "no rank has logged its ACTIVE line yet (the markers row says which)")
         return
     if ctx.lna2_info is None:
         ctx.lna2_info = _lna2_describe(ctx.profile)
-    want = ctx.lna2_info.get("build_id") if ctx.lna2_info.get("loadable") else None
+    here = ctx.lna2_info.get("build_id") if ctx.lna2_info.get("loadable") else None
+    want, what = (launched.get("build_id"), f"the build up launched ({launched.get('path')})") if launched \
+        else (here, "the build check-seat describes")
     seen = ", ".join(f"rank {r}: {b}" for r, b in sorted(builds.items()))
     if want is None:
-        rep.add("live", "lna2-build", "warn", seen, "the seat's build (not readable here: see the lna2 row)")
+        rep.add("live", "lna2-build", "warn", seen, f"{what}: its build id is not readable (no build metadata "
+                "beside it; see the lna2 row)")
         return
     off = {r: b for r, b in builds.items() if b != want}
     if off:
-        rep.add("live", "lna2-build", "fail", seen, f"build {want} on every rank",
-                f"rank {min(off)} loaded another build than check-seat describes: rebuild or remount it, then "
-                "restart the seat")
+        rep.add("live", "lna2-build", "fail", seen, f"build {want} on every rank, {what}",
+                f"rank {min(off)} loaded another build than {what}: rebuild or remount it, then restart the seat")
+    elif launched and here and here != want:
+        # the ranks are what up launched, but the file check-seat reads now holds another build: a
+        # rebuild since, or this shell's DSV4SERVE_LNA2_EXT names another file than up's did
+        rep.add("live", "lna2-build", "warn", f"build {want} on ranks {','.join(map(str, sorted(builds)))}, as "
+                f"launched; check-seat's lna2 row describes build {here}", f"build {here}",
+                "restart the seat (`dsv4serve down`, then `up`) to serve the build the rows above checked")
     else:
         rep.add("live", "lna2-build", "ok", f"build {want} on ranks {','.join(map(str, sorted(builds)))}",
                 f"build {want}")

@@ -419,6 +419,21 @@ def lna2_mounted(profile: Profile) -> str:
     return lna2_extension_path(profile) or str(default_out() / f"{MODULE}.so")
 
 
+def lna2_launched(profile: Profile) -> dict[str, str | None] | None:
+    """The lna2 build file a seat's workers load and the build its metadata names, as `up` found them
+    (None for an incumbent seat): a docker seat's mount; a native seat's workers inherit this
+    process's DSV4SERVE_LNA2_EXT (the profile cannot set it), so they resolve the path the loader
+    resolves here. Kept in the seat's state, so check-seat compares the ranks with what up launched,
+    not with whatever the shell that runs check-seat would load."""
+    if profile.moe.kernel != "lna2":
+        return None
+    from dsv4serve.lna2 import loader
+
+    path = Path(lna2_mounted(profile)) if profile.runtime.kind == "docker" else loader.candidates()[0]
+    info = loader.describe_file(path, "the lna2 build")
+    return {"path": str(path), "build_id": info.get("build_id") if info.get("loadable") else None}
+
+
 def exl3_extension_path(profile: Profile) -> str | None:
     """runtime.exl3_extension with {cache} / {home} expanded (None when unset)."""
     return _state_path(profile.runtime.exl3_extension, "runtime.exl3_extension")

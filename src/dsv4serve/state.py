@@ -72,6 +72,8 @@ class SeatState(BaseModel):
     supervisor_pid: Pid | None = Field(None, description="the `up` process watching the seat, while it runs")
     gates: dict[str, Any] = Field(default_factory=dict, description="launch.describe_gates() of the run")
     overrides: list[str] = Field(default_factory=list, description="the --set overrides `up` was given")
+    lna2_build: dict[str, str | None] | None = Field(
+        None, description="launch.lna2_launched(): the lna2 build file the workers load and its build id")
 
     @field_validator("gates")
     @classmethod

@@ -34,7 +34,7 @@ from rich.markup import escape
 from dsv4serve import procs, readiness, state, stop
 from dsv4serve.cli_common import console, emit_json_line, err_console, silence
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
-from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child, seat_api_key
+from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child, lna2_launched, seat_api_key
 from dsv4serve.profile import Profile
 from dsv4serve.ranklog import PHASE_LABEL, SERVING_FATAL, SeatTracker, with_seat
 from dsv4serve.state import RUN_ID_ENV, SeatState
@@ -363,7 +363,8 @@ class Supervisor:
                          argv=s.argv, env=s.env, host=s.host, port=s.port, served_name=s.served_name, tp=self.tp,
                          gpu_ids=list(self.profile.gpus.ids), gpu_uuids=self.gpu_uuids, run_dir=str(self.run_dir),
                          log_path=str(self.log_path), phase="launching", started_at=self.t0,
-                         supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides)
+                         supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides,
+                         lna2_build=lna2_launched(self.profile))
 
     def _update(self, **changes: Any) -> bool:
         """Write to the state unless `down` took the seat (then False). StateWriteFailed when it
