@@ -39,6 +39,7 @@ class Script:
     tokenize: bool = True
     tokenize_reply: Any = None        # when set, /tokenize answers this JSON instead of vLLM's
     chunk_delay_s: float = 0.01
+    api_key: str | None = None        # when set, /v1 paths answer 401 without "Bearer <it>", as vLLM's do
     # filled in by the server
     chat_bodies: list[dict] = field(default_factory=list)
     completion_bodies: list[dict] = field(default_factory=list)
@@ -68,8 +69,17 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length", "0"))
         return json.loads(self.rfile.read(n) or b"{}")
 
+    def _refused(self) -> bool:
+        key = self.script.api_key
+        if key is None or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._json(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:  # noqa: N802
         s = self.script
+        if self._refused():
+            return
         if self.path == "/v1/models":
             data = []
             for m in s.models:
@@ -96,6 +106,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         s = self.script
         body = self._body()
+        if self._refused():
+            return
         if self.path == "/v1/chat/completions":
             self._chat(body)
         elif self.path == "/tokenize" and s.tokenize:
@@ -722,3 +734,21 @@ def test_json_with_out_lists_the_files_and_their_notes(fake, tmp_path, monkeypat
     doc = json.loads(res.stdout)
     assert doc["written"] == [str(out / "bench.json"), str(out / "bench.md")]
     assert any("matplotlib is not installed" in n for n in doc["notes"])
+
+
+def test_api_key_option_reaches_an_endpoint_that_demands_one(fake, monkeypatch):
+    """With --base-url the only key bench could send was this shell's VLLM_API_KEY (one meant for
+    another server, or none): --api-key names the endpoint's own, before or after the subcommand."""
+    fake.api_key = "k-remote"
+    monkeypatch.setenv("VLLM_API_KEY", "k-shell")
+    base = ("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--max-tokens", "8",
+            "--no-warmup", "--json")
+    res = run(*base)
+    assert res.exit_code != 0 and "401" in res.stderr, res.stderr
+    res = run(*base, "--api-key", "k-remote")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["cells"][0]["runs"][0]["completion_tokens"] == 12
+    res = run("--api-key", "k-remote", "ppl", "--base-url", fake.url, "--ctx", "16", "--chunks", "1", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["tokens_scored"] > 0, res.stderr
+    res = run(*base, "--api-key", "")
+    assert res.exit_code != 0 and one_line_error(res, json_out=True).startswith("error: --api-key is empty")

@@ -156,7 +156,7 @@ def _running_seat(seat: str | None, profile: str | None) -> tuple[state.SeatStat
 
 
 def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | None,
-                   profile: str | None, seat: str | None) -> Target:
+                   profile: str | None, seat: str | None, api_key: str | None = None) -> Target:
     notes: list[str] = []
     seat_profile: Profile | None = None
     seat_name: str | None = None
@@ -181,7 +181,9 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     # --profile given only for comparison does not); with --base-url, --profile is the best guess.
     fallback = seat_profile if seat_name else ref_profile
     fallback_len = fallback.vllm.max_model_len if fallback else None
-    if st is None:  # another server: vLLM's own convention for a client's key
+    if api_key is not None:  # --api-key: what the user says the endpoint takes
+        key = api_key or None
+    elif st is None:  # another server: vLLM's own convention for a client's key
         key = os.environ.get("VLLM_API_KEY") or None
     else:  # the key the seat's server was started with (a 401 on every request otherwise)
         key = seat_api_key(st.runtime, st.argv, st.env)

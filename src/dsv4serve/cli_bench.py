@@ -31,12 +31,19 @@ class Shared:
     seat: str | None = None
     json_out: bool = False
     out: Path | None = None
+    api_key: str | None = None
     misplaced: Exception | None = None  # table options given before a subcommand, refused inside it
 
 
 def _opt_base_url():
     return typer.Option(None, "--base-url", help="endpoint to measure, e.g. http://127.0.0.1:8000 "
                                                   "(default: the running seat)")
+
+
+def _opt_api_key():
+    return typer.Option(None, "--api-key", metavar="KEY",
+                        help="key the endpoint's /v1 paths demand (default: a running seat's own; with --base-url, "
+                             "VLLM_API_KEY)")
 
 
 def _opt_model():
@@ -108,14 +115,15 @@ def _session(sh: Shared):
     from dsv4serve.bench import make_client, resolve_target
 
     for flag, value in (("--base-url", sh.base_url), ("--model", sh.model), ("--profile", sh.profile),
-                        ("--seat", sh.seat)):
+                        ("--seat", sh.seat), ("--api-key", sh.api_key)):
         if value is not None and not value.strip():  # '' would be read as "not given" further down
             raise BadInput(f"{flag} is empty", hint="give it a value, or leave it out")
     if sh.base_url is not None and sh.seat is not None:
         raise BadInput("--seat and --base-url both name what to measure", hint="give one of them")
     client = make_client(local=sh.base_url is None)  # no --base-url: a seat of this machine
     try:
-        yield client, resolve_target(client, base_url=sh.base_url, model=sh.model, profile=sh.profile, seat=sh.seat)
+        yield client, resolve_target(client, base_url=sh.base_url, model=sh.model, profile=sh.profile, seat=sh.seat,
+                                             api_key=sh.api_key)
     finally:
         client.close()
 
@@ -174,12 +182,14 @@ def bench(ctx: typer.Context,
           warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="send one discarded request first"),
           base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
           profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
-          json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
+          api_key: Optional[str] = _opt_api_key(), json_out: bool = _opt_json(),
+          out: Optional[Path] = _opt_out()) -> None:
     """tok/s for 1 and 4 streams × en/ja/code, with acceptance length, beside the profile's reference.
 
     Subcommands `needle` and `ppl` measure long-context retrieval and perplexity.
     """
-    sh = Shared(base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
+    sh = Shared(base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out,
+                api_key=api_key)
     ctx.obj = sh
     if ctx.invoked_subcommand is not None:
         # refused by the subcommand, once its own --json is parsed (it is not yet, here)
@@ -221,12 +231,14 @@ def needle(ctx: typer.Context,
                                                                    "least 60)"),
            base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
            profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
-           json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
+           api_key: Optional[str] = _opt_api_key(), json_out: bool = _opt_json(),
+           out: Optional[Path] = _opt_out()) -> None:
     """Hide a code at a depth of a long prompt; report found, TTFT, prefill and decode tok/s."""
     from dsv4serve.bench_needle import NeedleSettings, run_needle
     from dsv4serve.bench_report import needle_table
 
-    sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
+    sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out,
+                api_key=api_key)
     with handled(sh.json_out):
         if sh.misplaced is not None:
             raise sh.misplaced
@@ -251,7 +263,8 @@ def ppl(ctx: typer.Context,
                                     "were cut (needed to compare with them)"),
         base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
         profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
-        json_out: bool = _opt_json(), out: Optional[Path] = _opt_out()) -> None:
+        api_key: Optional[str] = _opt_api_key(), json_out: bool = _opt_json(),
+        out: Optional[Path] = _opt_out()) -> None:
     """Perplexity over disjoint windows via /v1/completions prompt_logprobs.
 
     prompt_logprobs gathers full-vocabulary logits, which can run a full seat out of memory: use profile 8x16gb-ppl.
@@ -259,7 +272,8 @@ def ppl(ctx: typer.Context,
     from dsv4serve.bench_ppl import PplSettings, run_ppl
     from dsv4serve.bench_report import ppl_table
 
-    sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out)
+    sh = _merge(ctx, base_url=base_url, model=model, profile=profile, seat=seat, json_out=json_out, out=out,
+                api_key=api_key)
     with handled(sh.json_out):
         if sh.misplaced is not None:
             raise sh.misplaced
