@@ -83,7 +83,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if rows == 0:
             return torch.zeros_like(x)
         return ref.moe_reference(x, layer.as_expert_layer(), topk_ids.reshape(rows, -1).long(),
-                                 topk_weights.reshape(rows, -1), self.moe.swiglu_limit).to(x.dtype)
+                                 topk_weights.reshape(rows, -1), self.moe.swiglu_limit or 10.0).to(x.dtype)
 
 
 class OtherMethod(FusedMoEMethodBase):
@@ -214,7 +214,7 @@ class FakeLna2:
         res = ref.moe_reference(x, el, torch.where(valid, ids, torch.zeros_like(ids)), weights, swiglu_limit)
         out.copy_(res.to(out.dtype))
         self.calls.append({"m": m, "ids": expert_ids.clone(), "weights": routing_weights.clone(), "bits": bits,
-                           "variant": variant})
+                           "variant": variant, "swiglu_limit": swiglu_limit})
         return out
 
     def _deref(self, p: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -455,6 +455,36 @@ def test_decode_goes_to_lna2_and_computes_the_incumbents_moe():
     # and the incumbent (the stand-in's own, unwrapped apply) agrees
     assert torch.equal(out, Exl3MoEMethod.apply(layer.quant_method, layer, x, w, ids, None, None))
     assert rt.counters.calls == {"lna2": 1, "incumbent": 0}
+
+
+@pytest.mark.parametrize("limit", [None, 0.0])
+def test_an_unset_swiglu_limit_is_the_incumbents_10_not_no_clamp(limit):
+    """vllm-exl3's apply clamps at `moe.swiglu_limit or 10.0`; the dispatch read an unset or zero
+    limit as "no clamp", so lna2 (decode) and the incumbent (prefill) computed different functions
+    wherever a gate pre-activation passed 10 (helper audit)."""
+    fake = FakeLna2()
+    layer, el = make_layer(method=Exl3MoEMethod(MoEConfig(TOP_K, swiglu_limit=limit)))
+    layer.swiglu_limit = 7.0  # not what the incumbent reads: it must not be lna2's either
+    fake.register(layer)
+    rt, _ = runtime(fake=fake)
+    rt.prepare([(layer.layer_name, layer)], draft=False)
+    x, ids, w = routes(3)
+    x = (x.float() * 40).to(torch.bfloat16)  # pre-activations well past 10
+    out = call(layer, x, w, ids)
+    assert fake.calls and fake.calls[-1]["swiglu_limit"] == 10.0
+    assert torch.equal(out, Exl3MoEMethod.apply(layer.quant_method, layer, x, w, ids, None, None))
+    assert not torch.equal(out, ref.moe_reference(x, el, ids.long(), w, None).to(x.dtype))  # the clamp bites
+
+
+@pytest.mark.parametrize("limit, want", [(float("inf"), md.NO_CLAMP), (-1.0, "finite positive"),
+                                         (float("nan"), "finite positive"), ("ten", "not a number")])
+def test_a_swiglu_limit_lna2_cannot_match_is_refused_at_load(limit, want):
+    layer, _ = make_layer(method=Exl3MoEMethod(MoEConfig(TOP_K, swiglu_limit=limit)))
+    if isinstance(want, float):
+        assert md.validate_layer(layer, layer.quant_method, require_cuda=False).swiglu_limit == want
+    else:
+        with pytest.raises(md.ContractError, match=want):
+            md.validate_layer(layer, layer.quant_method, require_cuda=False)
 
 
 def test_an_offset_view_of_x_reaches_the_kernel_aligned():

@@ -59,8 +59,10 @@ TABLES = ("gate_trellis", "gate_suh", "gate_svh", "up_trellis", "up_suh", "up_sv
           "down_trellis", "down_suh", "down_svh")
 EXT_API = ("lna2_moe_decode", "lna2_moe_max_rows", "lna2_moe_scratch_bytes", "lna2_moe_info", "lna2_moe_fit",
            "lna2_build_id")
-# lna2 wants a finite positive clamp; vllm-exl3 passes "no limit" to exl3_moe as 0.0 (no clamp).
-# A clamp at 3e38 changes no finite fp32 value, so it is the same function.
+# vllm-exl3's apply clamps at `moe.swiglu_limit or 10.0` (SWIGLU_LIMIT_DEFAULT): an unset, None or
+# 0 limit is 10, not "no clamp". lna2 wants a finite positive clamp; for an infinite one, a clamp at
+# 3e38 changes no finite fp32 value, so it is the same function.
+SWIGLU_LIMIT_DEFAULT = 10.0
 NO_CLAMP = 3.0e38
 KERNEL_MAX_TOP_K = 8  # lna2_api.h MAX_TOPK; the build's lna2_moe_info(...)["max_top_k"] wins
 KERNEL_MAX_EXPERTS = 256
@@ -189,15 +191,19 @@ def _marker(layer: Any, proj: str, n: int) -> str:
     return found[0]
 
 
-def _swiglu_limit(layer: Any, method: Any) -> float:
-    raw = getattr(getattr(method, "moe", None), "swiglu_limit", None)
-    if raw is None:
-        raw = getattr(layer, "swiglu_limit", None)
+def _swiglu_limit(method: Any) -> float:
+    """The clamp the incumbent applies to this layer, as vllm-exl3's apply reads it (from the
+    method's MoE config only), or ContractError where lna2 cannot compute the same function."""
+    raw = getattr(getattr(method, "moe", None), "swiglu_limit", None) or SWIGLU_LIMIT_DEFAULT
     try:
-        v = float(raw) if raw is not None else None
+        v = float(raw)
     except (TypeError, ValueError):
-        v = None
-    return v if v is not None and math.isfinite(v) and v > 0 else NO_CLAMP
+        raise ContractError(f"swiglu_limit: {raw!r} is not a number") from None
+    if v == math.inf:
+        return NO_CLAMP
+    if not math.isfinite(v) or v <= 0:
+        raise ContractError(f"swiglu_limit: {v!r}; lna2 clamps at a finite positive limit")
+    return v
 
 
 def _top_k(layer: Any, method: Any) -> int | None:
@@ -266,7 +272,7 @@ def validate_layer(layer: Any, method: Any, *, max_top_k: int = KERNEL_MAX_TOP_K
     if getattr(layer, "apply_router_weight_on_input", False):
         raise ContractError("apply_router_weight_on_input is set (lna2 weights the expert outputs)")
     return Geometry(n_experts=e, hidden=hidden, inter=inter, bits=bits, codebook=CODEBOOKS[cb13][0],
-                    codebook_name=cb13, top_k=top_k, device=device, swiglu_limit=_swiglu_limit(layer, method))
+                    codebook_name=cb13, top_k=top_k, device=device, swiglu_limit=_swiglu_limit(method))
 
 
 def pointer_tables(layer: Any, g: Geometry) -> dict[str, torch.Tensor]:
