@@ -247,3 +247,46 @@ def test_an_unreadable_pack_dir_and_files_name_the_permission_not_corruption(tmp
     rep = _validate(p, clean)
     f = rep.get("pack-dir")
     assert f.status == "fail" and f.found == f"{p}: permission denied" and "chmod a+rx" in f.fix
+
+
+def _add(root: Path, shard: str, tensors: dict) -> None:
+    """Add tensors to a shard and to the index, as a converter that left them would."""
+    from safetensors.torch import load_file, save_file
+
+    ts = load_file(str(root / shard))
+    ts.update(tensors)
+    save_file(ts, str(root / shard), metadata={"format": "pt"})
+    idx = json.loads((root / pack.INDEX).read_text())
+    idx["weight_map"].update({k: shard for k in tensors})
+    (root / pack.INDEX).write_text(json.dumps(idx))
+
+
+def test_a_routed_expert_stored_as_a_plain_weight_is_not_an_exl3_expert(tmp_path, clean):
+    """A routed expert whose trellis was replaced by a plain `.weight` counted as present, and the
+    EXL3 rules read only modules with a trellis: the pack passed every row (helper audit)."""
+    import torch
+
+    p = _copy(clean, tmp_path)
+    assert _validate(p, clean).get("expert-format").status == "ok"
+    idx = json.loads((p / pack.INDEX).read_text())
+    shard = idx["weight_map"]["layers.0.ffn.experts.0.w1.trellis"]
+    _drop(p, lambda n: n.startswith("layers.0.ffn.experts.0.w1."))
+    _add(p, shard, {"layers.0.ffn.experts.0.w1.weight": torch.zeros(16, 16, dtype=torch.bfloat16)})
+    rep = _validate(p, clean)
+    f = rep.get("expert-format")
+    assert f.status == "fail" and "1 without a trellis: layers.0.ffn.experts.0.w1.weight" in f.found, f.found
+    assert "re-export" in f.fix
+
+
+def test_fp8_leftovers_beside_a_draft_experts_trellis_fail(tmp_path, clean):
+    """The draft shards' state before their rewrite (seat-reference §8): fp8 `.weight` and
+    `.weight_scale_inv` still beside the EXL3 trellis."""
+    import torch
+
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    shard = idx["weight_map"]["mtp.0.ffn.experts.0.w1.trellis"]
+    _add(p, shard, {"mtp.0.ffn.experts.0.w1.weight": torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
+                    "mtp.0.ffn.experts.0.w1.weight_scale_inv": torch.ones(1, 1)})
+    f = _validate(p, clean).get("expert-format")
+    assert f.status == "fail" and f.found.startswith("2 left beside a trellis: mtp.0.ffn.experts.0.w1.weight"), f.found

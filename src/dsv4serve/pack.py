@@ -307,6 +307,7 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     elif exl3:
         _exl3_rules(rep, model_class, wo_a_slices)
         _layer_modules(rep, rep.config or {}, _stray_modules(root, stray))
+        _expert_format(rep)
     else:
         qc = (rep.config or {}).get("quantization_config")
         if qc:
@@ -1076,6 +1077,30 @@ def _present(names: Iterable[str]) -> set[str]:
         if part in ("trellis", "weight"):
             out.add(base)
     return out
+
+
+def _expert_format(rep: PackReport) -> None:
+    """Routed experts (trunk and draft) in an EXL3 pack are trellises: one stored as a plain or fp8
+    `.weight` counts as present for layer-modules, and a `.weight` / `.weight_scale_inv` left beside
+    a trellis is the pre-rewrite draft shards' state (seat-reference §8). The EXL3 rules read only
+    modules with a trellis, so neither is seen there."""
+    plain, leftover = [], []
+    for name in rep.tensors:
+        base, _, part = name.rpartition(".")
+        if part not in ("weight", "weight_scale_inv") or not _EXPERT.match(base):
+            continue
+        (leftover if base + ".trellis" in rep.tensors else plain).append(name)
+    if not plain and not leftover:
+        rep.add("expert-format", "ok", "every routed expert is an EXL3 trellis")
+        return
+    parts = []
+    if plain:
+        parts.append(f"{len(plain)} without a trellis: {_few(sorted(plain), 2)}")
+    if leftover:
+        parts.append(f"{len(leftover)} left beside a trellis: {_few(sorted(leftover), 2)}")
+    rep.add("expert-format", "fail", "; ".join(parts), "routed experts as EXL3 trellis / suh / svh only",
+            "re-export those experts with the EXL3 converter (a plain or fp8 .weight is not what the EXL3 MoE "
+            "kernels read), and drop leftover .weight / .weight_scale_inv tensors from the shards")
 
 
 def _stray_modules(root: Path, stray: list[str]) -> dict[str, str]:
