@@ -164,6 +164,24 @@ def test_a_bad_table_is_one_line_naming_the_field(tmp_path, content, phrase):
     assert phrase.replace("Value error, ", "") in text
 
 
+@pytest.mark.parametrize("ablation", [10, 13, 17, 19])
+def test_a_timing_ablation_is_no_build_a_table_or_a_check_may_name(tmp_path, ablation):
+    """v10-v13 and v17-v19 skip a stage by design. A table naming one (hand-edited, with a timing
+    beside it) loaded and the dispatch served it under strict 2, and `--also` timed them into one
+    (helper audit)."""
+    good = json.loads(tuning.dumps(measured({"K2/mcg": {1: 26}})))
+    good["picks"]["K2/mcg"]["1"] = ablation
+    good["timings_us"]["K2/mcg"]["1"][str(ablation)] = 5.0
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(good))
+    with pytest.raises(tuning.TuningError, match=f"v{ablation} is a timing ablation"):
+        tuning.load(path)
+    with pytest.raises(selfcheck.BadInput, match=f"v{ablation} is a timing ablation"):
+        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, f"53,{ablation}")
+    h = Harness()
+    assert h.rt._fit_extra(h.ext, None, [ablation]) == {ablation: 0}  # asked of no extension
+
+
 def test_a_table_knows_its_card_build_and_shape():
     t = measured({"K2/mcg": {1: 55, 16: 53}, "K3/mcg": {1: 55}})
     assert t.mismatch(CARD["device"], 34, "b1") is None

@@ -117,3 +117,13 @@ def test_v7_build_table_covers_the_cluster_set_with_coherent_flags():
         if f["rlx"]:
             assert f["sb"], name
 
+
+
+def test_the_policys_ablations_are_the_apis():
+    """policy.ABLATIONS keeps timing ablations out of tables, --also and the dispatch: it must be
+    lna2_api.h's is_ablation set."""
+    api = (KERNELS / "lna2_api.h").read_text()
+    consts = {name: int(val) for name, val in re.findall(r"\b(\w*ABLATION\w*)\s*=\s*(\d+)", api)}
+    want = set(range(consts["ABLATION_VARIANT_BASE"], consts["ABLATION_VARIANT_BASE"] + consts["ABLATION_VARIANTS"]))
+    want |= set(range(consts["V7_ABLATION_BASE"], consts["V7_ABLATION_BASE"] + consts["V7_ABLATIONS"]))
+    assert policy.ABLATIONS == want

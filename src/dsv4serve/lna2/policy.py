@@ -136,6 +136,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# Timing ablations (lna2_api.h is_ablation: v4's 10..13, v7's 17..19) skip a stage by design: what
+# they write is not the op, so nothing may serve them (a tuning table, --also, the dispatch).
+ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows

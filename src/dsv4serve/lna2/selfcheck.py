@@ -93,6 +93,9 @@ class CheckSpec(BaseModel):
     def _also(cls, v: list[int]) -> list[int]:
         if any(x < 0 for x in v):
             raise ValueError("build numbers are 0 or more (lna2_api.h lists them)")
+        if bad := sorted(set(v) & policy.ABLATIONS):
+            raise ValueError(f"v{bad[0]} is a timing ablation (it skips a stage by design): it computes no op to "
+                             "check or serve")
         return list(dict.fromkeys(v))
 
     @field_validator("reps")

@@ -16,7 +16,8 @@ Three rules keep a table from serving something it should not:
 - it is written atomically, and it is a whole report or nothing: a check with a failing case saves
   no table.
 
-Imports only pydantic and the standard library: the dispatch reads it inside vLLM's workers.
+Imports only pydantic, the standard library and the policy: the dispatch reads it inside vLLM's
+workers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dsv4serve.lna2.policy import ABLATIONS
 
 FORMAT = "dsv4serve-lna2-tuning/1"
 DEFAULT_MARGIN = 0.03
@@ -85,6 +88,9 @@ class TuningTable(BaseModel):
                 raise ValueError(f"{k}: no row counts (a check that timed nothing at this K)")
             if any(r < 1 for r in rows) or any(b < 0 for b in rows.values()):
                 raise ValueError(f"{k}: rows start at 1 and build numbers at 0")
+            if bad := sorted({b for b in rows.values() if b in ABLATIONS}):
+                raise ValueError(f"{k}: v{bad[0]} is a timing ablation (it skips a stage by design), not a build "
+                                 "that computes the op")
         return v
 
     @model_validator(mode="after")
