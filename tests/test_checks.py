@@ -874,7 +874,7 @@ def test_a_docker_seats_moe_extension_is_the_build_check_seat_describes(tmp_path
     digest = source_digest()
     so.with_suffix(".json").write_text(_json.dumps({"build_id": digest, "arch": "9.0;12.0", "max_rows": 8}))
     rep = _software(p)
-    assert _st(rep, "lna2").status == "ok" and _st(rep, "lna2").found == f"{so} (build {build_tag(digest)})"
+    assert _st(rep, "lna2").status == "ok" and _st(rep, "lna2").found == f"{so} (build {build_tag(digest, 8)})"
     assert _st(rep, "lna2-rows").status == "fail"  # 16 decode rows, the mounted build takes 8
     assert _st(rep, "lna2-arch").status == "ok"
 
@@ -962,7 +962,7 @@ def test_up_keeps_the_lna2_build_its_workers_load(tmp_path, monkeypatch):
     so.with_suffix(".json").write_text(json.dumps({"build_id": "abc123", "max_rows": 24}))
     monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(so))
     native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
-    assert launch.lna2_launched(native) == {"path": str(so), "build_id": build_tag("abc123")}
+    assert launch.lna2_launched(native) == {"path": str(so), "build_id": build_tag("abc123", 24)}
     assert launch.lna2_launched(load_profile("cpu-demo")) is None
     docker = load_profile("8x16gb-380k", [f"moe.extension={tmp_path}/gone.so"])
     assert launch.lna2_launched(docker) == {"path": f"{tmp_path}/gone.so", "build_id": None}

@@ -86,7 +86,31 @@ def test_a_lower_row_ceiling_is_compiled_in_and_the_default_is_the_headers():
     header = (kernels_dir() / "lna2_api.h").read_text()
     assert int(_re.search(r"#define LNA2_MAX_ROWS (\d+)", header).group(1)) == build.MAX_ROWS_DEFAULT
     assert build.defines("abc") == ["-DLNA2_BUILD_TAG=babc"]
-    assert build.defines("abc", 16) == ["-DLNA2_BUILD_TAG=babc", "-DLNA2_MAX_ROWS=16"]
+    assert build.defines("abc", 16) == ["-DLNA2_BUILD_TAG=babcr16", "-DLNA2_MAX_ROWS=16"]
+
+
+def test_a_builds_row_ceiling_is_part_of_its_id(monkeypatch, tmp_path):
+    """The ceiling sizes shared memory, so which builds fit two blocks an SM: a tuning table timed on
+    a ceiling-16 build passed for a ceiling-32 build of the same sources, whose id was the same
+    (helper audit). The id now carries a ceiling other than the default; it is still not stale."""
+    import json
+
+    from dsv4serve.lna2 import tuning
+
+    d = build.source_digest()
+    assert build.build_tag(d) == f"b{d}" and build.build_tag(d, 16) == f"b{d}r16" and build.build_tag(d, None) == f"b{d}"
+    monkeypatch.setattr(loader, "load", lambda: _ext(build.build_tag(d, 16)))
+    info = loader.describe()
+    assert info["build_id"] == f"b{d}r16" and info["stale"] is False
+    so = tmp_path / f"{build.MODULE}.so"
+    so.write_bytes(b"\x7fELF")
+    so.with_suffix(".json").write_text(json.dumps({"build_id": d, "max_rows": 16}))
+    assert loader.describe_file(so)["build_id"] == f"b{d}r16" and loader.describe_file(so)["stale"] is False
+    from tests.test_lna2_tuning import measured
+
+    table = measured({"K2/mcg": {1: 26}}, build_id=f"b{d}r16")
+    assert "this extension is build b" in table.mismatch(table.device, table.sm_count, f"b{d}")
+    assert table.mismatch(table.device, table.sm_count, f"b{d}r16") is None
 
 
 def test_arch_lists_are_normalised_as_torch_takes_them():

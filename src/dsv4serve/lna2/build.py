@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from dsv4serve import home
 from dsv4serve.errors import BadInput, JobFailed
@@ -32,16 +33,25 @@ def source_digest(src_dir: Path | None = None) -> str:
     return h.hexdigest()[:12]
 
 
-def build_tag(digest: str) -> str:
+def build_tag(digest: str, max_rows: Any = MAX_ROWS_DEFAULT) -> str:
     """What the built extension's lna2_build_id() returns for sources of this digest (a leading
-    letter keeps the -D macro value an identifier whatever the digest starts with)."""
-    return f"b{digest}"
+    letter keeps the -D macro value an identifier whatever the digest starts with). A row ceiling
+    other than the default is part of it: the ceiling sizes shared memory, so which build fits two
+    blocks an SM, and a tuning table timed on one ceiling must not pass for another's."""
+    rows = f"r{max_rows}" if isinstance(max_rows, int) and max_rows != MAX_ROWS_DEFAULT else ""
+    return f"b{digest}{rows}"
+
+
+def tag_sources(tag: str) -> str:
+    """The sources' part of a build tag (build_tag without its row ceiling): a build of the current
+    sources at another ceiling is not stale."""
+    return tag.partition("r")[0]  # the digest is hex: its first 'r' starts the ceiling
 
 
 def defines(digest: str, max_rows: int = MAX_ROWS_DEFAULT) -> list[str]:
     """The -D flags of a build: its tag, and the row ceiling when it is not the sources' default."""
     rows = [f"-DLNA2_MAX_ROWS={max_rows}"] if max_rows != MAX_ROWS_DEFAULT else []
-    return [f"-DLNA2_BUILD_TAG={build_tag(digest)}", *rows]
+    return [f"-DLNA2_BUILD_TAG={build_tag(digest, max_rows)}", *rows]
 
 
 _ARCH = re.compile(r"(?P<major>[0-9]{1,2})\.(?P<minor>[0-9])(?P<a>a)?(?:\+PTX)?", re.ASCII)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4serve.errors import first_line
-from dsv4serve.lna2.build import MODULE, build_tag, default_out, source_digest
+from dsv4serve.lna2.build import MODULE, build_tag, default_out, source_digest, tag_sources
 
 _loaded: Any = None
 _error: str | None = None
@@ -103,7 +103,7 @@ def describe() -> dict[str, Any]:
     # The metadata beside the module that loaded (DSV4SERVE_LNA2_EXT may point elsewhere than the
     # default build), and only if it describes that build: check-seat's arch row reads it.
     _read_meta(info, Path(path).with_suffix(".json") if path else default_out() / f"{MODULE}.json", info["build_id"])
-    info["stale"] = info["build_id"] != info["source_build_id"]
+    info["stale"] = tag_sources(info["build_id"]) != info["source_build_id"]
     try:
         import torch
 
@@ -131,8 +131,9 @@ def describe_file(path: Path, what: str = "moe.extension") -> dict[str, Any]:
         info.update(loadable=False, error=f"no build metadata beside {what} {path} "
                                           f"({path.with_suffix('.json').name}): its build cannot be named")
         return info
-    info.update(loadable=True, build_id=build_tag(str(meta["build_id"])), max_rows=meta.get("max_rows"))
-    info["stale"] = info["build_id"] != info["source_build_id"]
+    info.update(loadable=True, build_id=build_tag(str(meta["build_id"]), meta.get("max_rows")),
+                max_rows=meta.get("max_rows"))
+    info["stale"] = tag_sources(info["build_id"]) != info["source_build_id"]
     return info
 
 
@@ -144,7 +145,7 @@ def _read_meta(info: dict[str, Any], meta_path: Path, build_id: str | None) -> N
     except ValueError:
         info["built"] = "unreadable metadata"
         return
-    if build_id is not None and (not isinstance(meta, dict) or build_tag(str(meta.get("build_id"))) != build_id):
+    if build_id is not None and (not isinstance(meta, dict) or build_tag(str(meta.get("build_id")), meta.get("max_rows")) != build_id):
         info["built"] = f"{meta_path} describes another build"
         return
     info["built"] = meta
