@@ -95,8 +95,6 @@ def test_a_builds_row_ceiling_is_part_of_its_id(monkeypatch, tmp_path):
     (helper audit). The id now carries a ceiling other than the default; it is still not stale."""
     import json
 
-    from dsv4serve.lna2 import tuning
-
     d = build.source_digest()
     assert build.build_tag(d) == f"b{d}" and build.build_tag(d, 16) == f"b{d}r16" and build.build_tag(d, None) == f"b{d}"
     monkeypatch.setattr(loader, "load", lambda: _ext(build.build_tag(d, 16)))
