@@ -200,6 +200,53 @@ def test_free_memory_below_what_vllm_asks_is_a_failure():
     assert _st(rep, "gpu-free-memory").status == "ok" and _st(rep, "foreign-processes").status == "ok"
 
 
+def test_what_nvml_cannot_read_is_said_never_passed_or_called_wrong():
+    """Memory NVML could not read made gpu-memory vanish and gpu-free-memory say "ok ?"; a card it
+    could not open was "no GPU 3" with a fix to renumber gpus.ids; an unreadable name or compute
+    capability was a mismatch (helper audit)."""
+    canon = load_profile("8x16gb-380k")
+    rec = fake_nvml.rtx_pro_2000_seat()
+    for i in (0, 1, 2, 3, 5, 7, 8, 9):
+        del rec["devices"][str(i)]["memory"]  # NOT_SUPPORTED on every card
+    rep = _machine(canon, FakeNvml(rec))
+    assert _st(rep, "gpu-memory").status == "warn" and "GPU 0,1,2,3,5,7,8,9" in _st(rep, "gpu-memory").found
+    assert _st(rep, "gpu-free-memory").status == "warn"
+    rec = fake_nvml.rtx_pro_2000_seat()
+    del rec["devices"]["5"]["memory"]
+    rep = _machine(canon, FakeNvml(rec))
+    assert _st(rep, "gpu-memory").status == "warn" and _st(rep, "gpu-memory").found.endswith("GPU 5")
+    rec = fake_nvml.rtx_pro_2000_seat()
+    rec["devices"]["3"]["handle"] = {"nvml_error": fake_nvml.NVML_ERROR_NO_PERMISSION}
+    rep = _machine(canon, FakeNvml(rec))
+    r = _st(rep, "gpu-count")
+    assert r.status == "fail" and r.found.startswith("GPU 3: NVML cannot open it (") and "gpus.ids" not in r.fix
+    assert _st(rep, "gpu-model").status == "ok" and _st(rep, "gpu-model").found.startswith("7 x ")  # the others judged
+    rec = fake_nvml.rtx_pro_2000_seat()
+    del rec["devices"]["2"]["name"]
+    del rec["devices"]["7"]["compute_capability"]
+    rep = _machine(canon, FakeNvml(rec))
+    assert _st(rep, "gpu-model").status == "warn" and "GPU 2" in _st(rep, "gpu-model").found
+    r = _st(rep, "compute-capability")
+    assert r.status == "warn" and r.found == "NVML could not read it on GPU 7"
+
+
+def test_a_docker_seats_driver_is_compared_with_the_images_cuda():
+    """The driver row of a docker seat was always ok: the image's CUDA was not known. The canon
+    profile now names it (torch +cu130: 13.0); a profile without it says it did not compare."""
+    canon = load_profile("8x16gb-380k")
+    assert _st(_machine(canon, FakeNvml(fake_nvml.rtx_pro_2000_seat())), "driver").status == "ok"
+    old = fake_nvml.rtx_pro_2000_seat()
+    old["cuda_driver_version"] = 12020
+    r = _st(_machine(canon, FakeNvml(old)), "driver")
+    assert r.status == "fail" and r.expected == "CUDA ≥ 13.0 (the image's torch is built for it)"
+    r = _st(_machine(load_profile("8x16gb-380k", ["runtime.image_cuda=null"]), FakeNvml(old)), "driver")
+    assert r.status == "warn" and "runtime.image_cuda" in r.fix
+    from dsv4serve.errors import ProfileError
+
+    with pytest.raises(ProfileError, match="must be a CUDA version like 13.0"):
+        load_profile("8x16gb-380k", ["runtime.image_cuda=cu130"])
+
+
 def test_no_p2p_without_the_remedies_is_advice():
     p = load_profile("8x16gb-380k", ["env.NCCL_P2P_DISABLE=0", "vllm.disable_custom_all_reduce=false"])
     rep = _machine(p, FakeNvml(fake_nvml.rtx_pro_2000_seat()))

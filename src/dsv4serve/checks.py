@@ -236,26 +236,45 @@ def _gpu_rows(rep: Report, ctx: Ctx) -> None:
         return
     rep.add("machine", "nvml", "ok", f"{m.device_count} GPUs visible to NVML", data=m.as_dict())
     _driver(rep, ctx, m)
-    missing = [i for i in p.gpus.ids if m.gpu(i) is None or m.gpu(i).errors.get("handle")]  # type: ignore[union-attr]
+    missing = [i for i in p.gpus.ids if m.gpu(i) is None]
     ids_s = ",".join(map(str, p.gpus.ids))
     if missing:
         rep.add("machine", "gpu-count", "fail", f"{m.device_count} GPUs; no GPU {','.join(map(str, missing))}",
                 f"GPUs {ids_s} ({len(p.gpus.ids)})", "fix gpus.ids to the host's NVML/nvidia-smi indices")
         return
-    rep.add("machine", "gpu-count", "ok", f"{m.device_count} GPUs; seat uses {ids_s}", f"{len(p.gpus.ids)} GPUs")
-    seat = [m.gpu(i) for i in p.gpus.ids]
-    names = sorted({g.name or "?" for g in seat if g})
-    uuids = {g.index: g.uuid for g in seat if g}
+    # a card NVML lists but cannot open (no permission on its device node, fallen off the bus) is
+    # there: "no GPU N" would send the user to renumber gpus.ids
+    closed = [g for i in p.gpus.ids if (g := m.gpu(i)) is not None and g.errors.get("handle")]
+    if closed:
+        rep.add("machine", "gpu-count", "fail", "; ".join(f"GPU {g.index}: NVML cannot open it ({g.errors['handle']})"
+                                                          for g in closed),
+                f"GPUs {ids_s} ({len(p.gpus.ids)}), each readable", f"check `nvidia-smi -i {closed[0].index}` and "
+                "the device nodes' permissions (in a container: the GPUs it was given); a card that fell off the bus "
+                "needs a reset")
+    else:
+        rep.add("machine", "gpu-count", "ok", f"{m.device_count} GPUs; seat uses {ids_s}", f"{len(p.gpus.ids)} GPUs")
+    seat = [g for i in p.gpus.ids if (g := m.gpu(i)) is not None and not g.errors.get("handle")]
+    unread = [str(g.index) for g in seat if not g.name]
+    names = sorted({g.name for g in seat if g.name})
+    uuids = {g.index: g.uuid for g in seat}
     want = p.gpus.model
-    wrong = [f"{g.index}: {g.name}" for g in seat if g and want and want.lower() not in (g.name or "").lower()]
+    wrong = [f"{g.index}: {g.name}" for g in seat if g.name and want and want.lower() not in g.name.lower()]
     if wrong or len(names) > 1:
         rep.add("machine", "gpu-model", "fail", "; ".join(wrong) if wrong else f"mixed models: {', '.join(names)}",
                 f"{len(seat)} x {want or 'one model'}",
                 "pick GPUs of the profile's model in gpus.ids (the seat needs identical cards)", data={"uuids": uuids})
+    elif unread or not names:
+        rep.add("machine", "gpu-model", "warn", f"NVML could not read the name of GPU {','.join(unread) or '?'}",
+                f"{len(p.gpus.ids)} x {want or 'one model'}", "check with nvidia-smi on the host", data={"uuids": uuids})
     else:
         rep.add("machine", "gpu-model", "ok", f"{len(seat)} x {names[0]}", want or "(any)", data={"uuids": uuids})
-    totals = [g.memory_total for g in seat if g and g.memory_total]
-    if totals:
+    no_mem = [str(g.index) for g in seat if not g.memory_total]
+    totals = [g.memory_total for g in seat if g.memory_total]
+    if no_mem:
+        rep.add("machine", "gpu-memory", "warn", f"NVML could not read the memory of GPU {','.join(no_mem)}",
+                f"≈{p.gpus.memory_gib:g} GiB per GPU" if p.gpus.memory_gib else "each card's memory",
+                "check with nvidia-smi on the host (the seat is planned per GPU)")
+    elif totals:
         lo = min(totals)
         if p.gpus.memory_gib and lo < 0.9 * p.gpus.memory_gib * GIB:
             rep.add("machine", "gpu-memory", "fail", f"smallest {_gib(lo)}", f"≈{p.gpus.memory_gib:g} GiB per GPU",
@@ -266,11 +285,15 @@ def _gpu_rows(rep: Report, ctx: Ctx) -> None:
         else:
             rep.add("machine", "gpu-memory", "ok", f"{_gib(lo)} per GPU",
                     f"≈{p.gpus.memory_gib:g} GiB (the 16 GB card reports {CANON_CARD_GIB})" if p.gpus.memory_gib else "")
-    ccs = sorted({g.compute_capability or "?" for g in seat if g})
+    ccs = sorted({g.compute_capability for g in seat if g.compute_capability})
+    no_cc = [str(g.index) for g in seat if not g.compute_capability]
     want_cc = p.gpus.compute_capability
-    if want_cc and ccs != [want_cc]:
+    if want_cc and ccs and ccs != [want_cc]:
         rep.add("machine", "compute-capability", "fail", ", ".join(ccs), want_cc,
                 "the profile's kernels and extension are built for another arch: use a matching profile")
+    elif no_cc:
+        rep.add("machine", "compute-capability", "warn", f"NVML could not read it on GPU {','.join(no_cc)}",
+                want_cc or "(any)", "check with nvidia-smi on the host")
     else:
         rep.add("machine", "compute-capability", "ok", ", ".join(ccs), want_cc or "(any)")
     _foreign(rep, ctx, seat)
@@ -279,26 +302,30 @@ def _gpu_rows(rep: Report, ctx: Ctx) -> None:
 
 def _driver(rep: Report, ctx: Ctx, m: gpu.Machine) -> None:
     found = f"driver {m.driver_version or '?'}, CUDA {m.cuda_driver_version or '?'}"
-    if ctx.profile.runtime.kind != "native":
-        rep.add("machine", "driver", "ok", found, "(the image's CUDA must not exceed the driver's)")
+    rt = ctx.profile.runtime
+    if rt.kind != "native" and not rt.image_cuda:
+        rep.add("machine", "driver", "warn", found + " (not compared: the image's CUDA is not in the profile)",
+                "the driver's CUDA ≥ the image's", "set runtime.image_cuda (e.g. \"13.0\" for torch +cu130) to check it")
         return
-    torch_cuda = _torch_cuda()
-    if torch_cuda and m.cuda_driver_version and _vt(m.cuda_driver_version) < _vt(torch_cuda):
-        rep.add("machine", "driver", "fail", found, f"CUDA ≥ {torch_cuda} (torch is built for it)",
-                "upgrade the NVIDIA driver, or install a torch built for this driver's CUDA")
+    want, built = (rt.image_cuda, "the image's torch") if rt.kind != "native" else (_torch_cuda(), "torch")
+    if want and m.cuda_driver_version and _vt(m.cuda_driver_version) < _vt(want):
+        rep.add("machine", "driver", "fail", found, f"CUDA ≥ {want} ({built} is built for it)",
+                "upgrade the NVIDIA driver" + (", or install a torch built for this driver's CUDA"
+                                               if rt.kind == "native" else ""))
+    elif want and not m.cuda_driver_version:
+        rep.add("machine", "driver", "warn", found, f"CUDA ≥ {want}", "NVML did not report the driver's CUDA version: "
+                "check with nvidia-smi")
     else:
-        rep.add("machine", "driver", "ok", found, f"CUDA ≥ {torch_cuda}" if torch_cuda else "")
+        rep.add("machine", "driver", "ok", found, f"CUDA ≥ {want}" if want else "")
 
 
 def _vt(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
 
 
-def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu | None]) -> None:
+def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu]) -> None:
     busy, unknown, unexplained = [], [], []
     for g in seat:
-        if g is None:
-            continue
         if g.processes is None:
             unknown.append(str(g.index))
             continue
@@ -326,7 +353,8 @@ def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu | None]) -> None:
     # that band is a warning, a larger one a failure.
     util = ctx.profile.vllm.gpu_memory_utilization or DEFAULT_UTIL
     short = [] if ctx.seat_pids else [
-        g for g in seat if g and g.memory_free is not None and g.memory_total and g.memory_free < util * g.memory_total]
+        g for g in seat if g.memory_free is not None and g.memory_total and g.memory_free < util * g.memory_total]
+    no_free = [str(g.index) for g in seat if g.memory_free is None or not g.memory_total]
     if short:
         worst = min(short, key=lambda g: g.memory_free / g.memory_total)
         cap = int(worst.memory_free / worst.memory_total * 1000) / 1000
@@ -345,10 +373,15 @@ def _foreign(rep: Report, ctx: Ctx, seat: list[gpu.Gpu | None]) -> None:
         rep.add("machine", "gpu-free-memory", "warn", "; ".join(unexplained), "an idle card's memory is free",
                 "a process in another namespace or container, or a hung collective, holds it (a GPU reset may be "
                 "needed)")
+    elif no_free and not ctx.seat_pids:
+        rep.add("machine", "gpu-free-memory", "warn", f"NVML could not read the free memory of GPU {','.join(no_free)}",
+                "an idle card's memory is free", "check with nvidia-smi on the host")
     else:
-        free = [g.memory_free for g in seat if g and g.memory_free is not None]
-        rep.add("machine", "gpu-free-memory", "ok", f"least free {_gib(min(free))}" if free else "?",
-                "an idle card's memory is free")
+        free = [g.memory_free for g in seat if g.memory_free is not None]
+        if free:
+            rep.add("machine", "gpu-free-memory", "ok", f"least free {_gib(min(free))}", "an idle card's memory is free")
+        else:  # the running seat holds it: nothing to compare (the live rows judge that seat)
+            rep.add("machine", "gpu-free-memory", "n/a", "not read (the running seat's cards)")
 
 
 def _links(rep: Report, ctx: Ctx, m: gpu.Machine) -> None:

@@ -157,6 +157,9 @@ class RuntimeSection(_Strict):
     exl3_extension: str | None = Field(
         None, description="host path of the exllamav3_ext .so rebuilt from the patched sources, mounted over the "
                           "image's (seat-reference EXT_SO); {cache} and {home} expand")
+    image_cuda: str | None = Field(
+        None, description="the CUDA version the image's torch is built for (torch 2.13.0+cu130: 13.0); check-seat "
+                          "compares the host driver's CUDA with it")
 
     @field_validator("patch_root")
     @classmethod
@@ -165,6 +168,13 @@ class RuntimeSection(_Strict):
         # docker -v source must be absolute
         if v is not None and not v.startswith(("/", "~", "{cache}", "{home}")):
             raise ValueError("must be an absolute path (or start with ~, {cache} or {home})")
+        return v
+
+    @field_validator("image_cuda")
+    @classmethod
+    def _image_cuda(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[1-9][0-9]?\.[0-9]", v):
+            raise ValueError("must be a CUDA version like 13.0 (quote it in YAML: \"13.0\")")
         return v
 
     @field_validator("exl3_extension")
