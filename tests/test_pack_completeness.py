@@ -290,3 +290,59 @@ def test_fp8_leftovers_beside_a_draft_experts_trellis_fail(tmp_path, clean):
                     "mtp.0.ffn.experts.0.w1.weight_scale_inv": torch.ones(1, 1)})
     f = _validate(p, clean).get("expert-format")
     assert f.status == "fail" and f.found.startswith("2 left beside a trellis: mtp.0.ffn.experts.0.w1.weight"), f.found
+
+
+def test_an_entry_that_cannot_be_stat_ed_is_a_named_row_not_a_crash(tmp_path, clean, monkeypatch):
+    """Path.exists() raises for EACCES and ENAMETOOLONG: a shard linked into another user's private
+    base pack, or an index naming a 300-character file, crashed the whole pack section into one
+    'check crashed' row (helper audit)."""
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    shard = sorted(set(idx["weight_map"].values()))[1]
+    real_stat = os.stat
+
+    def stat(path, *a, **kw):
+        if str(path).endswith(shard) and kw.get("follow_symlinks", True):  # a link through a drwx------ directory
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(pack.os, "stat", stat)
+    rep = _validate(p, clean)
+    f = rep.get("files-resolve")
+    assert f.status == "fail" and f"{shard} (Permission denied)" in f.found and "readable" in f.fix, f
+    assert rep.get("layer-modules").status == "n/a"  # the completeness rows stand aside, as for a missing file
+    monkeypatch.setattr(pack.os, "stat", real_stat)
+    long_name = "x" * 300 + ".safetensors"
+    idx["weight_map"]["layers.0.attn_norm.weight"] = long_name
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    f = _validate(p, clean).get("files-resolve")
+    assert f.status == "fail" and "File name too long" in f.found, f
+
+
+def test_dotfiles_and_unrelated_dead_links_are_not_weights(tmp_path, clean):
+    """Without an index every *.safetensors on disk was a weight file, macOS's ._ AppleDouble
+    companions included (vLLM's glob skips them); a dead README link failed files-resolve, and so
+    `up`, for a pack vLLM loads (helper audit)."""
+    p = _copy(clean, tmp_path)
+    (p / pack.INDEX).unlink()
+    (p / "._model-00001-of-00004.safetensors").write_bytes(b"\x00\x05\x16\x07" + b"\0" * 4000)
+    (p / "README.md").symlink_to("/nonexistent/README.md")
+    rep = _validate(p, clean)
+    assert rep.get("shard-count").status == "ok" and rep.get("headers").status == "ok", _bad(rep)
+    assert rep.get("files-resolve").status == "ok"
+    f = rep.get("other-files")
+    assert f.status == "warn" and f.found == "1 unresolvable: README.md (dead symlink -> /nonexistent/README.md)"
+    assert rep.get("layer-modules").status == "ok"  # nothing stood aside for it
+
+
+def test_a_header_safetensors_refuses_as_too_large_fails(tmp_path, clean):
+    """safetensors refuses a header past 100,000,000 bytes; ours allowed 256 MiB (helper audit)."""
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    shard = p / sorted(set(idx["weight_map"].values()))[0]
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    pad = 101_000_000 - n
+    shard.write_bytes(struct.pack("<Q", n + pad) + raw[8:8 + n] + b" " * pad + raw[8 + n:])
+    f = _validate(p, clean).get("headers")
+    assert f.status == "fail" and shard.name in f.found, f

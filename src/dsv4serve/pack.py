@@ -26,7 +26,7 @@ from typing import Any, Iterable
 Status = str  # "ok" | "warn" | "fail" | "n/a"
 
 INDEX = "model.safetensors.index.json"
-MAX_HEADER = 256 * 1024**2  # a real shard header is a few MB at most; more means garbage
+MAX_HEADER = 100_000_000  # safetensors' own limit ("header too large"): a real shard header is a few MB
 # Every dtype safetensors 0.8 reads, in bits per element (F4 and F6 pack several per byte). A name
 # outside this table is a header safetensors refuses ("unknown variant"), so vLLM could not load it.
 DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
@@ -260,16 +260,19 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
         return rep
     rep.add("pack-dir", "ok", str(root))
     entries = sorted(root.iterdir(), key=lambda p: p.name)
-    dead = [e.name for e in entries if e.is_symlink() and not e.exists()]
-    live_links = [e for e in entries if e.is_symlink() and e.exists()]
+    # what does not resolve (a dead link, a target behind a directory this user cannot enter),
+    # said rather than raised: one entry must not take the whole pack section with it
+    unresolved = {e.name: err for e in entries if (err := _stat_error(e))}
+    live_links = [e for e in entries if e.is_symlink() and e.name not in unresolved]
 
     rep.config = _config(rep, root)
     weight_map = _index(rep, root)
-    on_disk = [e.name for e in entries if _SHARD_NAME.search(e.name) and (e.exists() or e.is_symlink())]
+    # vLLM's glob skips dotfiles (a macOS ._ AppleDouble beside each shard is not a shard)
+    on_disk = [e.name for e in entries if _SHARD_NAME.search(e.name) and not e.name.startswith(".")]
     # an unreadable index ({}, already a failure) names no files: read the shards on disk instead
     files = sorted(set(weight_map.values())) if weight_map else sorted(on_disk)
     rep.files = files
-    _resolve(rep, root, files, dead)
+    _resolve(rep, root, files, unresolved)
     real_root = root.resolve()
     escaping = [e for e in live_links if not Path(os.path.realpath(e)).is_relative_to(real_root)]
     if mounted_only and escaping:
@@ -325,9 +328,10 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
 
 def _config(rep: PackReport, root: Path) -> dict[str, Any] | None:
     p = root / "config.json"
-    if not p.exists():
-        rep.add("config", "fail", "config.json missing" + (" (dead symlink)" if p.is_symlink() else ""),
-                "config.json", "restore config.json from the pack's source")
+    if err := _stat_error(p):
+        rep.add("config", "fail", f"config.json {err}", "config.json",
+                "make it readable to this user" if "permission" in err.lower() else
+                "restore config.json from the pack's source")
         return None
     try:
         cfg = read_json(p)
@@ -383,8 +387,8 @@ def _config_problem(cfg: Any) -> str | None:
 
 def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
     p = root / INDEX
-    shards = [e for e in root.glob("*.safetensors")]
-    if not p.exists() and not p.is_symlink():
+    shards = [e for e in root.glob("*.safetensors") if not e.name.startswith(".")]
+    if _stat_error(p) == "missing":
         if len(shards) <= 1:
             rep.add("index", "n/a", "single-file pack, no index needed")
         else:
@@ -424,17 +428,47 @@ def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in wm.items()}
 
 
-def _resolve(rep: PackReport, root: Path, files: list[str], dead: list[str]) -> None:
-    missing = [f for f in files if not (root / f).exists() and f not in dead]
-    problems = [f"{n} (dead symlink -> {os.readlink(root / n)})" for n in dead] + [f"{n} (missing)" for n in missing]
+def _stat_error(p: Path) -> str | None:
+    """Why `p` does not resolve ("missing", "dead symlink -> T", "Permission denied", "File name too
+    long", ...), or None when it does. Path.exists() raises the ones that are not "not there"."""
+    try:
+        os.stat(p)
+        return None
+    except FileNotFoundError:
+        try:
+            return f"dead symlink -> {os.readlink(p)}" if p.is_symlink() else "missing"
+        except OSError as e:
+            return e.strerror or str(e)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in a name the index gives
+        return getattr(e, "strerror", None) or str(e)
+
+
+# files the seat reads besides the weights; their own rows (config, tokenizer, ...) judge them
+_READ_FILES = ("config.json", INDEX, "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+               "generation_config.json")
+
+
+def _resolve(rep: PackReport, root: Path, files: list[str], unresolved: dict[str, str]) -> None:
+    problems = [f"{f} ({err})" for f in files if (err := unresolved.get(f) or _stat_error(root / f))]
     if problems:
-        rep.partial = True
+        rep.partial = True  # tensors are missing from the report: completeness rows stand aside
+    problems += [f"{n} ({unresolved[n]})" for n in _READ_FILES if n in unresolved and n not in files]
+    if problems:
+        denied = any("permission" in p.lower() for p in problems)
         rep.add("files-resolve", "fail", f"{len(problems)} unresolvable: {_few(problems, 3)}",
                 "every file the pack names exists and resolves",
-                "restore the files (re-download, or copy from the base pack) and prefer real copies "
+                ("make the targets readable to this user and the seat's container (chmod a+rx on the directories "
+                 "the links pass through), or " if denied else "")
+                + "restore the files (re-download, or copy from the base pack) and prefer real copies "
                 "over symlinks (trap 10)")
     else:
         rep.add("files-resolve", "ok", f"{_n(len(files), 'weight file')} and every other file resolve")
+    # a dead README link or a leftover download is not a weight file: a warning, never a refusal
+    other = [f"{n} ({err})" for n, err in sorted(unresolved.items())
+             if n not in files and n not in _READ_FILES and not n.startswith(".")]
+    if other:
+        rep.add("other-files", "warn", f"{len(other)} unresolvable: {_few(other, 3)}", "entries that resolve",
+                "remove or repair them (the seat does not read them)")
 
 
 def _shard_count(rep: PackReport, files: list[str], expect: int | None) -> None:
@@ -456,7 +490,7 @@ def _headers(rep: PackReport, root: Path, files: list[str]) -> dict[str, dict[st
     fixes: list[str] = []
     for f in files:
         p = root / f
-        if not p.exists():
+        if _stat_error(p):
             continue  # already a files-resolve failure
         try:
             _, hdr = read_header(p)
@@ -532,8 +566,8 @@ def _small_files(rep: PackReport, root: Path) -> None:
     tokenizer.json or a directory in its place fails the server's start."""
     def problem(name: str) -> tuple[str, str] | None:
         p = root / name
-        if not p.exists():
-            return ("missing" + (" (dead symlink)" if p.is_symlink() else ""), "")
+        if err := _stat_error(p):
+            return (err, "make it readable to this user" if "permission" in err.lower() else "")
         try:
             if name.endswith(".json"):
                 read_json(p)
@@ -545,7 +579,7 @@ def _small_files(rep: PackReport, root: Path) -> None:
             return (str(e), e.fix)
         return None
 
-    tok_name = "tokenizer.json" if (root / "tokenizer.json").exists() or not (root / "tokenizer.model").exists() \
+    tok_name = "tokenizer.json" if not _stat_error(root / "tokenizer.json") or _stat_error(root / "tokenizer.model") \
         else "tokenizer.model"
     bad = [(n, pr) for n in (tok_name, "tokenizer_config.json") if (pr := problem(n)) is not None]
     if not bad:
