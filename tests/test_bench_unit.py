@@ -663,7 +663,7 @@ def test_a_generation_the_server_ended_gives_no_figure(reason):
 
 
 def test_keep_alives_do_not_hold_a_stream_past_its_deadlines():
-    from dsv4serve.bench_client import deadline_lines
+    from dsv4serve.bench_client import within_deadlines as deadline_lines
 
     clock = Clock(step=1.0)
     heartbeat = iter([": keep-alive"] * 100)
@@ -676,6 +676,54 @@ def test_keep_alives_do_not_hold_a_stream_past_its_deadlines():
     endless = iter(sse(*[chunk("tok")] * 200))
     with pytest.raises(StreamError, match="did not end within 30 s"):
         consume_stream(iter_sse_data(deadline_lines(endless, r, 5.0, 30.0, clock)), r, clock)
+
+
+def test_sse_lines_split_text_that_arrives_in_any_pieces():
+    from dsv4serve.bench_client import sse_lines
+
+    assert list(sse_lines(["da", "ta: a\r", "\ndata: b\rdata", ": c\n", "\n", "tail\r"])) == \
+        ["data: a", "data: b", "data: c", "", "tail"]
+
+
+def test_a_stream_that_never_sends_a_newline_still_meets_its_deadline():
+    """The deadlines were checked per complete line: a server that sent a byte a second and never
+    a newline held bench past every deadline, forever (helper audit). They are checked per piece of
+    text now. The clock is a stand-in that moves 1 s a read; the server really trickles."""
+    import threading
+    import time as _time
+
+    from dsv4serve.bench_client import Endpoint, stream_chat
+
+    stop = threading.Event()
+
+    class Trickle(JsonHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write((chunk("tok") + "\n\n").encode())
+            self.wfile.flush()
+            while not stop.is_set():
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                _time.sleep(0.02)
+
+    with local_server(Trickle) as base, httpx.Client() as client:
+        ep = Endpoint(base_url=base, model="m")
+        body = {"model": "m", "max_tokens": 4, "stream": True}
+        t0 = _time.monotonic()
+        try:
+            with pytest.raises(StreamError, match="did not end within 63 s"):
+                stream_chat(client, ep, body, read_timeout_s=3.0, clock=Clock(step=1.0))
+        finally:
+            stop.set()
+        assert _time.monotonic() - t0 < 30
 
 
 def test_a_repeated_needle_seed_still_misses_the_prefix_cache(monkeypatch):

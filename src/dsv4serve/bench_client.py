@@ -381,12 +381,14 @@ def consume_stream(payloads: Iterable[str], result: StreamResult, clock=time.per
     return result
 
 
-def deadline_lines(lines: Iterable[str], result: StreamResult, first_s: float, total_s: float,
-                   clock=time.perf_counter) -> Iterator[str]:
-    """The stream's lines, until the first token is later than `first_s` or the whole stream longer
-    than `total_s` after it began: the read timeout bounds only the silence between two bytes, and
-    a proxy's keep-alive comments in front of a stuck engine never leave any."""
-    for line in lines:
+def within_deadlines(pieces: Iterable[str], result: StreamResult, first_s: float, total_s: float,
+                     clock=time.perf_counter) -> Iterator[str]:
+    """The stream's pieces (the text as it arrives, not whole lines: a server that sends a byte a
+    second and never a newline would hold a line reader forever), until the first token is later
+    than `first_s` or the whole stream longer than `total_s` after it began: the read timeout bounds
+    only the silence between two bytes, and a proxy's keep-alives in front of a stuck engine never
+    leave any."""
+    for line in pieces:
         now = clock()
         if result.t_first is None and now - result.t_start > first_s:
             raise StreamError(f"no token within {first_s:g} s of the request (the stream sent only keep-alives)",
@@ -395,6 +397,21 @@ def deadline_lines(lines: Iterable[str], result: StreamResult, first_s: float, t
             raise StreamError(f"the stream did not end within {total_s:g} s", hint="is the engine stuck? "
                               "`dsv4serve logs`; or raise --timeout")
         yield line
+
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def sse_lines(pieces: Iterable[str]) -> Iterator[str]:
+    """Lines (CRLF, CR or LF, as SSE allows) of text that arrives in pieces of any length."""
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        while (m := _EOL.search(buf)) and not (m.group() == "\r" and m.end() == len(buf)):  # "\r" may be half "\r\n"
+            yield buf[:m.start()]
+            buf = buf[m.end():]
+    if buf:
+        yield buf.rstrip("\r")
 
 
 def _count(usage: dict[str, Any], key: str, payload: str) -> int | None:
@@ -445,7 +462,7 @@ def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], 
                                   f"{resp.text[:200]}")
             # a token a second at the least, after a first token within the read timeout
             total = read_timeout_s + max(60.0, float(body.get("max_tokens") or 0))
-            lines = deadline_lines(resp.iter_lines(), result, read_timeout_s, total, clock)
+            lines = sse_lines(within_deadlines(resp.iter_text(), result, read_timeout_s, total, clock))
             return consume_stream(iter_sse_data(lines), result, clock)
     except REQUEST_ERRORS as e:
         raise http_failure(endpoint.base_url, e) from None
