@@ -752,3 +752,12 @@ def test_api_key_option_reaches_an_endpoint_that_demands_one(fake, monkeypatch):
     assert res.exit_code == 0 and json.loads(res.stdout)["tokens_scored"] > 0, res.stderr
     res = run(*base, "--api-key", "")
     assert res.exit_code != 0 and one_line_error(res, json_out=True).startswith("error: --api-key is empty")
+
+
+def test_zero_tokens_generated_is_no_figure(fake):
+    """A stream that ended at once (usage 0 tokens) gave '0.0 tok/s' and exit 0, a figure read off
+    nothing (helper audit)."""
+    fake.content_chunks = 0
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "code", "--runs", "1", "--no-warmup")
+    assert res.exit_code == 1
+    assert "run 1: stream 1/1: the server generated 0 tokens (finish_reason " in one_line_error(res)

@@ -319,7 +319,14 @@ def run_streams(endpoint: Endpoint, body: dict[str, Any], streams: int, read_tim
             e.message = f"stream {i + 1}/{streams}: {e.message}"
             raise e
         raise JobFailed(f"stream {i + 1}/{streams}: {e.__class__.__name__}: {e}")
-    return [r for r in results if r is not None]
+    done = [r for r in results if r is not None]
+    for i, r in enumerate(done):
+        if r.completion_tokens == 0:  # a rate of 0 tok/s would read as a figure, and a TTFT has no token
+            raise JobFailed(f"stream {i + 1}/{streams}: the server generated 0 tokens (finish_reason "
+                            f"{r.finish_reason or '?'}): no rate can be read off it",
+                            hint="the model ended at once: check the chat template (is thinking on?) and the "
+                                 "seat's log (`dsv4serve logs`)")
+    return done
 
 
 def measure(client: httpx.Client, endpoint: Endpoint, suite: str, streams: int, run: int, max_tokens: int,
