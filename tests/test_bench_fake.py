@@ -761,3 +761,17 @@ def test_zero_tokens_generated_is_no_figure(fake):
     res = run("--base-url", fake.url, "--streams", "1", "--suite", "code", "--runs", "1", "--no-warmup")
     assert res.exit_code == 1
     assert "run 1: stream 1/1: the server generated 0 tokens (finish_reason " in one_line_error(res)
+
+
+def test_thinking_gives_no_acceptance_ratio_against_the_references(fake):
+    """With --thinking the drafts run over reasoning text; the references were measured with
+    thinking off: the tok/s ratio stood aside, the acceptance ratio did not (helper audit)."""
+    base = ("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup",
+            "--max-tokens", "12", "--json", "--profile", "8x16gb-380k")
+    doc = json.loads(run(*base).stdout)
+    assert doc["cells"][0]["ratio"]["acceptance_length"] is not None
+    res = run(*base, "--thinking")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["cells"][0]["ratio"]["acceptance_length"] is None
+    assert any(n.startswith("no acceptance ratio against the reference: --thinking") for n in doc["notes"])

@@ -388,7 +388,8 @@ def reference_method_differs(settings: "BenchSettings") -> str | None:
     return "; ".join(why) or None
 
 
-def summarize_cell(runs: list[RunResult], profile: Profile | None, comparable: bool = True) -> dict[str, Any]:
+def summarize_cell(runs: list[RunResult], profile: Profile | None, comparable: bool = True,
+                   acceptance_comparable: bool = True) -> dict[str, Any]:
     streams, suite = runs[0].streams, runs[0].suite
     agg = Stat.of([r.aggregate_tok_s for r in runs])
     ttft = Stat.of([r.ttft_max_s for r in runs])
@@ -409,7 +410,7 @@ def summarize_cell(runs: list[RunResult], profile: Profile | None, comparable: b
         "reference": {"tok_s": ref_tok, "acceptance_length": ref_acc},
         "ratio": {
             "tok_s": (agg.mean / ref_tok) if agg and ref_tok and comparable else None,
-            "acceptance_length": (acc.mean / ref_acc) if acc and ref_acc else None,
+            "acceptance_length": (acc.mean / ref_acc) if acc and ref_acc and acceptance_comparable else None,
         },
         "runs": [r.to_dict() for r in runs],
     }
@@ -469,7 +470,12 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
     differs = reference_method_differs(settings)
     if differs and target.profile is not None and target.profile.reference.tok_s:
         notes.append(f"no tok/s ratio against the reference: {differs}")
-    summaries = [summarize_cell(cells[(s, q)], target.profile, comparable=differs is None)
+    if settings.thinking and target.profile is not None and target.profile.reference.acceptance_length:
+        # the drafts then run over reasoning text, the references' over answers with thinking off
+        notes.append("no acceptance ratio against the reference: --thinking (the references were measured with "
+                     "thinking off)")
+    summaries = [summarize_cell(cells[(s, q)], target.profile, comparable=differs is None,
+                                acceptance_comparable=not settings.thinking)
                  for s in settings.streams for q in settings.suites]
     if all(c["acceptance_length"] is None for c in summaries):
         notes.append("acceptance length n/a: the server exposes no speculative-decoding counters "
