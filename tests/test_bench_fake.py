@@ -40,6 +40,7 @@ class Script:
     tokenize_reply: Any = None        # when set, /tokenize answers this JSON instead of vLLM's
     chunk_delay_s: float = 0.01
     api_key: str | None = None        # when set, /v1 paths answer 401 without "Bearer <it>", as vLLM's do
+    answer_suffix: str = ""           # appended to the needle's code in the answer (a wrong recollection)
     # filled in by the server
     chat_bodies: list[dict] = field(default_factory=list)
     completion_bodies: list[dict] = field(default_factory=list)
@@ -163,7 +164,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif s.chat == "no_choices":
                 events += [{"choices": [{"index": 0, "delta": {"content": "abc"}}]}, {"object": "oops"}]
             else:
-                words = [m.group(1)] if m else [f" w{i}" for i in range(s.content_chunks)]
+                words = [m.group(1) + s.answer_suffix] if m else [f" w{i}" for i in range(s.content_chunks)]
                 for i, w in enumerate(words):
                     last = i == len(words) - 1
                     events.append({"choices": [{"index": 0, "delta": {"content": w},
@@ -775,3 +776,32 @@ def test_thinking_gives_no_acceptance_ratio_against_the_references(fake):
     doc = json.loads(res.stdout)
     assert doc["cells"][0]["ratio"]["acceptance_length"] is None
     assert any(n.startswith("no acceptance ratio against the reference: --thinking") for n in doc["notes"])
+
+
+def test_a_longer_wrong_code_is_not_the_needle(fake):
+    """found was a substring test: 'saffron-anchor-51797' passed for 'saffron-anchor-5179' (helper audit)."""
+    args = ("needle", "--base-url", fake.url, "--tokens", "2000", "--seed", "1", "--json")
+    assert json.loads(run(*args).stdout)["found"] is True
+    fake.answer_suffix = "7"
+    doc = json.loads(run(*args).stdout)
+    assert doc["found"] is False
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"ALL_PROXY": "socks5://127.0.0.1:9"}, "the shell's proxy settings cannot be used"),
+    ({"HTTP_PROXY": "ftp://x:1"}, "the shell's proxy settings cannot be used"),
+    ({"VLLM_API_KEY": "sk-abc\u00a0"}, "VLLM_API_KEY has a character an HTTP header cannot carry ('\\xa0' at position 6)"),
+])
+def test_the_shells_settings_are_one_line_errors_not_tracebacks(fake, monkeypatch, env, words):
+    """A SOCKS ALL_PROXY without socksio, a proxy URL httpx cannot use, and a pasted key with a
+    non-breaking space each ended bench in a traceback with an empty --json stdout (helper audit)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json")
+    assert res.exit_code == 2, res.stderr
+    assert words in one_line_error(res, json_out=True)
+
+
+def test_a_key_an_http_header_cannot_carry_is_refused_by_name(fake):
+    res = run("--base-url", fake.url, "--api-key", "sk-\u2018x\u2019", "ppl", "--json")
+    assert res.exit_code == 2 and "--api-key has a character an HTTP header cannot carry" in one_line_error(res, True)

@@ -34,7 +34,7 @@ from dsv4serve.bench_client import (
     spec_delta,
     stream_chat,
 )
-from dsv4serve.errors import BadInput, DsvError, JobFailed
+from dsv4serve.errors import BadInput, DsvError, JobFailed, first_line
 from dsv4serve.launch import seat_api_key
 from dsv4serve.profile import Profile, load_profile
 
@@ -182,11 +182,12 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     fallback = seat_profile if seat_name else ref_profile
     fallback_len = fallback.vllm.max_model_len if fallback else None
     if api_key is not None:  # --api-key: what the user says the endpoint takes
-        key = api_key or None
+        key, source = api_key or None, "--api-key"
     elif st is None:  # another server: vLLM's own convention for a client's key
-        key = os.environ.get("VLLM_API_KEY") or None
+        key, source = os.environ.get("VLLM_API_KEY") or None, "VLLM_API_KEY"
     else:  # the key the seat's server was started with (a 401 on every request otherwise)
-        key = seat_api_key(st.runtime, st.argv, st.env)
+        key, source = seat_api_key(st.runtime, st.argv, st.env), f"seat {st.seat}'s API key"
+    _header_safe(key, source)
     client.headers.update(auth(key))
     endpoint = resolve_endpoint(client, base_url, model, fallback_len)
     seqs = seat_profile.vllm.max_num_seqs if seat_profile else None
@@ -197,11 +198,25 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
                   api_key=key)
 
 
+def _header_safe(key: str | None, source: str) -> None:
+    """BadInput for a key an HTTP header cannot carry (httpx raises UnicodeEncodeError mid-run): a
+    pasted key with a non-breaking space or a curly quote."""
+    bad = next(((i, c) for i, c in enumerate(key or "") if not " " < c < "\x7f"), None)
+    if bad is not None:
+        raise BadInput(f"{source} has a character an HTTP header cannot carry ({bad[1]!r} at position {bad[0]})",
+                       hint="type the key again (a pasted one may carry a non-breaking space or a curly quote)")
+
+
 def make_client(api_key: str | None = None, *, local: bool = False) -> httpx.Client:
     # Per-call timeouts are always passed explicitly; this default only guards a forgotten one.
     # `local`: a seat on this machine, which an http_proxy of the shell must not carry away (a
     # --base-url may be reached through one on purpose).
-    return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key), trust_env=not local)
+    try:
+        return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key), trust_env=not local)
+    except (ImportError, ValueError) as e:  # the shell's proxy variables, read by httpx here
+        raise BadInput(f"the shell's proxy settings cannot be used: {first_line(e, e.__class__.__name__)}",
+                       hint="fix or unset ALL_PROXY / HTTP_PROXY / HTTPS_PROXY (a socks5:// proxy needs "
+                            "`pip install 'httpx[socks]'`), or exempt the server's host in NO_PROXY") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -190,6 +190,12 @@ def build_prompt(tok: Tokenizer, settings: NeedleSettings, code: str, nonce: str
     return best[1], best[2], notes
 
 
+def _says(text: str, code: str) -> bool:
+    """`code` as a whole word of `text`: 'saffron-anchor-51797' is a wrong recollection of
+    'saffron-anchor-5179', not the code with something after it."""
+    return re.search(rf"(?<![\w-]){re.escape(code)}(?![\w-])", text) is not None
+
+
 def run_needle(client: httpx.Client, target: Target, settings: NeedleSettings,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     ep = target.endpoint
@@ -213,8 +219,8 @@ def run_needle(client: httpx.Client, target: Target, settings: NeedleSettings,
         raise
     ttft = res.ttft_s
     prompt_tokens = res.prompt_tokens or counted
-    found = code in res.content
-    in_reasoning = code in res.reasoning
+    found = _says(res.content, code)
+    in_reasoning = _says(res.reasoning, code)
     if not found and in_reasoning:
         notes.append("the code appeared only in the reasoning, not in the answer: counted as not found")
     ref = target.profile.reference.needle if target.profile else None
