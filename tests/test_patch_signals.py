@@ -204,3 +204,114 @@ def test_a_signal_held_over_a_section_that_fails_does_not_replace_its_error():
         assert signal.getsignal(signal.SIGTERM) is stop
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_signal_during_an_undo_that_fails_does_not_claim_it_worked(tree, tmp_path, monkeypatch):
+    """The undo of the earlier sets runs with signals held; a TERM held there was raised as it ended
+    and replaced the undo's failure: "stopped by SIGTERM; the sets it had changed were taken back"
+    while the tree stayed patched (helper audit)."""
+    _add_set(tmp_path / "sets", tree, "sig2-1.0", "sigpkg2", ["a.py"])
+    real_record = patches._record
+
+    def second_fails(sdir, pset, tree_, action, changed):
+        if pset.set == "sig2-1.0":
+            raise OSError(28, "No space left on device")
+        real_record(sdir, pset, tree_, action, changed)
+
+    def undo_fails(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # the user stops it while the undo runs
+        raise OSError(30, "Read-only file system")  # and the undo fails
+
+    monkeypatch.setattr(patches, "_record", second_fails)
+    monkeypatch.setattr(patches, "revert_set", undo_fails)
+    r = _cli("apply", "-s", "sig-1.0", "-s", "sig2-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1, out
+    assert "and undoing the sets applied before it failed: sig-1.0: [Errno 30] Read-only file system" in out
+    assert "SIGTERM" in out and "were taken back" not in out
+    assert _contents(tree) == [PATCHED] * 3  # what the message says
+
+
+def test_a_rollback_that_fails_names_the_files_it_left_changed(tree, monkeypatch):
+    """When the record could not be written and the rollback's first write failed too, the message
+    was the forward write's "every file of the set was restored" with the set fully patched; and a
+    record's ENOSPC named no file ("No space left on device: None") (helper audit)."""
+    real_write = patches._atomic_write
+
+    def no_record(*a, **k):
+        state["rollback"] = True
+        raise OSError(28, "No space left on device")  # as f.write raises it: no file name
+
+    def write(path, data):
+        if state.get("rollback") and path.is_relative_to(tree):
+            state["rollback"] = False
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    state: dict = {}
+    monkeypatch.setattr(patches, "_record", no_record)
+    monkeypatch.setattr(patches, "_atomic_write", write)
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1
+    assert "state.json" in out and ": None" not in out
+    assert "restoring its files failed too" in out and "a.py, sigpkg/b.py, sigpkg/c.py still patched" in out
+    assert "every file of the set was restored" not in out
+    assert _contents(tree) == [PATCHED] * 3
+    monkeypatch.setattr(patches, "_atomic_write", real_write)
+    state.clear()
+    for f in FILES:  # as the hint says: restored from the backups
+        (tree / "sigpkg" / f).write_bytes(PRISTINE)
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))  # one fault: every file back, state.json named
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1 and "No space left on device:" in out and "state.json); every file it changed was " \
+        "restored" in out
+    assert _contents(tree) == [PRISTINE] * 3
+
+
+def test_a_file_changed_between_the_locked_check_and_the_read_is_said_so(tree, monkeypatch):
+    """apply read each file again after the locked status without checking it: an edit in between
+    was blamed on the set ("the set is broken: regenerate the diff or the manifest") (helper audit)."""
+    real, calls = patches.set_status, []
+
+    def status_then_edit(*a, **k):
+        rows = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 3:  # check_sets, apply_set's, then the status under the set's lock
+            with open(tree / "sigpkg" / "b.py", "ab") as f:
+                f.write(b"# an edit\n")
+        return rows
+
+    monkeypatch.setattr(patches, "set_status", status_then_edit)
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code != 0 and "sigpkg/b.py changed while the apply was checking it; nothing was changed" in out
+    assert "regenerate" not in out
+    assert _contents(tree) == [PRISTINE, PRISTINE + b"# an edit\n", PRISTINE]
+
+
+def test_a_revert_refusal_offers_only_a_backup_that_is_still_pristine(tree):
+    """The hint offered the backup whatever it held; a changed backup copied over would leave the
+    file modified-unknown (helper audit)."""
+    assert _cli("apply", "-s", "sig-1.0", "--root", str(tree)).exit_code == 0
+    (tree / "sigpkg" / "a.py").write_bytes(b"edited\n")
+    r = _cli("revert", "-s", "sig-1.0", "--root", str(tree))
+    assert r.exit_code != 0 and "copy the pristine backup" in " ".join(r.output.split())
+    backup = next(Path(os.environ["DSV4SERVE_HOME"]).rglob("backup/sigpkg/a.py"))
+    backup.write_bytes(b"not pristine\n")
+    r = _cli("revert", "-s", "sig-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code != 0 and "copy the pristine backup" not in out and "reinstall sigpkg==1.0" in out
+
+
+def test_two_dist_infos_owning_the_package_are_named_not_one_picked(tree):
+    """A stale dist-info left by an earlier install decided the version by its name's order (helper audit)."""
+    for version in ("0.9", "1.0"):
+        info = tree / f"sigpkg-{version}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sigpkg\nVersion: {version}\n")
+        (info / "RECORD").write_text("sigpkg/__init__.py,,\n")
+    v = patches.installed_version(tree, "sigpkg", ["sigpkg"])
+    assert v == "0.9 and 1.0 (several dist-infos own sigpkg: remove the stale ones)"
+    rows = patches.set_status(patches.load_set("sig-1.0"), tree)
+    assert {r.state for r in rows} == {"version-mismatch"}

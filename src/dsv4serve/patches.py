@@ -169,6 +169,9 @@ def installed_version(root: Path, package: str, distributions: list[str]) -> str
         elif _owns(info, package):
             foreign.append(f"{name} {version}")
     if mine:
+        owners = sorted({v for owns, v in mine if owns})
+        if len(owners) > 1:  # a stale dist-info left by an earlier install: which files are these?
+            return f"{' and '.join(owners)} (several dist-infos own {package}: remove the stale ones)"
         mine.sort(key=lambda t: not t[0])  # one that owns the package wins
         return mine[0][1]
     return foreign[0] if foreign else None
@@ -401,8 +404,11 @@ def _revert_fix(r: FileStatus, pset: PatchSet) -> str:
     backup = ""
     if r.root:
         tree = find_root(pset.package, Path(r.root) if r.root != "this environment" else None)
-        if tree is not None and (state_dir(pset, tree) / "backup" / r.file).is_file():
-            backup = f"copy the pristine backup {state_dir(pset, tree) / 'backup' / r.file} over it, or "
+        saved = state_dir(pset, tree) / "backup" / r.file if tree is not None else None
+        spec = next((f for f in pset.files if f.path == r.file), None)
+        # only a backup that still is the pristine file (a changed one would leave it modified-unknown)
+        if saved is not None and spec is not None and saved.is_file() and sha256_file(saved) == spec.pristine_sha256:
+            backup = f"copy the pristine backup {saved} over it, or "
     if r.state == "modified-unknown":
         return f"the file was changed after it was patched: {backup}reinstall {pset.pip_requirement}"
     return f"{backup}reinstall {pset.pip_requirement}"
@@ -533,19 +539,41 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
     """After _write_all: every file reads back as written and the change is recorded, or every file
     gets its old bytes back and the error says so (a record that cannot be written must not leave
     a changed tree behind a traceback)."""
+    recording = False
     try:
         bad = next((p for p, new, _ in targets if sha256_file(p) != sha256_bytes(new)), None)
         if bad is not None:
             raise JobFailed(f"{bad} did not read back as written")
         if changed:
+            recording = True
             _record(sdir, pset, tree, action, changed)
     except BaseException as e:  # whatever stopped it: the set is recorded whole or not changed at all
-        _write_all([(p, old, new) for p, new, old in targets], check=False)
+        if isinstance(e, OSError) and e.strerror:
+            # a write's ENOSPC carries no file name: the record is what was being written
+            why = f"{e.strerror}: {e.filename or (sdir / 'state.json' if recording else '?')}"
+        else:
+            why = str(e)
+        try:
+            _write_all([(p, old, new) for p, new, old in targets], check=False)
+        except BaseException as undo:  # the tree keeps the change, unrecorded: say which files
+            still = [str(p.relative_to(tree)) for p, new, _ in targets if _holds(p, new)]
+            raise JobFailed(f"{action} {pset.set} failed ({why}), and restoring its files failed too "
+                            f"({str(undo).split(';')[0]}): {', '.join(still) or 'no file'} still "
+                            f"{'patched' if action == 'apply' else 'reverted'}, and nothing was recorded",
+                            hint=f"fix the cause, then restore those files from {sdir / 'backup'} (apply's pristine "
+                                 f"copies) or reinstall {pset.pip_requirement}; `dsv4serve patch status` shows each "
+                                 "file") from None
         if not isinstance(e, (JobFailed, OSError)):
             raise
-        why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
         raise JobFailed(f"{action} {pset.set} failed ({why}); every file it changed was restored",
                         hint="fix that path (permissions, space), then run the command again") from None
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    try:
+        return path.read_bytes() == data
+    except OSError:
+        return False
 
 
 def _tree_or_refuse(pset: PatchSet, root: Path | None, rows: list[FileStatus], action: str) -> Path:
@@ -588,6 +616,10 @@ def apply_set(pset: PatchSet, root: Path | None = None, *, profile: str | None =
         for r in todo:
             spec = specs[r.file]
             old = (tree / r.file).read_bytes()
+            if sha256_bytes(old) != spec.pristine_sha256:  # changed since the status under the lock read it
+                raise PatchRefused(f"apply {pset.set} refused: {r.file} changed while the apply was checking it; "
+                                   "nothing was changed", hint="let whatever is writing it finish, then run "
+                                   "`dsv4serve patch status` and the apply again")
             try:
                 new = apply_udiff(old, pset.diff_text(spec))
             except DiffError as e:
@@ -787,14 +819,31 @@ def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, a
             else:
                 done.append((pset, res))
     except BaseException as e:
-        with _signals_held():
-            errors = _undo(done, root, profile)
-        if errors:
+        errors: list[str] = []
+        held: BaseException | None = None
+        try:
+            with _signals_held():
+                errors = _undo(done, root, profile)
+        except BaseException as s:  # a signal held over the undo is raised as it ends
+            held = s
+        if errors:  # the undo's failures lead, whatever arrived meanwhile: the trees are not as before
             what = "undoing the sets applied" if action == "apply" else "re-patching the sets reverted"
-            raise JobFailed(f"{e}; and {what} before it failed: {'; '.join(errors)}",
+            raise JobFailed(f"{e}; and {what} before it failed: {'; '.join(errors)}"
+                            + (f" ({_signal_name(held)} arrived meanwhile)" if held is not None else ""),
                             hint="`dsv4serve patch status` shows each file's state") from e
+        if held is not None:
+            raise held from e
         raise
     return [res for _, res in done]
+
+
+def _signal_name(e: BaseException) -> str:
+    """'SIGTERM' for the Signalled a held SIGTERM became, 'Ctrl-C' for SIGINT's KeyboardInterrupt."""
+    code = getattr(e, "exit_code", None)
+    if isinstance(code, int) and code > 128:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(code - 128).name
+    return "Ctrl-C" if isinstance(e, KeyboardInterrupt) else e.__class__.__name__
 
 
 def _undo(done: list[tuple[PatchSet, SetResult]], root: Path | None, profile: str | None) -> list[str]:
