@@ -629,11 +629,16 @@ def _not_built() -> Any:
     ("no extension", "lna2 extension: extension not built (/x/dsv4serve_lna2.so (missing)): run `dsv4serve kernel build`"),
     ("not exl3", "quant method OtherMethod is not vllm-exl3's Exl3MoEMethod"),
     ("contract", "K=4 (trellis last dim 64) is not 2 or 3"),
+    # loaded as ready, then every call failed ("apply() got no topk_ids") (helper audit)
+    ("monolithic", "Exl3MoEMethod is monolithic (apply_monolithic routes from router logits"),
 ])
 def test_strict1_refuses_at_load_naming_rank_layer_reason(case, needle):
     layer = _raw_layer(k=4) if case == "contract" else make_layer()[0]
     if case == "not exl3":
         layer.quant_method = OtherMethod()
+    if case == "monolithic":
+        layer.quant_method.is_monolithic = True
+        layer.quant_method.apply_monolithic = lambda layer, x, router_logits: x
     rt, lines = runtime(strict=1, loader=_not_built if case == "no extension" else None)
     with pytest.raises(md.Lna2NotReadyError) as ei:
         rt.prepare([("model.layers.7.mlp.experts", layer)], draft=False)

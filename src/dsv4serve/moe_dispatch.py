@@ -457,6 +457,11 @@ class Runtime:
                               "is not EXL3; lna2 does not apply to it (the incumbent serves the draft's experts)")
             elif self.env.kernel == "lna2":
                 try:
+                    if entry == "apply_monolithic":
+                        # it routes itself from router_logits: no topk ids and weights for lna2 to take,
+                        # so every call would fail; refused here, at load, like any other contract
+                        raise ContractError(f"{type(method).__name__} is monolithic (apply_monolithic routes "
+                                            "from router logits; lna2 takes top-k ids and weights)")
                     self._make_ready(st)
                     summary.lna2_layers += 1
                 except ContractError as e:
