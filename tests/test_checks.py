@@ -667,7 +667,7 @@ class _FakeEndpoint:
                         c["calls"]["incumbent"] += 3
                         p.write_text(json.dumps(c))
                 # vLLM always reports usage; readiness counts tokens from it, not from the text
-                self._json(200, {"choices": [{"message": {"content": "ready"}}],
+                self._json(200, {"choices": [{"message": {"content": "ready"}, "finish_reason": "length"}],
                                  "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)

@@ -6,6 +6,8 @@ not ours fails readiness even when one of ours shares the port (SO_REUSEPORT).""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dsv4serve import readiness
@@ -100,7 +102,8 @@ def test_a_seat_with_an_api_key_is_probed_with_it(monkeypatch):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self._authorised():
-                self.send_json(200, {"choices": [{"message": {"content": "ok"}}], "usage": {"completion_tokens": 1}})
+                self.send_json(200, {"choices": [{"message": {"content": "ok"}, "finish_reason": "length"}],
+                                     "usage": {"completion_tokens": 1}})
 
     with local_server(Seat) as base:
         canary = SimpleNamespace(prompt="hi", max_tokens=2, thinking_off=False)
@@ -117,3 +120,50 @@ def test_a_seat_with_an_api_key_is_probed_with_it(monkeypatch):
     assert launch.seat_api_key("native", [], {}) == "shell"  # a native server inherits the shell
     assert launch.seat_api_key("docker", [], {}) is None  # a container sees its -e entries only
     assert launch.seat_api_key("docker", ["docker", "run", "-e", "VLLM_API_KEY=c0nt", "img", "--port", "1"], {}) == "c0nt"
+
+
+@pytest.mark.parametrize("answer, words", [
+    ({"choices": [{"message": {"content": "", "role": "assistant"}, "finish_reason": "abort"}],
+      "usage": {"completion_tokens": 1}}, "ended with finish_reason 'abort' after 1 token(s)"),
+    ({"choices": [{"message": {"content": "x"}, "finish_reason": "error"}], "usage": {"completion_tokens": 8}},
+     "ended with finish_reason 'error'"),
+    ({"model": "other", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+      "usage": {"completion_tokens": 1}}, "answered as model 'other', not demo"),
+    ({"choices": [{"message": None, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}},
+     "answered without choices"),
+    ({"choices": [{"message": {"content": ["a"]}, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}},
+     "answered without choices"),
+])
+def test_a_canary_the_engine_did_not_finish_is_no_readiness(answer, words):
+    """The canary passed on completion_tokens >= 1 alone: an aborted or errored generation, and an
+    answer from another model, made `up` declare ready; a null message or a list content crashed the
+    probe instead of failing it (helper audit)."""
+    from types import SimpleNamespace
+
+    class Seat(JsonHandler):
+        def do_GET(self):
+            self.send_json(200, {} if self.path == "/health" else {"data": [{"id": "demo"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_json(200, answer)
+
+    with local_server(Seat) as base:
+        with pytest.raises(JobFailed, match=re.escape(words)):
+            readiness.check(base, "demo", SimpleNamespace(prompt="hi", max_tokens=2, thinking_off=False), timeout=10)
+
+
+def test_a_models_list_of_another_shape_is_a_failure_not_a_crash():
+    class Odd(JsonHandler):
+        def do_GET(self):
+            self.send_json(200, {"data": ["demo"]} if "models" in self.path else {})
+
+    with local_server(Odd) as base:
+        assert readiness.served_models(base) == [""]
+
+    class Odder(JsonHandler):
+        def do_GET(self):
+            self.send_json(200, {"data": {"id": "demo"}})
+
+    with local_server(Odder) as base, pytest.raises(JobFailed, match="did not answer"):
+        readiness.served_models(base)

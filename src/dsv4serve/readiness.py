@@ -41,8 +41,11 @@ def served_models(base_url: str, timeout: float = 5.0, api_key: str | None = Non
     try:
         r = httpx.get(f"{base_url}/v1/models", timeout=timeout, trust_env=False, headers=auth(api_key))
         r.raise_for_status()
-        return [m.get("id", "") for m in r.json().get("data", [])]
-    except (*HTTP_ERRORS, ValueError) as e:
+        data = r.json().get("data", [])
+        if not isinstance(data, list):
+            raise TypeError(f"data is a JSON {type(data).__name__}, not a list")
+        return [m.get("id", "") if isinstance(m, dict) else "" for m in data]
+    except (*HTTP_ERRORS, ValueError, AttributeError, TypeError) as e:
         raise JobFailed(f"{base_url}/v1/models did not answer ({type(e).__name__}: {first_line(e)})") from None
 
 
@@ -72,14 +75,24 @@ def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 1
     try:
         data = r.json()
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
-        msg = data["choices"][0]["message"]
+        choice = data["choices"][0]
+        msg, finish = choice["message"], choice.get("finish_reason")
+        parts = [msg.get(k) for k in ("content", "reasoning_content", "reasoning")]
+        if any(v is not None and not isinstance(v, str) for v in parts):
+            raise TypeError("a message field is not text")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         # an error chunk must surface, not pass as an empty answer (trap 18)
         raise JobFailed(f"canary completion answered without choices: {r.text[:200]}") from None
     if tokens < 1:
         raise JobFailed("canary completion returned no tokens",
                         hint="the model produced nothing: read the seat's log (`dsv4serve logs`)")
-    text = (msg.get("content") or msg.get("reasoning_content") or msg.get("reasoning") or "").strip()
+    if finish not in ("stop", "length"):  # abort / error: the engine gave up on it, whatever it had made
+        raise JobFailed(f"canary completion ended with finish_reason {finish!r} after {tokens} token(s)",
+                        hint="the engine did not finish the request: read the seat's log (`dsv4serve logs`)")
+    if data.get("model") not in (None, model):
+        raise JobFailed(f"canary completion was answered as model {data.get('model')!r}, not {model}",
+                        hint="another server may own this port")
+    text = next((v for v in parts if v), "").strip()
     return {"text": text, "tokens": tokens, "seconds": round(time.monotonic() - t0, 2)}
 
 
