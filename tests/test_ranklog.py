@@ -345,3 +345,87 @@ def test_a_traceback_ending_in_a_cuda_error_is_that_kind_of_fatal():
         tr.feed(f"(Worker_TP1 pid=9) ERROR {last}")
         assert [f.kind for f in tr.fatal] == [kind], tr.fatal
         assert (kind in SERVING_FATAL) == (kind != "traceback")
+
+
+ACTIVE = "LNA2 MoE kernel ACTIVE rank="
+
+
+def _active(r: int, tp: int = 8, proc: str | None = None) -> str:
+    return (f"({proc or f'Worker_TP{r}'} pid={300 + r}) WARNING 12-02 18:00:03 [moe_dispatch.py:1] "
+            f"LNA2 MoE kernel ACTIVE rank={r}/{tp} layers=43 bits=2 ext=bX policy=builtin")
+
+
+def test_a_line_glued_to_a_progress_bar_is_still_its_ranks():
+    """Rank 0 draws the CUDA-graph bar with carriage returns and no newline: the next worker's line
+    is glued to it and lost its prefix, so the marker gate failed a healthy seat on 7 of 8 (helper
+    audit). After a carriage return, a process prefix starts a line of its own."""
+    tr = SeatTracker(8, [ACTIVE], [])
+    bar = "\rCapturing CUDA graphs (mixed prefill-decode, PIECEWISE): 0%|          | 0/67 [00:00<?, ?it/s]"
+    feed_all(tr, [bar + _active(0)] + [_active(r) for r in range(1, 8)])
+    assert tr.marker_ranks[ACTIVE] == set(range(8))
+
+
+def test_a_prefix_quoted_inside_a_message_is_not_split_off():
+    """Before any carriage return the text is one message: a prompt echo that quotes a worker's
+    line must not become that worker's line (it would count a marker nobody printed)."""
+    tr = SeatTracker(8, [ACTIVE], [])
+    feed_all(tr, ["(APIServer pid=1) INFO 12-02 18:00:03 [logger.py:1] Received request chatcmpl-1: prompt: 'x "
+                  + _active(3) + "'"])
+    assert tr.marker_ranks[ACTIVE] == set()
+
+
+def test_colour_codes_do_not_hide_the_prefix():
+    """VLLM_LOGGING_COLOR / FORCE_COLOR inherited from the shell: every line lost its rank (helper audit)."""
+    tr = SeatTracker(2, [ACTIVE], [])
+    feed_all(tr, [f"\x1b[36m({'Worker_TP%d' % r} pid={300 + r})\x1b[0m \x1b[33mWARNING\x1b[0m 12-02 18:00:03 "
+                  f"[moe_dispatch.py:1] LNA2 MoE kernel ACTIVE rank={r}/2 layers=1" for r in range(2)])
+    assert tr.marker_ranks[ACTIVE] == {0, 1}
+
+
+def test_a_worker_name_with_a_space_is_a_rank():
+    tr = SeatTracker(8, [ACTIVE], [])
+    feed_all(tr, [_active(r, proc=f"VllmWorker TP{r}") for r in range(8)])
+    assert tr.marker_ranks[ACTIVE] == set(range(8))
+
+
+def test_at_tp1_the_engine_process_is_rank_0():
+    """With one GPU vLLM runs the worker inside EngineCore: the plugin's rank=0/1 line carries the
+    engine's prefix, and a TP 1 seat could never pass its marker gate (helper audit)."""
+    tr = SeatTracker(1, [ACTIVE, "dsv4serve plugin ready"], [])
+    feed_all(tr, ["(EngineCore_DP0 pid=9) INFO 12-02 18:00:01 [vllm_plugin.py:1] dsv4serve plugin ready rank=0/1",
+                  _active(0, tp=1, proc="EngineCore_DP0")])
+    assert tr.marker_ranks == {ACTIVE: {0}, "dsv4serve plugin ready": {0}}
+
+
+def test_kv_tokens_come_from_the_engine_and_never_crash_the_parser():
+    """A prompt echoed by the API server overwrote the KV figure; 'KV cache size: ,,, tokens' raised
+    out of feed() (status, check-seat and down's cleanup with it) (helper audit)."""
+    tr = SeatTracker(2, [], [])
+    feed_all(tr, ["(EngineCore_DP0 pid=9) INFO 12-02 18:00:01 [kv_cache_utils.py:1] GPU KV cache size: 120,000 tokens",
+                  "(APIServer pid=1) INFO 12-02 18:00:09 [logger.py:1] Received request chatcmpl-1: prompt: "
+                  "'GPU KV cache size: 99,999,999 tokens'",
+                  "(EngineCore_DP0 pid=9) INFO 12-02 18:00:01 [x.py:1] KV cache size: ,,, tokens"])
+    assert tr.kv_tokens == 120000
+
+
+def test_a_users_prompt_is_no_fatal_and_a_crash_without_a_traceback_is():
+    tr = SeatTracker(2, [], ["fell back"])
+    feed_all(tr, ["(APIServer pid=1) INFO 12-02 18:00:09 [logger.py:1] Received request chatcmpl-1: prompt: "
+                  "'what does CUDA error: an illegal memory access mean? and why fell back'"])
+    assert tr.fatal == []
+    for line, kind in [
+        ("(Worker_TP1 pid=301) terminate called after throwing an instance of 'c10::Error'", "crash"),
+        ("(Worker_TP0 pid=300) Fatal Python error: Segmentation fault", "crash"),
+        ("(Worker_TP0 pid=300) *** SIGSEGV received at time=1733000000 on cpu 3 ***", "crash"),
+        ("(Worker_TP1 pid=301) [rank1]:[E1202 18:00:00] NCCL communicator was aborted on rank 1.", "nccl"),
+    ]:
+        tr = SeatTracker(2, [], [])
+        feed_all(tr, [line])
+        assert [f.kind for f in tr.fatal] == [kind], line
+
+
+def test_an_error_line_quoting_a_marker_is_not_the_marker():
+    tr = SeatTracker(2, [ACTIVE], [])
+    feed_all(tr, [f"(Worker_TP{r} pid={300 + r}) ERROR 12-02 18:00:03 [x.py:1] expected '{ACTIVE}' but the kernel "
+                  "never ran" for r in range(2)])
+    assert tr.marker_ranks[ACTIVE] == set()

@@ -28,7 +28,13 @@ from typing import Any
 from dsv4serve.errors import ProfileError
 from dsv4serve.state import atomic_write
 
-PREFIX = re.compile(r"^\((?P<proc>[A-Za-z][A-Za-z0-9_\-]*) pid=(?P<pid>\d+)\)\s?(?P<rest>.*)$")
+# `(VllmWorker TP3 pid=N)` in some releases: a space may sit inside the name
+PREFIX = re.compile(r"^\((?P<proc>[A-Za-z][A-Za-z0-9_\- ]*) pid=(?P<pid>\d+)\)\s?(?P<rest>.*)$")
+_EMBEDDED_PREFIX = re.compile(r"\([A-Za-z][A-Za-z0-9_\- ]* pid=\d+\)")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # VLLM_LOGGING_COLOR / FORCE_COLOR, inherited from the shell
+_LEVEL = re.compile(r"^(?:ERROR|CRITICAL)\b")
+# vLLM's request log echoes what users sent: text in a prompt is not the seat's own error
+_REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+")
 LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+)?"
                       r"(?:\[[^\]]+\] ?)?")
 GLOG_PID = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +(\d+) ")
@@ -38,7 +44,7 @@ _ASSIGNED = re.compile(r"\brank (\d+) in world size (\d+) is assigned as .*?\bTP
 _WORLD = re.compile(r"\bworld_size=(\d+) rank=(\d+)\b")
 _OUR_RANK = re.compile(r"\brank=(\d+)/(\d+)\b")
 SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")
-KV_TOKENS = re.compile(r"\b(?:GPU|CPU|XPU|TPU|NPU)? ?KV cache size: ([\d,]+) tokens")
+KV_TOKENS = re.compile(r"\b(?:GPU|CPU|XPU|TPU|NPU)? ?KV cache size: (\d[\d,]*) tokens")
 KV_MEMORY = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 MAXLEN_HINT = re.compile(r"estimated maximum model length is (\d+)")
 DIST_ID = re.compile(r"vllm_dist_([0-9a-f]{8,})")
@@ -78,7 +84,10 @@ FATAL = [
     ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|\bMemoryError\b")),
     ("max_model_len", MAXLEN_HINT),
     ("nccl", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError|"
-                        r"Watchdog caught collective")),
+                        r"Watchdog caught collective|NCCL communicator was aborted|watchdog got stuck")),
+    # a process killed by C++ or a signal: its last words are not a Python traceback
+    ("crash", re.compile(r"terminate called after throwing an instance of|^Fatal Python error: |"
+                         r"\*\*\* SIG(?:SEGV|ABRT|BUS|ILL|FPE) received|Segmentation fault \(core dumped\)")),
     ("rank_died", re.compile(r"died unexpectedly|Worker proc \S+ died|WorkerProc hit an exception|"
                              r"Engine core initialization failed|EngineCore encountered a fatal error|"
                              r"EngineDeadError")),
@@ -96,6 +105,21 @@ class ParsedLine:
     proc: str | None
     pid: int | None
     text: str
+
+
+def physical_parts(raw: str) -> list[str]:
+    """The log lines one physical line holds. A tqdm bar (rank 0's shard loading, CUDA-graph capture)
+    redraws itself after a carriage return and ends no line, so the next process's line is glued to
+    it: `\\rCapturing CUDA graphs: 0%| ...(Worker_TP3 pid=N) ...`. After a carriage return a
+    process prefix inside the text starts a line of its own (before one, text is a message and a
+    prefix quoted in it is not split off). Colour codes are removed."""
+    line = ANSI.sub("", raw.rstrip("\n"))
+    segs = line.split("\r")
+    out = [segs[0]]
+    for seg in segs[1:]:
+        m = _EMBEDDED_PREFIX.search(seg, 1)
+        out += [seg[:m.start()], seg[m.start():]] if m else [seg]
+    return [x for x in out if x] or [""]
 
 
 def parse_line(line: str) -> ParsedLine:
@@ -132,7 +156,7 @@ class RankState:
 # What still fails a seat once it is ready. A traceback is not: vLLM logs one for a single bad
 # request (a tool or reasoning parser that raised on a stream) and keeps serving; what a dead
 # engine leaves behind (a rank gone, the process exiting) is caught on its own.
-SERVING_FATAL = ("rank_died", "cuda", "nccl", "oom", "plugin", "forbidden")
+SERVING_FATAL = ("rank_died", "cuda", "nccl", "oom", "plugin", "forbidden", "crash")
 
 
 @dataclass
@@ -188,7 +212,7 @@ class SeatTracker:
         if m:
             return int(m.group(1))
         m = _TP_IN_NAME.search(p.proc)
-        if m and p.proc.startswith("Worker"):
+        if m and "Worker" in p.proc:  # Worker_TP3, Worker_PP0_TP3, VllmWorker TP3
             return int(m.group(1))
         if p.proc.startswith("Worker") and p.pid is not None:
             if p.pid in self.pid_rank:
@@ -225,7 +249,7 @@ class SeatTracker:
 
     def route(self, line: str) -> str:
         """The stream a raw log line belongs to (`rank0`, `engine`, `api`, `pid123`)."""
-        p = parse_line(line.rstrip("\n"))
+        p = parse_line(physical_parts(line)[-1])
         stream = self.stream_for(p)[0]
         if stream == "engine" and p.pid is not None and self.engine_pid is None:
             self.engine_pid = p.pid
@@ -235,7 +259,12 @@ class SeatTracker:
     def feed(self, raw: str, now: float | None = None) -> list[dict[str, Any]]:
         now = time.time() if now is None else now
         self.lines += 1
-        line = raw.rstrip("\n").replace("\r", "")
+        events: list[dict[str, Any]] = []
+        for part in physical_parts(raw):
+            events += self._feed_one(part, now)
+        return events
+
+    def _feed_one(self, line: str, now: float) -> list[dict[str, Any]]:
         p = parse_line(line)
         events: list[dict[str, Any]] = []
         stream, rank = self.stream_for(p)
@@ -250,6 +279,11 @@ class SeatTracker:
             if rank is None and stream.startswith("pid") and p.pid is not None \
                     and self.pid_rank.setdefault(p.pid, r_txt) == r_txt:
                 rank, stream = r_txt, f"rank{r_txt}"
+        # At TP 1 on a GPU vLLM runs the worker inside EngineCore (the uni-process executor): the
+        # plugin's `rank=0/1` lines carry the engine's prefix, and are rank 0's
+        marker_rank = rank
+        if rank is None and self.tp == 1 and stream == "engine" and ours and int(ours.group(1)) == 0:
+            marker_rank = 0
         st = self.ranks.get(rank) if rank is not None else self.others.get(stream)
         if st is not None:
             st.last_line = text[-300:]
@@ -302,7 +336,7 @@ class SeatTracker:
         if progress:
             self.last_progress = now
 
-        m = KV_TOKENS.search(text)
+        m = KV_TOKENS.search(text) if stream != "api" else None  # the API server's lines echo prompts
         if m:
             self.kv_tokens = int(m.group(1).replace(",", ""))
             events.append(self._ev(now, "kv", None, tokens=self.kv_tokens))
@@ -313,13 +347,16 @@ class SeatTracker:
         if m:
             self.kv_gib = float(m.group(1))
 
+        # an ERROR line or a traceback frame quoting a marker ("expected ... ACTIVE") is not the marker
+        quoting = _LEVEL.match(p.text) is not None or text.startswith((" ", "\t"))
         for marker in self.required:
-            if marker in text and rank is not None and rank not in self.marker_ranks[marker]:
-                self.marker_ranks[marker].add(rank)
-                self.ranks[rank].markers.add(marker)
-                events.append(self._ev(now, "marker", rank, marker=marker))
-                if self.ranks[rank].markers >= set(self.required) and self.ranks[rank].advance("marker", now):
-                    events.append(self._ev(now, "phase", rank, phase="marker"))
+            r = marker_rank
+            if marker in text and r is not None and not quoting and r not in self.marker_ranks[marker]:
+                self.marker_ranks[marker].add(r)
+                self.ranks[r].markers.add(marker)
+                events.append(self._ev(now, "marker", r, marker=marker))
+                if self.ranks[r].markers >= set(self.required) and self.ranks[r].advance("marker", now):
+                    events.append(self._ev(now, "phase", r, phase="marker"))
 
         events += self._fatal_checks(stream, rank, text, now)
         return events
@@ -368,7 +405,9 @@ class SeatTracker:
         return self._add_fatal(kind, stream, rank, body, self._hint_for(body), now)
 
     def _fatal_checks(self, stream: str, rank: int | None, text: str, now: float) -> list[dict[str, Any]]:
-        events = []
+        events: list[dict[str, Any]] = []
+        if _REQUEST_ECHO.search(text):  # a user's prompt ("what does CUDA error: ... mean?") is no fatal
+            return events
         ev = self._traceback(stream, rank, text, now)
         if ev:
             events.append(ev)
