@@ -834,3 +834,24 @@ def test_bench_of_a_local_seat_ignores_the_shells_proxy(monkeypatch):
             assert c.get(f"{base}/health", timeout=5).status_code == 200
         with bench.make_client() as c, pytest.raises(httpx.HTTPError):
             c.get(f"{base}/health", timeout=5)  # through the (dead) proxy, as the shell asks for a --base-url
+
+
+def test_the_needle_is_a_whole_word_in_any_script():
+    """Beside kana, hanzi or Markdown's underscores the code is still the code; a longer code is not
+    (review: Unicode \\w boundaries missed the first three)."""
+    from dsv4serve.bench_needle import _says
+
+    code = "saffron-anchor-5179"
+    for text in ("パスコードはsaffron-anchor-5179です。", "密码是saffron-anchor-5179", "_saffron-anchor-5179_",
+                 "**saffron-anchor-5179**", "code: saffron-anchor-5179."):
+        assert _says(text, code), text
+    for text in ("saffron-anchor-51797", "xsaffron-anchor-5179", "saffron-anchor-5179-2"):
+        assert not _says(text, code), text
+
+
+def test_a_proxy_url_httpx_cannot_parse_is_one_line(monkeypatch):
+    from dsv4serve import bench
+
+    monkeypatch.setenv("ALL_PROXY", "http://proxy:notaport")
+    with pytest.raises(BadInput, match="the shell's proxy settings cannot be used"):
+        bench.make_client()

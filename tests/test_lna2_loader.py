@@ -97,7 +97,8 @@ def test_a_builds_row_ceiling_is_part_of_its_id(monkeypatch, tmp_path):
 
     d = build.source_digest()
     assert build.build_tag(d) == f"b{d}" and build.build_tag(d, 16) == f"b{d}r16" and build.build_tag(d, None) == f"b{d}"
-    monkeypatch.setattr(loader, "load", lambda: _ext(build.build_tag(d, 16)))
+    monkeypatch.setattr(loader, "load", lambda: SimpleNamespace(**{**vars(_ext(build.build_tag(d, 16))),
+                                                                   "lna2_moe_max_rows": lambda: 16}))
     info = loader.describe()
     assert info["build_id"] == f"b{d}r16" and info["stale"] is False
     so = tmp_path / f"{build.MODULE}.so"
@@ -106,6 +107,9 @@ def test_a_builds_row_ceiling_is_part_of_its_id(monkeypatch, tmp_path):
     assert loader.describe_file(so)["build_id"] == f"b{d}r16" and loader.describe_file(so)["stale"] is False
     from tests.test_lna2_tuning import measured
 
+    # a ceiling-16 build made before the ceiling was part of the id reports b<digest>: stale (review)
+    monkeypatch.setattr(loader, "load", lambda: SimpleNamespace(**{**vars(_ext(f"b{d}")), "lna2_moe_max_rows": lambda: 16}))
+    assert loader.describe()["stale"] is True
     table = measured({"K2/mcg": {1: 26}}, build_id=f"b{d}r16")
     assert "this extension is build b" in table.mismatch(table.device, table.sm_count, f"b{d}")
     assert table.mismatch(table.device, table.sm_count, f"b{d}r16") is None

@@ -346,3 +346,17 @@ def test_a_header_safetensors_refuses_as_too_large_fails(tmp_path, clean):
     shard.write_bytes(struct.pack("<Q", n + pad) + raw[8:8 + n] + b" " * pad + raw[8 + n:])
     f = _validate(p, clean).get("headers")
     assert f.status == "fail" and shard.name in f.found, f
+
+
+def test_an_index_that_is_a_dead_link_or_a_loop_is_a_failing_row(tmp_path, clean):
+    """_index special-cased only a missing index: a dead link raised FileNotFoundError out of the
+    pack section (review)."""
+    p = _copy(clean, tmp_path)
+    (p / pack.INDEX).unlink()
+    (p / pack.INDEX).symlink_to("/nonexistent/index.json")
+    f = _validate(p, clean).get("index")
+    assert f.status == "fail" and f.found.startswith(f"{pack.INDEX} dead symlink -> /nonexistent/index.json"), f
+    (p / pack.INDEX).unlink()
+    (p / pack.INDEX).symlink_to(pack.INDEX)  # itself: a loop
+    f = _validate(p, clean).get("index")
+    assert f.status == "fail" and "symbolic links" in f.found, f

@@ -315,3 +315,40 @@ def test_two_dist_infos_owning_the_package_are_named_not_one_picked(tree):
     assert v == "0.9 and 1.0 (several dist-infos own sigpkg: remove the stale ones)"
     rows = patches.set_status(patches.load_set("sig-1.0"), tree)
     assert {r.state for r in rows} == {"version-mismatch"}
+
+
+def test_a_signal_that_starts_an_undo_that_fails_does_not_claim_it_worked(tree, tmp_path, monkeypatch):
+    """The signal itself set off the undo of the earlier set, and the undo failed: the message led
+    with the signal's own text, 'the sets it had changed were taken back' (review)."""
+    _add_set(tmp_path / "sets", tree, "sig2-1.0", "sigpkg2", ["a.py"])
+    real = patches._change_whole
+
+    def term_on_second(targets, sdir, pset, tree_, action, *a, **k):
+        if pset.set == "sig2-1.0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(targets, sdir, pset, tree_, action, *a, **k)
+
+    def undo_fails(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(patches, "_change_whole", term_on_second)
+    monkeypatch.setattr(patches, "revert_set", undo_fails)
+    r = _cli("apply", "-s", "sig-1.0", "-s", "sig2-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1 and "were taken back" not in out, out
+    assert "patch apply stopped by SIGTERM; and undoing the sets applied before it failed: sig-1.0" in out
+    assert _contents(tree) == [PATCHED] * 3
+
+
+def test_a_revert_refused_for_a_stale_dist_info_says_to_remove_it(tree):
+    """'replaced the files this set patched: there is nothing to revert' was said with the files
+    still patched and only a stale dist-info beside the real one (review)."""
+    assert _cli("apply", "-s", "sig-1.0", "--root", str(tree)).exit_code == 0
+    for version in ("0.9", "1.0"):
+        info = tree / f"sigpkg-{version}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sigpkg\nVersion: {version}\n")
+        (info / "RECORD").write_text("sigpkg/__init__.py,,\n")
+    r = _cli("revert", "-s", "sig-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code != 0 and "remove the stale ones" in out and "nothing of sig-1.0 to revert" not in out

@@ -411,11 +411,12 @@ def test_a_record_that_cannot_be_written_restores_every_file(trees: Path, tmp_pa
     monkeypatch.setattr(patches, "_record", refuse)
     with pytest.raises(JobFailed) as e:
         (patches.apply_set if action == "apply" else patches.revert_set)(pset, root)
-    assert e.value.message == (f"{action} vllm-0.32.0 failed (Permission denied: /x/state.json.tmp); "
+    # the record the user can find, not the temp file beside it that the failed write left nowhere
+    sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
+    assert e.value.message == (f"{action} vllm-0.32.0 failed (Permission denied: {sdir / 'state.json'}); "
                                "every file it changed was restored")
     assert states(patches.set_status(pset, root)) == before
     if action == "revert":  # the backups the next revert needs are still there
-        sdir = patches.state_dir(pset, patches.find_root(pset.package, root))
         assert any((sdir / "backup").rglob("*.py"))
 
 

@@ -213,7 +213,7 @@ def make_client(api_key: str | None = None, *, local: bool = False) -> httpx.Cli
     # --base-url may be reached through one on purpose).
     try:
         return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key), trust_env=not local)
-    except (ImportError, ValueError) as e:  # the shell's proxy variables, read by httpx here
+    except (ImportError, ValueError, httpx.InvalidURL) as e:  # the shell's proxy variables, read by httpx here
         raise BadInput(f"the shell's proxy settings cannot be used: {first_line(e, e.__class__.__name__)}",
                        hint="fix or unset ALL_PROXY / HTTP_PROXY / HTTPS_PROXY (a socks5:// proxy needs "
                             "`pip install 'httpx[socks]'`), or exempt the server's host in NO_PROXY") from None

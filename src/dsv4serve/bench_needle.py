@@ -192,8 +192,9 @@ def build_prompt(tok: Tokenizer, settings: NeedleSettings, code: str, nonce: str
 
 def _says(text: str, code: str) -> bool:
     """`code` as a whole word of `text`: 'saffron-anchor-51797' is a wrong recollection of
-    'saffron-anchor-5179', not the code with something after it."""
-    return re.search(rf"(?<![\w-]){re.escape(code)}(?![\w-])", text) is not None
+    'saffron-anchor-5179', not the code with something after it. ASCII boundaries: beside kana or
+    hanzi (a Japanese answer, Chinese reasoning) or Markdown's underscores it is still the code."""
+    return re.search(rf"(?<![A-Za-z0-9-]){re.escape(code)}(?![A-Za-z0-9]|-[A-Za-z0-9])", text) is not None
 
 
 def run_needle(client: httpx.Client, target: Target, settings: NeedleSettings,

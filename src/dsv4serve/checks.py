@@ -246,14 +246,15 @@ def _gpu_rows(rep: Report, ctx: Ctx) -> None:
     # there: "no GPU N" would send the user to renumber gpus.ids
     closed = [g for i in p.gpus.ids if (g := m.gpu(i)) is not None and g.errors.get("handle")]
     if closed:
+        # the rows below judge every card of the seat together: judged without one they would pass it
         rep.add("machine", "gpu-count", "fail", "; ".join(f"GPU {g.index}: NVML cannot open it ({g.errors['handle']})"
                                                           for g in closed),
                 f"GPUs {ids_s} ({len(p.gpus.ids)}), each readable", f"check `nvidia-smi -i {closed[0].index}` and "
                 "the device nodes' permissions (in a container: the GPUs it was given); a card that fell off the bus "
                 "needs a reset")
-    else:
-        rep.add("machine", "gpu-count", "ok", f"{m.device_count} GPUs; seat uses {ids_s}", f"{len(p.gpus.ids)} GPUs")
-    seat = [g for i in p.gpus.ids if (g := m.gpu(i)) is not None and not g.errors.get("handle")]
+        return
+    rep.add("machine", "gpu-count", "ok", f"{m.device_count} GPUs; seat uses {ids_s}", f"{len(p.gpus.ids)} GPUs")
+    seat = [g for i in p.gpus.ids if (g := m.gpu(i)) is not None]
     unread = [str(g.index) for g in seat if not g.name]
     names = sorted({g.name for g in seat if g.name})
     uuids = {g.index: g.uuid for g in seat}
@@ -1196,6 +1197,8 @@ def _build_live(rep: Report, ctx: Ctx, builds: dict[int, str], launched: dict[st
     if ctx.lna2_info is None:
         ctx.lna2_info = _lna2_describe(ctx.profile)
     here = ctx.lna2_info.get("build_id") if ctx.lna2_info.get("loadable") else None
+    if launched and not launched.get("build_id"):
+        launched = None  # up could not name it (no metadata beside the file): what check-seat reads now
     want, what = (launched.get("build_id"), f"the build up launched ({launched.get('path')})") if launched \
         else (here, "the build check-seat describes")
     seen = ", ".join(f"rank {r}: {b}" for r, b in sorted(builds.items()))

@@ -388,7 +388,13 @@ def _config_problem(cfg: Any) -> str | None:
 def _index(rep: PackReport, root: Path) -> dict[str, str] | None:
     p = root / INDEX
     shards = [e for e in root.glob("*.safetensors") if not e.name.startswith(".")]
-    if _stat_error(p) == "missing":
+    err = _stat_error(p)
+    if err and err != "missing":  # a dead link, a loop, no permission: say it, never raise
+        rep.add("index", "fail", f"{INDEX} {err}", "a JSON weight_map",
+                "make it readable to this user" if "permission" in err.lower() else
+                "restore the index (or rebuild it from the shard headers)")
+        return {}
+    if err == "missing":
         if len(shards) <= 1:
             rep.add("index", "n/a", "single-file pack, no index needed")
         else:
@@ -462,7 +468,7 @@ def _resolve(rep: PackReport, root: Path, files: list[str], unresolved: dict[str
                 + "restore the files (re-download, or copy from the base pack) and prefer real copies "
                 "over symlinks (trap 10)")
     else:
-        rep.add("files-resolve", "ok", f"{_n(len(files), 'weight file')} and every other file resolve")
+        rep.add("files-resolve", "ok", f"{_n(len(files), 'weight file')} and every other file the seat reads resolve")
     # a dead README link or a leftover download is not a weight file: a warning, never a refusal
     other = [f"{n} ({err})" for n, err in sorted(unresolved.items())
              if n not in files and n not in _READ_FILES and not n.startswith(".")]

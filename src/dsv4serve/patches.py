@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsv4serve import home
 from dsv4serve.state import atomic_write
-from dsv4serve.errors import BadInput, JobFailed
+from dsv4serve.errors import BadInput, JobFailed, Signalled
 from dsv4serve.resources import patches_dir
 
 State = Literal["pristine", "patched", "modified-unknown", "missing", "version-mismatch",
@@ -398,6 +398,8 @@ def refuse_unless(rows: list[FileStatus], allowed: frozenset[str], action: str, 
 def _revert_fix(r: FileStatus, pset: PatchSet) -> str:
     """What to do when a revert cannot run: r.fix is apply's advice (reinstall, then apply), the
     opposite of what someone reverting wants."""
+    if r.state == "version-mismatch" and "several dist-infos" in str(r.installed_version):
+        return f"{r.installed_version}: then run the revert again"
     if r.state == "version-mismatch":
         return (f"{r.package} {r.installed_version} replaced the files this set patched: there is nothing of "
                 f"{pset.set} to revert")
@@ -550,7 +552,7 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
     except BaseException as e:  # whatever stopped it: the set is recorded whole or not changed at all
         if isinstance(e, OSError) and e.strerror:
             # a write's ENOSPC carries no file name: the record is what was being written
-            why = f"{e.strerror}: {e.filename or (sdir / 'state.json' if recording else '?')}"
+            why = f"{e.strerror}: {sdir / 'state.json' if recording else (e.filename or '?')}"
         else:
             why = str(e)
         try:
@@ -560,9 +562,10 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
             raise JobFailed(f"{action} {pset.set} failed ({why}), and restoring its files failed too "
                             f"({str(undo).split(';')[0]}): {', '.join(still) or 'no file'} still "
                             f"{'patched' if action == 'apply' else 'reverted'}, and nothing was recorded",
-                            hint=f"fix the cause, then restore those files from {sdir / 'backup'} (apply's pristine "
-                                 f"copies) or reinstall {pset.pip_requirement}; `dsv4serve patch status` shows each "
-                                 "file") from None
+                            hint=(f"fix the cause, then restore those files from {sdir / 'backup'} (apply's pristine "
+                                  f"copies) or reinstall {pset.pip_requirement}" if action == "apply" else
+                                  "fix the cause: those files are pristine, what the revert wanted, but the record "
+                                  "still says patched") + "; `dsv4serve patch status` shows each file") from None
         if not isinstance(e, (JobFailed, OSError)):
             raise
         raise JobFailed(f"{action} {pset.set} failed ({why}); every file it changed was restored",
@@ -828,7 +831,10 @@ def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, a
             held = s
         if errors:  # the undo's failures lead, whatever arrived meanwhile: the trees are not as before
             what = "undoing the sets applied" if action == "apply" else "re-patching the sets reverted"
-            raise JobFailed(f"{e}; and {what} before it failed: {'; '.join(errors)}"
+            # a signal's own text says the sets were taken back: here they were not
+            first = f"patch {action} stopped by {_signal_name(e)}" if isinstance(e, (KeyboardInterrupt, Signalled)) \
+                else str(e)
+            raise JobFailed(f"{first}; and {what} before it failed: {'; '.join(errors)}"
                             + (f" ({_signal_name(held)} arrived meanwhile)" if held is not None else ""),
                             hint="`dsv4serve patch status` shows each file's state") from e
         if held is not None:

@@ -103,7 +103,10 @@ def describe() -> dict[str, Any]:
     # The metadata beside the module that loaded (DSV4SERVE_LNA2_EXT may point elsewhere than the
     # default build), and only if it describes that build: check-seat's arch row reads it.
     _read_meta(info, Path(path).with_suffix(".json") if path else default_out() / f"{MODULE}.json", info["build_id"])
-    info["stale"] = tag_sources(info["build_id"]) != info["source_build_id"]
+    # a build of these sources at its ceiling has exactly this id: one of other sources, or one made
+    # before the ceiling was part of the id (b<digest> with 16 rows), is stale
+    digest = (info["source_build_id"] or "b")[1:]
+    info["stale"] = info["build_id"] != build_tag(digest, info["max_rows"])
     try:
         import torch
 
