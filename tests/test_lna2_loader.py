@@ -63,6 +63,10 @@ def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
     ({"arch": "13.0"}, "--arch: '13.0' is not a compute capability"),  # nvcc 13 builds to 12.x; torch refuses it
     ({"max_rows": 0}, "--max-rows 0 must be 1..32"),
     ({"max_rows": 33}, "--max-rows 33 must be 1..32 (the route plan keeps a 32-bit row mask per expert)"),
+    # nvcc 13 builds no 9.2 / 5.0: the build failed minutes later with "ninja: subcommand failed" (audit)
+    ({"arch": "9.0;9.2"}, "--arch: this nvcc does not build 9.2 (it builds "),
+    ({"arch": "5.0"}, "--arch: this nvcc does not build 5.0"),
+    ({"out": "UNDER_FILE"}, "cannot be made: "),
 ])
 def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, words):
     """On this CPU machine the build would refuse torch; a bad --arch or --out must be said first
@@ -72,6 +76,9 @@ def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, 
     if kw.get("out") == "FILE":
         (tmp_path / "f").write_text("")
         kw = {"out": tmp_path / "f"}
+    if kw.get("out") == "UNDER_FILE":
+        (tmp_path / "f").write_text("")
+        kw = {"out": tmp_path / "f" / "sub"}
     with pytest.raises(BadInput) as e:
         build.build(**{"out": tmp_path / "out", **kw})
     assert words in e.value.message
@@ -209,3 +216,107 @@ def test_kernel_info_without_a_build_is_one_line_per_field_even_piped(tmp_path):
     err = [ln for ln in r.stdout.splitlines() if ln.startswith("error: ")]
     assert len(err) == 1 and err[0].endswith("run `dsv4serve kernel build`"), r.stdout
     assert all(": " in ln for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_a_torch_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    """torch's JIT waits forever on a `lock` file in the build directory; a build killed by SIGTERM
+    leaves it, and every later build hung without a word (audit). Every build holds dsv4serve's own
+    lock on --out, so a torch lock found under it is a leftover."""
+    out, bdir = tmp_path / "out", tmp_path / "out" / "build-x"
+    bdir.mkdir(parents=True)
+    (bdir / "lock").write_text("")
+    with build._build_lock(out, bdir):
+        assert not (bdir / "lock").exists()
+    from filelock import FileLock
+
+    with FileLock(str(out / ".build.lock")):  # another build of this --out running
+        build.BUILD_LOCK_TIMEOUT_S, saved = 0.2, build.BUILD_LOCK_TIMEOUT_S
+        try:
+            from dsv4serve.errors import JobFailed
+
+            with pytest.raises(JobFailed, match="another lna2 build of"):
+                with build._build_lock(out, bdir):
+                    pass
+        finally:
+            build.BUILD_LOCK_TIMEOUT_S = saved
+
+
+def test_a_failed_build_keeps_the_compilers_output_and_says_its_first_error(tmp_path):
+    """torch puts the compiler's output in the exception and writes no log; the message kept only
+    ninja's last line and pointed at a log that did not exist (audit). The stand-ins are for torch's
+    JIT `load` and the torch module, which a CPU machine cannot build with."""
+    from dsv4serve.errors import JobFailed
+
+    def load(**kw):
+        raise RuntimeError("Error building extension 'dsv4serve_lna2': [1/3] nvcc ...\n"
+                           "lna2_moe.cu(12): error: identifier \"foo\" is undefined\n"
+                           "ninja: build stopped: subcommand failed.")
+
+    out, bdir = tmp_path / "out", tmp_path / "out" / "build-x"
+    bdir.mkdir(parents=True)
+    with pytest.raises(JobFailed) as e:
+        build._build_locked("9.0", out, bdir, "abc", [], None, False, 32, tmp_path, SimpleNamespace(), load)
+    assert e.value.message == 'lna2 build failed: lna2_moe.cu(12): error: identifier "foo" is undefined'
+    assert str(bdir / "build.log") in e.value.hint and "subcommand failed" in (bdir / "build.log").read_text()
+
+
+def test_metadata_this_user_cannot_read_is_said_not_raised(monkeypatch, tmp_path):
+    """The metadata was written 0600 beside a 0755 .so: another user's `kernel info` failed whole
+    with PermissionError (audit). It is written 0644 now, and an unreadable one is said."""
+    import json
+    from pathlib import Path as _P
+
+    so = tmp_path / f"{build.MODULE}.so"
+    so.write_bytes(b"\x7fELF")
+    meta = so.with_suffix(".json")
+    meta.write_text(json.dumps({"build_id": "abc", "max_rows": 32}))
+    real = _P.read_text
+
+    def denied(self, *a, **kw):
+        if self == meta:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(_P, "read_text", denied)
+    info = loader.describe_file(so)
+    assert info["loadable"] is False and info.get("built") == "unreadable metadata"
+
+
+def test_a_broken_module_is_not_described_by_the_default_builds_metadata(monkeypatch, tmp_path):
+    """DSV4SERVE_LNA2_EXT naming a broken file showed the default build's metadata under it (audit)."""
+    import json
+
+    default = tmp_path / "default"
+    default.mkdir()
+    (default / f"{build.MODULE}.json").write_text(json.dumps({"build_id": "0123456789ab"}))
+    other = tmp_path / "other.so"
+    other.write_bytes(b"junk")
+    monkeypatch.setattr(loader, "default_out", lambda: default)
+    monkeypatch.setenv(loader.ENV, str(other))
+
+    def broken():
+        raise RuntimeError("DSV4SERVE_LNA2_EXT names other.so (file too short)")
+
+    monkeypatch.setattr(loader, "load", broken)
+    assert "built" not in loader.describe()
+    other.with_suffix(".json").write_text(json.dumps({"build_id": "feedfacecafe"}))
+    assert loader.describe()["built"]["build_id"] == "feedfacecafe"
+
+
+def test_save_tuning_refuses_a_path_that_is_not_a_regular_file(tmp_path):
+    """The table is renamed over its path: a FIFO (or /dev/stdout's link, as root) was accepted and
+    later replaced by a regular file (audit)."""
+    import os
+
+    from dsv4serve.errors import BadInput
+    from dsv4serve.lna2 import selfcheck
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(BadInput, match="is not a regular file"):
+        selfcheck.tuning_target(fifo, True)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "t.json")
+    with pytest.raises(BadInput, match="is not a regular file"):
+        selfcheck.tuning_target(link, True)
+    selfcheck.tuning_target(tmp_path / "t.json", True)  # a new file is fine

@@ -8,10 +8,13 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from filelock import FileLock, Timeout
 
 from dsv4serve import home
 from dsv4serve.errors import BadInput, JobFailed
@@ -72,6 +75,30 @@ def arch_list(arch: str) -> list[str]:
     return archs
 
 
+def nvcc_archs() -> set[str] | None:
+    """The compute capabilities this machine's nvcc builds ('90', '120', ...), None when no nvcc
+    answers (torch's own error then says what is missing)."""
+    nvcc = shutil.which("nvcc") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
+    try:
+        r = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    got = set(re.findall(r"compute_(\d+)", r.stdout)) if r.returncode == 0 else set()
+    return got or None
+
+
+def check_archs(arch: str) -> None:
+    """BadInput for an arch nvcc cannot build, before a build that would fail minutes later on it."""
+    known = nvcc_archs()
+    if known is None:
+        return
+    bad = [a for a in arch_list(arch) if a.replace(".", "").rstrip("a") not in known]
+    if bad:
+        listed = ", ".join(f"{k[:-1]}.{k[-1]}" for k in sorted(known, key=int))
+        raise BadInput(f"--arch: this nvcc does not build {', '.join(bad)} (it builds {listed})",
+                       hint='the seat\'s cards are 12.0, an H100 / H200 9.0: --arch "9.0;12.0"')
+
+
 def arch_flags(arch: str) -> list[str]:
     """'9.0;12.0' -> nvcc -gencode flags (SASS for each; PTX of the last for newer GPUs)."""
     flags = []
@@ -124,6 +151,12 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     out = Path(out or default_out())
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out} is a file, not a directory", hint="pass a directory (created if absent)")
+    base, broken = home.nearest_existing(out)
+    if broken is not None or not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        why = f"{broken} is a broken symlink" if broken is not None else \
+            f"{base} is {'not a directory' if not base.is_dir() else 'not writable'}"
+        raise BadInput(f"--out {out} cannot be made: {why}", hint="pass a directory this user can write")
+    check_archs(arch)
     try:
         import torch
         from torch.utils.cpp_extension import load
@@ -137,9 +170,38 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
     # its own directory per ceiling: torch's JIT would otherwise rebuild in place under a versioned name
     build_dir = out / (f"build-{digest}" if max_rows == MAX_ROWS_DEFAULT else f"build-{digest}-rows{max_rows}")
     build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out, build_dir):
+        return _build_locked(arch, out, build_dir, digest, gencode, jobs, verbose, max_rows, src, torch, load)
+
+
+BUILD_LOCK_TIMEOUT_S = 1800.0  # another build of the same --out: a full JIT build takes ~5 minutes
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path, build_dir: Path) -> Iterator[None]:
+    """One build of an --out at a time. torch's JIT guards its build directory with a bare `lock`
+    file and waits on it forever; a build killed by SIGTERM leaves it behind, and every later build
+    then hangs without a word. Every build of ours holds this lock, so a torch `lock` found while
+    holding it is such a leftover, and goes."""
+    lock = FileLock(str(out / ".build.lock"), timeout=BUILD_LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise JobFailed(f"another lna2 build of {out} has held {out / '.build.lock'} for {BUILD_LOCK_TIMEOUT_S:.0f} s",
+                        hint="let it finish (or end it), then build again") from None
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            (build_dir / "lock").unlink()
+        yield
+    finally:
+        lock.release()
+
+
+def _build_locked(arch: str, out: Path, build_dir: Path, digest: str, gencode: list[str], jobs: int | None,
+                  verbose: bool, max_rows: int, src: Path, torch: Any, load: Any) -> Path:
     if jobs:
         os.environ["MAX_JOBS"] = str(jobs)
-    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(arch_list(arch))  # torch adds its own -gencode from this too
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(arch_list(arch))  # what torch reports; the -gencode flags decide
     t0 = time.time()
     try:
         load(name=MODULE, sources=[str(src / s) for s in SOURCES], extra_include_paths=[str(src)],
@@ -148,13 +210,22 @@ def build(arch: str = "9.0;12.0", out: Path | None = None, jobs: int | None = No
              extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-Xptxas", "-v", *defines(digest, max_rows),
                                 *gencode])
     except Exception as e:  # noqa: BLE001 - compiler errors come as RuntimeError/subprocess errors
-        raise JobFailed(f"lna2 build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}",
-                        hint=f"see the build log in {build_dir}") from None
+        # torch puts the compiler's whole output in the exception and writes no log: keep it, and
+        # say its first error (the last line is always ninja's "subcommand failed")
+        text = str(e).strip()
+        log = build_dir / "build.log"
+        with contextlib.suppress(OSError):
+            atomic_write(log, text + "\n", mode=0o644)
+        lines = text.splitlines()
+        first = next((ln.strip() for ln in lines if re.search(r"\berror\b|nvcc fatal", ln, re.IGNORECASE)
+                      and not re.search(r"subcommand failed|^Error building extension", ln)),
+                     lines[-1].strip() if lines else repr(e))
+        raise JobFailed(f"lna2 build failed: {first[:300]}", hint=f"the compiler's output is in {log}") from None
     built = next(build_dir.glob(f"{MODULE}*.so"), None)
     if built is None:
         raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
     target = install_so(built, out)
     meta = {"build_id": digest, "arch": arch, "max_rows": max_rows, "torch": torch.__version__,
             "cuda": torch.version.cuda, "seconds": round(time.time() - t0, 1), "built_at": time.time()}
-    atomic_write(out / f"{MODULE}.json", json.dumps(meta, indent=2))
+    atomic_write(out / f"{MODULE}.json", json.dumps(meta, indent=2), mode=0o644)  # as readable as the .so
     return target

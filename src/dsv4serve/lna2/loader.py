@@ -87,7 +87,8 @@ def describe() -> dict[str, Any]:
         mod = load()
     except (RuntimeError, OSError) as e:
         info.update(loadable=False, error=str(e))
-        _read_meta(info, default_out() / f"{MODULE}.json", None)
+        # the metadata of the file it tried (DSV4SERVE_LNA2_EXT's, else the default build's)
+        _read_meta(info, candidates()[0].with_suffix(".json"), None)
         return info
     path = getattr(mod, "__file__", None)
     try:
@@ -145,7 +146,7 @@ def _read_meta(info: dict[str, Any], meta_path: Path, build_id: str | None) -> N
         return
     try:
         meta = json.loads(meta_path.read_text())
-    except ValueError:
+    except (ValueError, OSError):  # a private file of another user's build, not JSON, not UTF-8
         info["built"] = "unreadable metadata"
         return
     if build_id is not None and (not isinstance(meta, dict) or build_tag(str(meta.get("build_id")), meta.get("max_rows")) != build_id):

@@ -537,6 +537,9 @@ def tuning_target(path: Path, bench: bool) -> None:
     if path.is_dir():
         raise BadInput(f"--save-tuning {path} is a directory", hint="name a file, e.g. --save-tuning "
                        f"{path / 'lna2-tuning.json'}")
+    if (path.exists() or path.is_symlink()) and (path.is_symlink() or not path.is_file()):
+        # the table is renamed over its path: a FIFO, a device or /dev/stdout's link would be replaced by a file
+        raise BadInput(f"--save-tuning {path} is not a regular file", hint="name a regular file (it is replaced whole)")
     from dsv4serve.home import nearest_existing
 
     parent, broken = nearest_existing(path.parent)
