@@ -49,7 +49,7 @@ class _OpenAI(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length", 0)))
-        self._send({"choices": [{"message": {"role": "assistant", "content": "ok"}}],
+        self._send({"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}],
                     "usage": {"completion_tokens": 1}})
 
 
