@@ -571,6 +571,10 @@ def test_expert_map_sends_other_ranks_experts_nowhere():
     keep = w.clone()
     keep[:, 1] = 0
     assert torch.equal(out, ref.moe_reference(x, el, torch.stack([ids[:, 0], ids[:, 0]], 1).long(), keep).to(x.dtype))
+    # a -1 pad read the map's last entry (local expert 3) as the expert; it goes nowhere (audit)
+    global_ids[:, 1] = -1
+    call(layer, x, w, global_ids)
+    assert fake.calls[-1]["ids"][:, 1].tolist() == [-1, -1]
 
 
 def test_prefill_goes_to_the_incumbent_and_is_logged_once():

@@ -750,8 +750,11 @@ class Runtime:
         expert_map = getattr(st.layer, "expert_map", None)
         if isinstance(expert_map, torch.Tensor) and expert_map.dtype != torch.bool:
             # Expert parallelism: global -> local ids, -1 for experts of other ranks, which lna2
-            # skips (out-of-range ids contribute nothing, lna2_api.h).
-            ids = expert_map[ids.long()]
+            # skips (out-of-range ids contribute nothing, lna2_api.h). An id outside the map (a -1
+            # pad) stays -1: indexed as it is, -1 would read the map's last entry, another expert.
+            n = expert_map.numel()
+            inside = (ids >= 0) & (ids < n)
+            ids = torch.where(inside, expert_map[ids.long().clamp(0, n - 1)], torch.full_like(expert_map[:1], -1))
         ids = ids.to(torch.int32).contiguous()
         # The routed scaling factor is already where vLLM put it (module docstring): unchanged.
         weights = topk_weights.reshape(rows, g.top_k).to(torch.float32).contiguous()
