@@ -73,6 +73,9 @@ def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, 
     (else fixing torch leads to a second refusal), and nothing is created."""
     from dsv4serve.errors import BadInput
 
+    if "this nvcc" in words and build.nvcc_archs() is None:
+        pytest.skip("no nvcc here to ask which archs it builds (the machine CI runs on has nvcc 13)")
+
     if kw.get("out") == "FILE":
         (tmp_path / "f").write_text("")
         kw = {"out": tmp_path / "f"}
@@ -320,3 +323,26 @@ def test_save_tuning_refuses_a_path_that_is_not_a_regular_file(tmp_path):
     with pytest.raises(BadInput, match="is not a regular file"):
         selfcheck.tuning_target(link, True)
     selfcheck.tuning_target(tmp_path / "t.json", True)  # a new file is fine
+
+
+def test_the_arch_check_takes_ptx_and_arch_specific_entries_and_asks_torchs_nvcc(monkeypatch, tmp_path):
+    """'12.0+PTX' was refused ('120+PTX' is no compute_ number), and the check asked the PATH's nvcc
+    where torch builds with CUDA_HOME's (review). The nvcc here is a stand-in script."""
+    fake = tmp_path / "cuda" / "bin" / "nvcc"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\nprintf 'compute_90\\ncompute_120\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.delenv("PYTORCH_NVCC", raising=False)
+    assert build.nvcc_archs() == {"90", "120"}
+    build.check_archs("9.0a;12.0+PTX;12.0a+PTX")
+    from dsv4serve.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"does not build 8\.0 \(it builds 9\.0, 12\.0\)"):
+        build.check_archs("8.0;12.0")
+
+
+def test_kernel_info_with_the_ext_variable_naming_the_root_is_not_a_traceback(monkeypatch):
+    monkeypatch.setenv(loader.ENV, "/")
+    info = loader.describe()
+    assert info["loadable"] is False and "DSV4SERVE_LNA2_EXT names /" in info["error"]

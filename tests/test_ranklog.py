@@ -355,14 +355,40 @@ def _active(r: int, tp: int = 8, proc: str | None = None) -> str:
             f"LNA2 MoE kernel ACTIVE rank={r}/{tp} layers=43 bits=2 ext=bX policy=builtin")
 
 
-def test_a_line_glued_to_a_progress_bar_is_still_its_ranks():
+BAR = "\rCapturing CUDA graphs (mixed prefill-decode, PIECEWISE): 0%|          | 0/67 [00:00<?, ?it/s]"
+
+
+def test_a_line_glued_to_a_progress_bar_is_still_its_ranks(tmp_path):
     """Rank 0 draws the CUDA-graph bar with carriage returns and no newline: the next worker's line
     is glued to it and lost its prefix, so the marker gate failed a healthy seat on 7 of 8 (helper
-    audit). After a carriage return, a process prefix starts a line of its own."""
+    audit). A process prefix right after a bar's end starts a line of its own: through every reader
+    (up's LogTail, status / down's read_log, check-seat's text read), which cut at the carriage
+    return before the tracker sees the part (review: the first fix reached none of them)."""
+    from dsv4serve.ranklog import read_log
+    from dsv4serve.supervisor import LogTail
+
     tr = SeatTracker(8, [ACTIVE], [])
-    bar = "\rCapturing CUDA graphs (mixed prefill-decode, PIECEWISE): 0%|          | 0/67 [00:00<?, ?it/s]"
-    feed_all(tr, [bar + _active(0)] + [_active(r) for r in range(1, 8)])
+    feed_all(tr, [BAR + _active(0)] + [_active(r) for r in range(1, 8)])
     assert tr.marker_ranks[ACTIVE] == set(range(8))
+    log = tmp_path / "vllm.log"
+    log.write_text("".join(ln + "\n" for ln in [BAR + BAR + _active(0)] + [_active(r) for r in range(1, 8)]))
+    assert read_log(str(log), 8, [ACTIVE], []).marker_ranks[ACTIVE] == set(range(8))
+    tail = SeatTracker(8, [ACTIVE], [])
+    feed_all(tail, LogTail(log).read())
+    assert tail.marker_ranks[ACTIVE] == set(range(8))
+    text = SeatTracker(8, [ACTIVE], [])
+    with open(log, errors="replace") as f:  # check-seat's reader: universal newlines cut at \r
+        feed_all(text, list(f))
+    assert text.marker_ranks[ACTIVE] == set(range(8))
+
+
+def test_a_quoted_worker_line_after_a_fake_bar_in_a_prompt_forges_nothing():
+    """The bar rule applies only to a part with no prefix of its own: a request log line (the API
+    server's) that quotes a bar and then a worker's line stays one API line."""
+    tr = SeatTracker(8, [ACTIVE], [])
+    feed_all(tr, ["(APIServer pid=1) INFO 12-02 18:00:03 [logger.py:1] Received request chatcmpl-1: prompt: "
+                  "'x | 0/67 [00:00<?, ?it/s]" + _active(3) + "'"])
+    assert tr.marker_ranks[ACTIVE] == set()
 
 
 def test_a_prefix_quoted_inside_a_message_is_not_split_off():
@@ -429,3 +455,13 @@ def test_an_error_line_quoting_a_marker_is_not_the_marker():
     feed_all(tr, [f"(Worker_TP{r} pid={300 + r}) ERROR 12-02 18:00:03 [x.py:1] expected '{ACTIVE}' but the kernel "
                   "never ran" for r in range(2)])
     assert tr.marker_ranks[ACTIVE] == set()
+
+
+def test_the_engine_s_kv_line_under_the_api_servers_prefix_counts():
+    """With VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine runs in the API server's process: its KV
+    line was skipped with every API line, and the KV gate failed (review). Only request echoes are."""
+    tr = SeatTracker(1, [], [])
+    feed_all(tr, ["(APIServer pid=1) INFO 12-02 18:00:01 [kv_cache_utils.py:1] GPU KV cache size: 4,096 tokens",
+                  "(APIServer pid=1) DEBUG 12-02 18:00:09 [request_logger.py:1] Request chatcmpl-1 details: prompt: "
+                  "'GPU KV cache size: 9 tokens, and CUDA error: x'"])
+    assert tr.kv_tokens == 4096 and tr.fatal == []

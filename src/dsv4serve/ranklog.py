@@ -34,7 +34,10 @@ _EMBEDDED_PREFIX = re.compile(r"\([A-Za-z][A-Za-z0-9_\- ]* pid=\d+\)")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # VLLM_LOGGING_COLOR / FORCE_COLOR, inherited from the shell
 _LEVEL = re.compile(r"^(?:ERROR|CRITICAL)\b")
 # vLLM's request log echoes what users sent: text in a prompt is not the seat's own error
-_REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+")
+_REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+|"
+                           r"\bRequest \S+ (?:details|JSON body):")
+# the end of a tqdm bar (`... 0%|          | 0/67 [00:00<?, ?it/s]`, vLLM's `| 1/1 [00:00<00:00, ...]`)
+_BAR_END = re.compile(r"\|\s*\d+/\d+\s*\[[^\]]*\]\s*$")
 LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+)?"
                       r"(?:\[[^\]]+\] ?)?")
 GLOG_PID = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +(\d+) ")
@@ -108,18 +111,20 @@ class ParsedLine:
 
 
 def physical_parts(raw: str) -> list[str]:
-    """The log lines one physical line holds. A tqdm bar (rank 0's shard loading, CUDA-graph capture)
-    redraws itself after a carriage return and ends no line, so the next process's line is glued to
-    it: `\\rCapturing CUDA graphs: 0%| ...(Worker_TP3 pid=N) ...`. After a carriage return a
-    process prefix inside the text starts a line of its own (before one, text is a message and a
-    prefix quoted in it is not split off). Colour codes are removed."""
-    line = ANSI.sub("", raw.rstrip("\n"))
-    segs = line.split("\r")
-    out = [segs[0]]
-    for seg in segs[1:]:
-        m = _EMBEDDED_PREFIX.search(seg, 1)
-        out += [seg[:m.start()], seg[m.start():]] if m else [seg]
-    return [x for x in out if x] or [""]
+    """The log lines one line of the file holds. A tqdm bar (rank 0's shard loading, CUDA-graph
+    capture) redraws itself after a carriage return and ends no line, so the next process's line is
+    glued to its last redraw: `Capturing CUDA graphs: 0%| | 0/67 [00:00<?, ?it/s](Worker_TP3 pid=N)
+    ...`. In a part that carries no prefix of its own (a bar does not), a process prefix right after
+    a bar's end starts a line of its own; anywhere else a prefix is text, so a prompt that quotes a
+    worker's line in a request log (prefixed by the API server) forges nothing. Colour codes go."""
+    out = []
+    for seg in ANSI.sub("", raw.rstrip("\n")).split("\r"):
+        m = _EMBEDDED_PREFIX.search(seg, 1) if not PREFIX.match(seg) else None
+        if m is not None and _BAR_END.search(seg[:m.start()]):
+            out += [seg[:m.start()], seg[m.start():]]
+        elif seg:
+            out.append(seg)
+    return out or [""]
 
 
 def parse_line(line: str) -> ParsedLine:
@@ -336,7 +341,9 @@ class SeatTracker:
         if progress:
             self.last_progress = now
 
-        m = KV_TOKENS.search(text) if stream != "api" else None  # the API server's lines echo prompts
+        # a request log echoes prompts; the engine's own line may carry the API server's prefix (with
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine runs in that process)
+        m = KV_TOKENS.search(text) if not _REQUEST_ECHO.search(text) else None
         if m:
             self.kv_tokens = int(m.group(1).replace(",", ""))
             events.append(self._ev(now, "kv", None, tokens=self.kv_tokens))
@@ -509,7 +516,7 @@ class SeatTracker:
 
 # Bump when SeatTracker's fields or what feed() does change: a checkpoint of another version is
 # rescanned from the start rather than resumed.
-SCAN_VERSION = 1
+SCAN_VERSION = 2  # 2: physical_parts (lines glued to a bar, colour codes), TP 1 engine ranks, KV lines
 _TAIL_CHECK = 256  # bytes before a checkpoint's offset that must still be there to resume from it
 _BLOCK = 8 << 20
 

@@ -78,7 +78,10 @@ def arch_list(arch: str) -> list[str]:
 def nvcc_archs() -> set[str] | None:
     """The compute capabilities this machine's nvcc builds ('90', '120', ...), None when no nvcc
     answers (torch's own error then says what is missing)."""
-    nvcc = shutil.which("nvcc") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
+    # the nvcc torch's JIT will run: PYTORCH_NVCC, else CUDA_HOME / CUDA_PATH's, else the PATH's
+    home_ = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = os.environ.get("PYTORCH_NVCC") or (str(Path(home_) / "bin" / "nvcc") if home_ else None) \
+        or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     try:
         r = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -92,7 +95,7 @@ def check_archs(arch: str) -> None:
     known = nvcc_archs()
     if known is None:
         return
-    bad = [a for a in arch_list(arch) if a.replace(".", "").rstrip("a") not in known]
+    bad = [a for a in arch_list(arch) if (m := _ARCH.fullmatch(a)) and m["major"] + m["minor"] not in known]
     if bad:
         listed = ", ".join(f"{k[:-1]}.{k[-1]}" for k in sorted(known, key=int))
         raise BadInput(f"--arch: this nvcc does not build {', '.join(bad)} (it builds {listed})",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -88,7 +89,8 @@ def describe() -> dict[str, Any]:
     except (RuntimeError, OSError) as e:
         info.update(loadable=False, error=str(e))
         # the metadata of the file it tried (DSV4SERVE_LNA2_EXT's, else the default build's)
-        _read_meta(info, candidates()[0].with_suffix(".json"), None)
+        with contextlib.suppress(ValueError):  # DSV4SERVE_LNA2_EXT=/ has no name to put .json on
+            _read_meta(info, candidates()[0].with_suffix(".json"), None)
         return info
     path = getattr(mod, "__file__", None)
     try:
