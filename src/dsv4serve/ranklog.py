@@ -356,8 +356,8 @@ class SeatTracker:
 
         # an ERROR line or a traceback frame quoting a marker ("expected ... ACTIVE") is not the marker
         quoting = _LEVEL.match(p.text) is not None or text.startswith((" ", "\t"))
+        r = marker_rank
         for marker in self.required:
-            r = marker_rank
             if marker in text and r is not None and not quoting and r not in self.marker_ranks[marker]:
                 self.marker_ranks[marker].add(r)
                 self.ranks[r].markers.add(marker)
