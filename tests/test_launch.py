@@ -442,3 +442,18 @@ def test_a_seats_api_key_is_read_from_its_own_launch():
     assert launch.seat_api_key(docker.runtime, docker.argv, docker.env) == "k1"
     native = build("cpu-demo", "env.VLLM_API_KEY=k2")
     assert launch.seat_api_key(native.runtime, native.argv, native.env) == "k2"
+
+
+def test_an_api_key_a_header_cannot_carry_is_refused_before_launch(tmp_path, monkeypatch):
+    """readiness sends the key in a header: a non-ASCII one (a pasted non-breaking space) crashed the
+    probe after the seat came up; a space is a header character and stays allowed."""
+    from dsv4serve import launch
+    from dsv4serve.errors import ProfileError
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(ProfileError, match=r"has a character an HTTP header cannot carry \('\\xa0' at position 2\)"):
+        launch.build(load_profile("cpu-demo", ["env.VLLM_API_KEY=k1\u00a0"]), run_id="r", run_dir=tmp_path / "run")
+    with pytest.raises(ProfileError, match="cannot carry"):
+        launch.build(load_profile("cpu-demo", ["vllm.extra_args=[--api-key, 'k\u2019s']"]), run_id="r",
+                     run_dir=tmp_path / "run")
+    assert launch.build(load_profile("cpu-demo", ["env.VLLM_API_KEY=a key"]), run_id="r", run_dir=tmp_path / "run")

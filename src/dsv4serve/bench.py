@@ -22,7 +22,7 @@ from typing import Any, Callable
 import httpx
 
 from dsv4serve import state
-from dsv4serve.readiness import auth
+from dsv4serve.readiness import auth, unsendable
 from dsv4serve.bench_client import (
     Endpoint,
     SpecDelta,
@@ -199,11 +199,8 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
 
 
 def _header_safe(key: str | None, source: str) -> None:
-    """BadInput for a key an HTTP header cannot carry (httpx raises UnicodeEncodeError mid-run): a
-    pasted key with a non-breaking space or a curly quote."""
-    bad = next(((i, c) for i, c in enumerate(key or "") if not " " < c < "\x7f"), None)
-    if bad is not None:
-        raise BadInput(f"{source} has a character an HTTP header cannot carry ({bad[1]!r} at position {bad[0]})",
+    if (where := unsendable(key)) is not None:
+        raise BadInput(f"{source} has a character an HTTP header cannot carry ({where})",
                        hint="type the key again (a pasted one may carry a non-breaking space or a curly quote)")
 
 

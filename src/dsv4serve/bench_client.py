@@ -388,7 +388,7 @@ def within_deadlines(pieces: Iterable[str], result: StreamResult, first_s: float
     than `first_s` or the whole stream longer than `total_s` after it began: the read timeout bounds
     only the silence between two bytes, and a proxy's keep-alives in front of a stuck engine never
     leave any."""
-    for line in pieces:
+    for piece in pieces:
         now = clock()
         if result.t_first is None and now - result.t_start > first_s:
             raise StreamError(f"no token within {first_s:g} s of the request (the stream sent only keep-alives)",
@@ -396,7 +396,7 @@ def within_deadlines(pieces: Iterable[str], result: StreamResult, first_s: float
         if now - result.t_start > total_s:
             raise StreamError(f"the stream did not end within {total_s:g} s", hint="is the engine stuck? "
                               "`dsv4serve logs`; or raise --timeout")
-        yield line
+        yield piece
 
 
 _EOL = re.compile(r"\r\n|\r|\n")

@@ -311,6 +311,18 @@ def write_tuning(profile: Profile, run_dir: Path) -> str | None:
 
 
 def build(profile: Profile, run_id: str, run_dir: Path, python: str | None = None) -> LaunchSpec:
+    spec = _build(profile, run_id, run_dir, python)
+    from dsv4serve.readiness import unsendable
+
+    # readiness, check-seat and bench send it in a header: one they cannot send fails the seat after
+    # it came up, as a crashed probe
+    if (where := unsendable(seat_api_key(spec.runtime, spec.argv, spec.env))) is not None:
+        raise ProfileError(f"profile {profile.name}: the seat's API key (--api-key / VLLM_API_KEY) has a character an "
+                           f"HTTP header cannot carry ({where})", hint="use a key of printable ASCII characters")
+    return spec
+
+
+def _build(profile: Profile, run_id: str, run_dir: Path, python: str | None = None) -> LaunchSpec:
     check_plan(profile)
     ctx = placeholders(profile, run_dir)
     ctx["model_path"] = model_path = resolve_model_path(profile)

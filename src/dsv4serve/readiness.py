@@ -37,6 +37,14 @@ def auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def unsendable(api_key: str | None) -> str | None:
+    """Where `api_key` has a character an HTTP header cannot carry ("'\\xa0' at position 6"), or None.
+    httpx raises UnicodeEncodeError on such a header mid-request: a pasted key with a non-breaking
+    space or a curly quote."""
+    bad = next(((i, c) for i, c in enumerate(api_key or "") if not " " <= c < "\x7f"), None)
+    return None if bad is None else f"{bad[1]!r} at position {bad[0]}"
+
+
 def served_models(base_url: str, timeout: float = 5.0, api_key: str | None = None) -> list[str]:
     try:
         r = httpx.get(f"{base_url}/v1/models", timeout=timeout, trust_env=False, headers=auth(api_key))
