@@ -45,12 +45,6 @@ def build_tag(digest: str, max_rows: Any = MAX_ROWS_DEFAULT) -> str:
     return f"b{digest}{rows}"
 
 
-def tag_sources(tag: str) -> str:
-    """The sources' part of a build tag (build_tag without its row ceiling): a build of the current
-    sources at another ceiling is not stale."""
-    return tag.partition("r")[0]  # the digest is hex: its first 'r' starts the ceiling
-
-
 def defines(digest: str, max_rows: int = MAX_ROWS_DEFAULT) -> list[str]:
     """The -D flags of a build: its tag, and the row ceiling when it is not the sources' default."""
     rows = [f"-DLNA2_MAX_ROWS={max_rows}"] if max_rows != MAX_ROWS_DEFAULT else []

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4serve.errors import first_line
-from dsv4serve.lna2.build import MODULE, build_tag, default_out, source_digest, tag_sources
+from dsv4serve.lna2.build import MODULE, build_tag, default_out, source_digest
 
 _loaded: Any = None
 _error: str | None = None
@@ -106,10 +106,7 @@ def describe() -> dict[str, Any]:
     # The metadata beside the module that loaded (DSV4SERVE_LNA2_EXT may point elsewhere than the
     # default build), and only if it describes that build: check-seat's arch row reads it.
     _read_meta(info, Path(path).with_suffix(".json") if path else default_out() / f"{MODULE}.json", info["build_id"])
-    # a build of these sources at its ceiling has exactly this id: one of other sources, or one made
-    # before the ceiling was part of the id (b<digest> with 16 rows), is stale
-    digest = (info["source_build_id"] or "b")[1:]
-    info["stale"] = info["build_id"] != build_tag(digest, info["max_rows"])
+    info["stale"] = _stale(info)
     try:
         import torch
 
@@ -139,8 +136,15 @@ def describe_file(path: Path, what: str = "moe.extension") -> dict[str, Any]:
         return info
     info.update(loadable=True, build_id=build_tag(str(meta["build_id"]), meta.get("max_rows")),
                 max_rows=meta.get("max_rows"))
-    info["stale"] = tag_sources(info["build_id"]) != info["source_build_id"]
+    info["stale"] = _stale(info)
     return info
+
+
+def _stale(info: dict[str, Any]) -> bool:
+    """A build of these sources at its ceiling has exactly this id: one of other sources, or one made
+    before the ceiling was part of the id (b<digest> with 16 rows), is stale."""
+    digest = (info["source_build_id"] or "b")[1:]
+    return info["build_id"] != build_tag(digest, info["max_rows"])
 
 
 def _read_meta(info: dict[str, Any], meta_path: Path, build_id: str | None) -> None:
