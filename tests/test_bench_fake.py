@@ -755,6 +755,50 @@ def test_api_key_option_reaches_an_endpoint_that_demands_one(fake, monkeypatch):
     assert res.exit_code != 0 and one_line_error(res, json_out=True).startswith("error: --api-key is empty")
 
 
+def test_a_401_says_whether_a_key_was_sent(fake, monkeypatch):
+    """The 401 hint still said "bench does not send an API key" after --api-key came (helper audit
+    of session 38's leftovers): no key sent asks for one, a refused key says so."""
+    fake.api_key = "k-remote"
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    base = ("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup")
+    err = one_line_error(run(*base))
+    assert "HTTP 401" in err and "pass it with --api-key KEY" in err and "does not send" not in err
+    err = one_line_error(run(*base, "--api-key", "k-wrong"))
+    assert "HTTP 401" in err and "the server refused the API key bench sent" in err
+
+
+@pytest.mark.parametrize("sub", [[], ["needle", "--tokens", "300"], ["ppl"]])
+def test_a_dead_proxy_is_named_not_the_seat(fake, monkeypatch, sub):
+    """A --base-url reached through the shell's proxy (on purpose, or by a forgotten http_proxy) that
+    is down read "cannot reach <seat> ... is the seat up?" with the seat up: the proxy is named."""
+    from .conftest import dead_proxy
+
+    dead_proxy(monkeypatch)
+    res = run(*sub, "--base-url", fake.url)
+    assert res.exit_code == 1
+    err = one_line_error(res)
+    assert f"cannot reach {fake.url} through the shell's proxy http://127.0.0.1:9" in err, err
+    assert "NO_PROXY" in err and "is the seat up" not in err
+
+
+def test_a_proxys_502_names_the_proxy(fake, monkeypatch):
+    """A proxy that cannot reach the seat answers 502 itself: "the server failed the request" sent
+    the user to a seat log with nothing in it."""
+    from .conftest import JsonHandler, local_server
+
+    class Proxy(JsonHandler):
+        def do_GET(self):
+            self.send_json(502, {"error": "upstream unreachable"})
+
+    with local_server(Proxy) as proxy:
+        for var in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(var, proxy)
+        for var in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.delenv(var, raising=False)
+        err = one_line_error(run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1"))
+    assert "HTTP 502" in err and f"the request went through the shell's proxy {proxy}" in err, err
+
+
 def test_zero_tokens_generated_is_no_figure(fake):
     """A stream that ended at once (usage 0 tokens) gave '0.0 tok/s' and exit 0, a figure read off
     nothing (helper audit)."""

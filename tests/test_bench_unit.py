@@ -855,3 +855,21 @@ def test_a_proxy_url_httpx_cannot_parse_is_one_line(monkeypatch):
     monkeypatch.setenv("ALL_PROXY", "http://proxy:notaport")
     with pytest.raises(BadInput, match="the shell's proxy settings cannot be used"):
         bench.make_client()
+
+
+def test_shell_proxy_names_the_route_without_credentials(monkeypatch):
+    """Which proxy carries a request is what an error names: never its password, never a proxy
+    NO_PROXY exempts, never one for the local seat's client (which ignores the shell)."""
+    from dsv4serve import bench
+    from dsv4serve.bench_client import shell_proxy
+
+    monkeypatch.setenv("HTTP_PROXY", "http://user:secret@127.0.0.1:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost")
+    for var in ("http_proxy", "no_proxy", "all_proxy", "ALL_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    with bench.make_client() as c:
+        assert shell_proxy(c, "http://127.0.0.1:8000") == "http://127.0.0.1:3128"
+        assert shell_proxy(c, "http://localhost:8000") is None
+        assert shell_proxy(c, "https://example.org") is None  # no HTTPS_PROXY / ALL_PROXY
+    with bench.make_client(local=True) as c:
+        assert shell_proxy(c, "http://127.0.0.1:8000") is None

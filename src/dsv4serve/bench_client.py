@@ -127,9 +127,38 @@ def _server_words(resp: httpx.Response) -> str:
     return json.dumps(body)
 
 
-def http_failure(base_url: str, e: Exception, what: str | None = None) -> JobFailed:
+def shell_proxy(client: httpx.Client, url: str) -> str | None:
+    """The proxy of the shell's HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (less NO_PROXY) that `client`
+    sends `url` through, as scheme://host:port (no credentials), or None for a direct request: a
+    failure of the proxy must not be blamed on the seat. httpx keeps its routing private, so an
+    httpx that moved it only loses the proxy's name from an error's wording."""
+    try:
+        transport = client._transport_for_url(httpx.URL(url))
+        if transport is client._transport:
+            return None
+        proxy = transport._pool._proxy_url  # type: ignore[attr-defined]
+        host = proxy.host.decode("ascii")
+        return f"{proxy.scheme.decode('ascii')}://{f'[{host}]' if ':' in host else host}" + \
+            (f":{proxy.port}" if proxy.port else "")
+    except (AttributeError, UnicodeError, httpx.InvalidURL, TypeError):
+        return None
+
+
+def _via(proxy: str | None) -> str:
+    return f" through the shell's proxy {proxy}" if proxy else ""
+
+
+PROXY_HINT = ("is the proxy up, and can it reach the server? A server this machine reaches directly goes in "
+              "NO_PROXY (e.g. NO_PROXY=127.0.0.1,localhost)")
+
+
+def http_failure(base_url: str, e: Exception, what: str | None = None, proxy: str | None = None) -> JobFailed:
     """One line for a request that got no HTTP answer. `what` names a request with its own fixed
-    timeout (not --timeout), so the hint does not send the user to a flag that would not help."""
+    timeout (not --timeout), so the hint does not send the user to a flag that would not help;
+    `proxy` (shell_proxy) is what carried the request, whose own failures are not the seat's."""
+    if proxy is not None and isinstance(e, (httpx.ConnectError, httpx.ProxyError)):
+        return JobFailed(f"cannot reach {base_url}{_via(proxy)} ({first_line(e, e.__class__.__name__)})",
+                         hint=PROXY_HINT)
     if isinstance(e, httpx.ConnectError):
         text = str(e).lower()
         if any(w in text for w in ("name or service not known", "nodename nor servname", "name resolution",
@@ -142,28 +171,52 @@ def http_failure(base_url: str, e: Exception, what: str | None = None) -> JobFai
                          hint="is the seat up? check `dsv4serve status`, or the --base-url")
     if isinstance(e, httpx.TimeoutException):
         if what is not None:
-            return JobFailed(f"{base_url} did not answer {what} in time ({e.__class__.__name__})",
-                             hint="the server is overloaded or stuck: check its log")
-        return JobFailed(f"{base_url} did not answer in time ({e.__class__.__name__})",
-                         hint="raise --timeout if the seat is just slow (long prefill), else check its log")
-    return JobFailed(f"request to {base_url} failed: {e.__class__.__name__}: {first_line(e, '')}")
+            return JobFailed(f"{base_url} did not answer {what}{_via(proxy)} in time ({e.__class__.__name__})",
+                             hint="the server is overloaded or stuck: check its log"
+                             + (f"; or the proxy is: {PROXY_HINT}" if proxy else ""))
+        return JobFailed(f"{base_url} did not answer{_via(proxy)} in time ({e.__class__.__name__})",
+                         hint="raise --timeout if the seat is just slow (long prefill), else check its log"
+                         + (f"; or the proxy is: {PROXY_HINT}" if proxy else ""))
+    return JobFailed(f"request to {base_url}{_via(proxy)} failed: {e.__class__.__name__}: {first_line(e, '')}",
+                     hint=PROXY_HINT if proxy else None)
 
 
-def status_hint(code: int) -> str:
-    """What to do about a non-200 from the endpoint, by its class."""
+def status_hint(resp: httpx.Response, proxy: str | None = None) -> str:
+    """What to do about a non-200 from the endpoint, by its class. A 401 is a missing key or a
+    wrong one, and the request says which; a 502 / 503 / 504 that came through a proxy is as
+    likely the proxy's own (it could not reach the seat) as the seat's."""
+    code = resp.status_code
     if code == 404:
         return ("the endpoint is not an OpenAI-compatible server here: --base-url must be the server's root "
                 "(e.g. http://127.0.0.1:8000, a vLLM seat's endpoint from `dsv4serve status`)")
+    if code == 407:
+        return (f"the shell's proxy {proxy or '(HTTP_PROXY / ALL_PROXY)'} wants credentials: put them in its URL, "
+                "or exempt the server's host in NO_PROXY")
     if code in (401, 403):
-        return "the server wants an API key, which bench does not send: measure a seat served without --api-key"
+        sent = "authorization" in resp.request.headers if _has_request(resp) else False
+        if sent:
+            return ("the server refused the API key bench sent (--api-key, else the seat's own key with --seat, "
+                    "else VLLM_API_KEY): pass the one it was started with")
+        return "the server wants an API key: pass it with --api-key KEY (or VLLM_API_KEY in the shell)"
+    if code in (502, 503, 504) and proxy:
+        return (f"the request went through the shell's proxy {proxy}: {PROXY_HINT}; else see the server's log "
+                "(`dsv4serve logs`)")
     if code >= 500:
         return "the server failed the request: see its log (`dsv4serve logs`)"
     return "the server refused the request as sent: check --model and the token options against what it serves"
 
 
-def check_status(resp: httpx.Response, what: str) -> None:
+def _has_request(resp: httpx.Response) -> bool:
+    try:
+        resp.request
+    except RuntimeError:  # a Response built by hand (tests, a mock transport) has none
+        return False
+    return True
+
+
+def check_status(resp: httpx.Response, what: str, proxy: str | None = None) -> None:
     if resp.status_code != 200:
-        raise JobFailed(f"{what}: HTTP {resp.status_code}: {_server_message(resp)}", hint=status_hint(resp.status_code))
+        raise JobFailed(f"{what}: HTTP {resp.status_code}: {_server_message(resp)}", hint=status_hint(resp, proxy))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,11 +227,12 @@ def list_models(client: httpx.Client, base_url: str) -> list[dict[str, Any]]:
     try:
         resp = client.get(base_url.rstrip("/") + "/v1/models", timeout=timeout(SHORT_TIMEOUT_S))
     except REQUEST_ERRORS as e:
-        raise http_failure(base_url, e, what=f"GET /v1/models within {SHORT_TIMEOUT_S:g} s") from None
+        raise http_failure(base_url, e, what=f"GET /v1/models within {SHORT_TIMEOUT_S:g} s",
+                           proxy=shell_proxy(client, base_url)) from None
     if resp.status_code == 404 and httpx.URL(base_url).path.rstrip("/").endswith("/v1"):
         raise JobFailed(f"GET {base_url}/v1/models: HTTP 404",
                         hint="drop the trailing /v1 from --base-url: bench appends /v1/... itself")
-    check_status(resp, f"GET {base_url}/v1/models")
+    check_status(resp, f"GET {base_url}/v1/models", shell_proxy(client, base_url))
     try:
         data = resp.json().get("data", [])
     except (ValueError, AttributeError):
@@ -454,7 +508,7 @@ def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], 
             if resp.status_code != 200:
                 resp.read()
                 raise StreamError(f"chat completion: HTTP {resp.status_code}: {_server_message(resp)}",
-                                  hint=status_hint(resp.status_code))
+                                  hint=status_hint(resp, shell_proxy(client, endpoint.base_url)))
             ctype = resp.headers.get("content-type", "")
             if "text/event-stream" not in ctype:
                 resp.read()
@@ -465,7 +519,7 @@ def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], 
             lines = sse_lines(within_deadlines(resp.iter_text(), result, read_timeout_s, total, clock))
             return consume_stream(iter_sse_data(lines), result, clock)
     except REQUEST_ERRORS as e:
-        raise http_failure(endpoint.base_url, e) from None
+        raise http_failure(endpoint.base_url, e, proxy=shell_proxy(client, endpoint.base_url)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,11 +652,12 @@ class Tokenizer:
             resp = self.client.post(self.endpoint.url("/tokenize"), json=body, timeout=timeout(self.read_timeout_s))
         except REQUEST_ERRORS as e:
             raise http_failure(self.endpoint.base_url, e, what=None if self.timeout_is_flag
-                               else f"POST /tokenize within {self.read_timeout_s:g} s") from None
+                               else f"POST /tokenize within {self.read_timeout_s:g} s",
+                               proxy=shell_proxy(self.client, self.endpoint.base_url)) from None
         if resp.status_code in (404, 405, 501):
             self.available = False
             return None
-        check_status(resp, "POST /tokenize")
+        check_status(resp, "POST /tokenize", shell_proxy(self.client, self.endpoint.base_url))
         try:
             out = resp.json()
         except ValueError:

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import httpx
 
 from dsv4serve.bench import Target, check_text_file, check_timeout, read_text_file
-from dsv4serve.bench_client import REQUEST_ERRORS, Endpoint, Tokenizer, check_status, http_failure, timeout
+from dsv4serve.bench_client import (REQUEST_ERRORS, Endpoint, Tokenizer, check_status, http_failure, shell_proxy,
+                                     timeout)
 from dsv4serve.errors import BadInput, JobFailed
 
 SAMPLE_NAME = "ppl_sample.txt"
@@ -145,8 +146,8 @@ def score(client: httpx.Client, ep: Endpoint, prompt: list[int], read_timeout_s:
     try:
         resp = client.post(ep.url("/v1/completions"), json=body, timeout=timeout(read_timeout_s))
     except REQUEST_ERRORS as e:
-        raise http_failure(ep.base_url, e) from None
-    check_status(resp, "completion with prompt_logprobs")
+        raise http_failure(ep.base_url, e, proxy=shell_proxy(client, ep.base_url)) from None
+    check_status(resp, "completion with prompt_logprobs", shell_proxy(client, ep.base_url))
     try:
         choice = resp.json()["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
