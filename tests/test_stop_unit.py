@@ -251,3 +251,58 @@ def test_a_zombie_whose_parent_never_reaps_is_named_not_counted_against_the_stop
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_run_from_before_the_boot_signals_no_group_that_now_has_its_number():
+    """After a reboot the recorded pgid may head an unrelated group whose leader exited (a
+    double-forked daemon: `sh -c 'sleep &'`): `down` / `up`'s stale clearing SIGKILLed it, since
+    "the leader is gone and no process has its number" was the only test (helper audit)."""
+    sh = subprocess.Popen(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], start_new_session=True,
+                          stdout=subprocess.PIPE, text=True)
+    member = int(sh.stdout.readline())
+    sh.wait()
+    try:
+        assert os.getpgid(member) == sh.pid  # the leader is gone, its group is not
+        before_boot = psutil.boot_time() - 3600
+        st = make_state(pid=sh.pid, pgid=sh.pid, start_time=before_boot, started_at=before_boot)
+        assert procs.group_is_ours(st) is False
+        assert procs.run_processes(st) == []
+        rep = procs.stop(st, grace=1.0)
+        assert rep["signalled"] == [] and psutil.Process(member).status() != psutil.STATUS_ZOMBIE
+        # the same group of a run that began after the member was born: the member is older than it
+        st = make_state(pid=sh.pid, pgid=sh.pid, start_time=time.time() + 5, started_at=time.time() + 5)
+        assert procs.run_processes(st) == []
+    finally:
+        os.kill(member, 9)
+
+
+def test_a_recorded_rank_pid_another_job_now_holds_is_not_ours_on_the_gpu(monkeypatch):
+    """A stale seat's rank pid, reused by another user's GPU job, counted as "ours still holding
+    GPU memory": down was never clean and up refused for ever with "processes that would not stop:
+    []" (helper audit). A recorded pid is ours only while it carries the run's tag."""
+    from dsv4serve import gpu
+
+    stranger = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        rec = fake_nvml.rtx_pro_2000_seat(host_gpus=1, foreign={0: (stranger.pid, 2 * GIB, "python3")})
+        f = FakeNvml(rec)
+        real = gpu.probe
+        monkeypatch.setattr(gpu, "probe", lambda ids=None, nvml=None, process_name=None:
+                            real(ids, nvml=f, process_name=f.process_name))
+        st = make_state(gpu_ids=[0], rank_pids={0: stranger.pid}, pid=gone.pid,
+                        start_time=time.time() - 60, log_path="/nonexistent/vllm.log")
+        rep = stop.stop_run(st, grace=1.0)
+        assert rep["gpu"]["ours"] == [] and rep["gpu"]["foreign"][0]["pid"] == stranger.pid
+        assert rep["clean"] is True
+        # the same pid carrying the run's tag is ours
+        tagged = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_ID_ENV: st.run_id})
+        try:
+            assert procs.is_tagged(tagged.pid, st) and not procs.is_tagged(stranger.pid, st)
+        finally:
+            tagged.kill()
+            tagged.wait()
+    finally:
+        stranger.kill()
+        stranger.wait()

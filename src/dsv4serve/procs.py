@@ -34,13 +34,45 @@ def group_is_ours(st: SeatState) -> bool:
     if live == "reused":
         return False
     # The leader is gone (or a zombie): the number is still ours unless another process now
-    # holds it as its pid.
+    # holds it as its pid, or the machine rebooted since the run began. After a reboot nothing of
+    # the run exists, and the number may head a new group whose leader has exited (a double-forked
+    # daemon's): that group is not ours to signal.
+    if _before_boot(st):
+        return False
     try:
         leader = psutil.Process(st.pgid)
         return st.start_time is not None and abs(leader.create_time() - st.start_time) <= 1.0
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:
+        return False
+
+
+def _before_boot(st: SeatState) -> bool:
+    """The run began before this boot (its main process's start, else the state's own stamp)."""
+    began = st.start_time if st.start_time is not None else st.started_at
+    try:
+        return began < psutil.boot_time() - 1.0
+    except (psutil.Error, OSError):
+        return False
+
+
+def _born_in_run(p: psutil.Process, st: SeatState) -> bool:
+    """A process created before the run began cannot be one of its processes, whatever its group
+    (a group whose number the run's leader once had)."""
+    began = st.start_time if st.start_time is not None else st.started_at
+    try:
+        return p.create_time() >= began - 1.0
+    except psutil.Error:
+        return False
+
+
+def is_tagged(pid: int, st: SeatState) -> bool:
+    """pid is a live process carrying this run's tag: a recorded pid (a rank's, the main one)
+    proves nothing by itself once its process may have ended and the number been reused."""
+    try:
+        return psutil.Process(pid).environ().get(RUN_ID_ENV) == st.run_id
+    except (psutil.Error, OSError):
         return False
 
 
@@ -95,7 +127,7 @@ def run_processes(st: SeatState, include_zombies: bool = False) -> list[psutil.P
     me = os.getpid()
     if group_is_ours(st):
         for p in psutil.process_iter():
-            if p.pid != me and _pgid(p.pid) == st.pgid:
+            if p.pid != me and _pgid(p.pid) == st.pgid and _born_in_run(p, st):
                 found[p.pid] = p
     for p in tagged(st.run_id):
         found.setdefault(p.pid, p)

@@ -238,8 +238,10 @@ def _clear_if_stale(name: str, json_events: bool) -> None:
     state.mark_stopping(name, st.run_id, "stale, cleared by up")
     rep = stop.stop_run(st, stop.STARTUP_GRACE_S)
     if not rep["clean"]:
-        raise BadInput(f"seat {name}: the stale run {st.run_id} left processes that would not stop: "
-                       f"{[p.get('pid') for p in rep['remaining']]}", hint="stop them by pid, then retry")
+        from dsv4serve.supervisor import why_not_clean
+
+        raise BadInput(f"seat {name}: the stale run {st.run_id} is not cleared: {why_not_clean(rep, name)}",
+                       hint=f"fix that, then `dsv4serve down --profile {name}` and retry")
     state.remove(name, st.run_id)
 
 

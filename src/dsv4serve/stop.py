@@ -144,7 +144,10 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     removed, failed = leftovers.remove(found)
     report["leftovers_removed"] = removed
     report["leftovers_failed"] = failed
-    ours = {p["pid"] for p in report["signalled"]} | set(st.rank_pids.values()) | {st.pid or -1}
+    # what this run signalled, and a recorded rank / main pid only while it still carries the run's
+    # tag: after the run died (or a reboot) another job on the seat's GPU may hold that number
+    recorded = {pid for pid in (*st.rank_pids.values(), st.pid) if pid is not None}
+    ours = {p["pid"] for p in report["signalled"]} | {pid for pid in recorded if procs.is_tagged(pid, st)}
     report["gpu"] = gpu_check(st, ours)
     report["port_free"] = not ports.in_use(state.client_host(st.host), st.port)
     report["port_owner"] = None if report["port_free"] else ports.owner(st.port)

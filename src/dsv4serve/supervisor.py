@@ -841,7 +841,7 @@ class Supervisor:
                 state.remove(self.seat, self.spec.run_id)
             else:
                 self._force_update(phase="failed", phase_detail=f"{out.reason[:200]} (teardown not clean: "
-                                                                f"{_not_clean(rep, self.seat)[:200]})")
+                                                                f"{why_not_clean(rep, self.seat)[:200]})")
         state.save_last(self.seat, {"run_id": self.spec.run_id, "outcome": "failed", "reason": out.reason,
                                     "hint": out.hint, "diagnostics": out.diagnostics, "log": str(self.log_path),
                                     "run_dir": str(self.run_dir), "clean": bool(rep and rep["clean"])})
@@ -931,7 +931,7 @@ class Supervisor:
         return out
 
 
-def _not_clean(rep: dict[str, Any], seat: str) -> str:
+def why_not_clean(rep: dict[str, Any], seat: str) -> str:
     """Why a stop report is not clean, as the fix needs it said."""
     why = []
     left = [p.get("pid") for p in rep.get("remaining", [])]
@@ -963,7 +963,7 @@ def report_failure(seat: str, tracker: SeatTracker, out: Outcome, json_events: b
     first = tracker.first_errors()
     rep = out.stop_report or {}
     left = [p.get("pid") for p in rep.get("remaining", [])]
-    not_clean = None if out.stop_report is None or rep.get("clean") else _not_clean(rep, seat)
+    not_clean = None if out.stop_report is None or rep.get("clean") else why_not_clean(rep, seat)
     if json_events:
         try:
             emit_json_line({"t": round(time.time(), 3), "event": "failed", "seat": seat, "reason": out.reason,
