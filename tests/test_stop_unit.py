@@ -206,6 +206,29 @@ def test_leftover_mp_blocks_are_ours_recent_and_unheld_only(tmp_path):
     assert (theirs not in found) if os.getuid() == 0 else (theirs in found)
 
 
+def test_a_rendezvous_path_the_log_names_is_taken_only_as_a_file_in_a_temp_dir(tmp_path):
+    """`distributed_init_method=file://PATH` is text the served process wrote (a container's, for a
+    docker seat): down removed whatever it named, a directory by rmtree, anywhere (helper audit)."""
+    from dsv4serve import leftovers
+
+    shm, tmp, elsewhere = tmp_path / "shm", tmp_path / "tmp", tmp_path / "project"
+    for d in (shm, tmp, elsewhere):
+        d.mkdir()
+    st = make_state(env={"TMPDIR": str(tmp)}, started_at=time.time() - 5)
+    rdv = tmp / "vllm_dist_ab12"
+    rdv.write_bytes(b"")
+    tree = tmp / "vllm_dist_cd34"  # a directory of that name in a temp dir: not vLLM's
+    (tree / "src").mkdir(parents=True)
+    far = elsewhere / "vllm_dist_ef56"  # a file of that name elsewhere
+    far.write_bytes(b"keep")
+    link = shm / "vllm_dist_0123"
+    link.symlink_to(far)
+    found = leftovers.find(st, {"0123"}, {str(rdv), str(tree), str(far)}, shm=shm)
+    assert found == [rdv]
+    assert leftovers.remove([rdv, tree, link]) == ([str(rdv)], [])  # never a directory or a link
+    assert tree.is_dir() and far.read_bytes() == b"keep" and link.is_symlink()
+
+
 def test_an_up_taken_over_by_down_stops_its_child_if_down_missed_it(monkeypatch):
     """`down` owns the teardown once it marks the seat; but if its scan missed the child (it ran
     before the child carried the run tag), the `up` that spawned it must not leave it running."""
@@ -299,6 +322,9 @@ def test_a_recorded_rank_pid_another_job_now_holds_is_not_ours_on_the_gpu(monkey
         # the same pid carrying the run's tag is ours
         tagged = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_ID_ENV: st.run_id})
         try:
+            deadline = time.monotonic() + 10  # its environment is readable once the exec is done
+            while not procs.is_tagged(tagged.pid, st) and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert procs.is_tagged(tagged.pid, st) and not procs.is_tagged(stranger.pid, st)
         finally:
             tagged.kill()

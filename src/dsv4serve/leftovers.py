@@ -13,7 +13,7 @@ lose it: vLLM's blocks carry no run tag to tell them apart.
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -63,9 +63,14 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
         found.update(shm.glob(f"vllm_dist_{did}*"))
         for d in _tmp_dirs(st):
             found.update(d.glob(f"vllm_dist_{did}*"))
+    # A path the log names (`distributed_init_method=file://PATH`) is text the served process (a
+    # container, a prompt echo) wrote: only a vllm_dist_ file directly in a temp dir or /dev/shm is
+    # taken from it, never another place on the disk.
+    homes = {os.path.realpath(d) for d in (*_tmp_dirs(st), shm)}
     for p in dist_paths:
-        if os.path.basename(p).startswith("vllm_dist_") and os.path.lexists(p):
+        if os.path.basename(p).startswith("vllm_dist_") and os.path.realpath(os.path.dirname(p)) in homes:
             found.add(Path(p))
+    found = {p for p in found if _plain_file(p)}
     held = held_shm()
     me = os.getuid()
     for pat in MP_PATTERNS:
@@ -82,15 +87,22 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
     return sorted(found)
 
 
+def _plain_file(p: Path) -> bool:
+    """vLLM's leftovers are files: a directory or a link of that name is someone else's."""
+    try:
+        return stat.S_ISREG(p.lstat().st_mode)
+    except OSError:
+        return False
+
+
 def remove(paths: list[Path]) -> tuple[list[str], list[str]]:
-    """(removed, failed: 'path: reason')."""
+    """(removed, failed: 'path: reason'). Files only: a directory is never removed."""
     removed, failed = [], []
     for p in paths:
         try:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+            if not _plain_file(p):
+                continue
+            p.unlink()
             removed.append(str(p))
         except FileNotFoundError:
             continue
