@@ -268,3 +268,46 @@ def test_a_signal_after_the_launch_began_does_not_claim_nothing_was_started():
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_ctrl_c_during_downs_grace_finishes_the_stop_at_once(home, tmp_path):
+    """A Ctrl-C while down waited out a ready seat's 20 s grace abandoned the stop: SIGTERM sent
+    only, the seat still running and its state stuck at "stopping" (helper audit). It now cuts the
+    grace short, the stop finishes (state removed, last.json written) and down exits 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    run_id = "cpu-demo-20260101-000000-abcd"
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    p = subprocess.Popen([sys.executable, "-c", deaf], start_new_session=True,
+                         env={**os.environ, state.RUN_ID_ENV: run_id})
+    try:
+        time.sleep(0.3)
+        state.save(state.SeatState(
+            seat="cpu-demo", run_id=run_id, profile="cpu-demo", profile_digest="x", runtime="native",
+            argv=["python"], env={}, host="127.0.0.1", port=1, served_name="m", tp=1, run_dir=str(tmp_path),
+            log_path=str(tmp_path / "vllm.log"), phase="ready", pid=p.pid, pgid=p.pid,
+            start_time=psutil.Process(p.pid).create_time(), gates={"timeouts": {"shutdown_grace_s": 20.0}}))
+        d = subprocess.Popen([sys.executable, "-m", "dsv4serve", "down", "-p", "cpu-demo", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+        deadline = time.monotonic() + 30
+        while state.load("cpu-demo").phase != "stopping" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # down is inside the grace now
+        t0 = time.monotonic()
+        d.send_signal(signal.SIGINT)
+        out, err = d.communicate(timeout=60)
+        assert time.monotonic() - t0 < 15, "the 20 s grace was waited out"
+        assert d.returncode == 130, err
+        assert p.wait(timeout=10) == -9
+        assert state.load("cpu-demo") is None and state.load_last("cpu-demo")["outcome"] == "stopped by down"
+        doc = json.loads(out)
+        assert doc["signal"]["exit_code"] == 130 and doc["seats"][0]["killed"] == [p.pid]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -147,6 +147,8 @@ def down(profile: Optional[str] = typer.Option(None, "--profile", "-p", help="wh
             emit_json(report)
         else:
             seat.render_down(report)
+        if report.get("signal"):  # the stop finished, cut short: the shell's code for that signal
+            raise typer.Exit(report["signal"]["exit_code"])
         raise typer.Exit(0 if report.get("clean", True) else 1)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rich.markup import escape
 
@@ -495,7 +495,7 @@ def _seat_names(profile_name: str | None) -> list[str]:
 
 
 def down(profile_name: str | None, grace: float | None = None) -> dict:
-    from dsv4serve import state, stop
+    from dsv4serve import state
     from dsv4serve.errors import BadInput
 
     names, unreadable = [], []
@@ -528,8 +528,24 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
         known = sorted(names + unreadable)
         raise BadInput(f"{len(known)} seats are known ({', '.join(known)})", hint="name one with --profile")
     out: dict[str, Any] = {"seats": list(cancelled), "clean": all(c["clean"] for c in cancelled)}
+    from dsv4serve.supervisor import Interrupts
+
+    # A Ctrl-C / SIGTERM while down waits out the grace must not abandon the stop half done (only
+    # SIGTERM sent, the state left "stopping"): it cuts the grace short (SIGKILL now) and the stop
+    # still finishes, leftovers, state and all; down then exits 128 + the signal.
+    with Interrupts() as intr:
+        _down_seats(out, names, unreadable, grace, lambda: intr.requested)
+    if intr.requested:
+        out["signal"] = {"label": intr.label(), "exit_code": intr.exit_code()}
+    return out
+
+
+def _down_seats(out: dict[str, Any], names: list[str], unreadable: list[str], grace: float | None,
+                hurry: Callable[[], bool]) -> None:
+    from dsv4serve import state, stop
+
     for n in unreadable:
-        rep = _down_unreadable(n)
+        rep = _down_unreadable(n, hurry)
         out["seats"].append(rep)
         out["clean"] = out["clean"] and rep["clean"]
     for n in names:
@@ -543,7 +559,7 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
             if st.phase != "ready":
                 g = min(g, stop.STARTUP_GRACE_S)  # SIGTERM is swallowed while vLLM starts
         state.mark_stopping(n, st.run_id, "dsv4serve down")
-        rep = stop.stop_run(st, g)
+        rep = stop.stop_run(st, g, escalate=hurry)
         rep.update(was=live, phase_before=st.phase)
         if live == "reused":
             rep["note"] = (f"stale state: pid {st.pid} now belongs to another process; it was not touched")
@@ -555,7 +571,6 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
                             "log": st.log_path, "run_dir": st.run_dir, "was": live})
         out["seats"].append(rep)
         out["clean"] = out["clean"] and rep["clean"]
-    return out
 
 
 CANCEL_WAIT_S = 120.0  # an up checks between its pre-launch steps; the longest (the checks) takes ~10-60 s
@@ -582,7 +597,7 @@ def _cancel_starting(name: str) -> dict[str, Any] | None:
                     "stop it with Ctrl-C where it runs, then `dsv4serve down` again"}
 
 
-def _down_unreadable(name: str) -> dict[str, Any]:
+def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict[str, Any]:
     """`down` of a seat whose state file does not parse: stop every process tagged with one of the
     seat's runs (the tag is all that is left to go by), then set the file aside, kept."""
     from dsv4serve import home, procs, state, stop
@@ -595,7 +610,7 @@ def _down_unreadable(name: str) -> dict[str, Any]:
         # only what procs.stop reads: the run's tag (no pid or group is known without the state)
         st = state.SeatState(seat=name, run_id=run_id, profile=name, profile_digest="", runtime="native", argv=[],
                              env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir="", log_path="")
-        r = procs.stop(st, stop.STARTUP_GRACE_S)
+        r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
         for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
     moved = state.set_aside(name)
@@ -660,6 +675,9 @@ def render_down(report: dict) -> None:
             console.print(f"  GPUs {rep.get('gpu_ids', '')}: no process of the run holds memory"
                           + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False,
                           soft_wrap=True)
+    if report.get("signal"):
+        console.print(f"{report['signal']['label']}: the grace was cut short (SIGKILL), the stop finished",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 # =============================================================================================
