@@ -322,6 +322,19 @@ def test_logs_follow_keeps_a_partial_line_whole_and_survives_truncation(home, tm
     assert "was truncated" in err.read_text() and "has ended" in err.read_text()
 
 
+def test_logs_follow_ends_when_the_runs_process_is_gone(home, tmp_path):
+    """A seat that died after ready keeps its state until `down`: `logs -f` followed it for ever
+    (it ended only when the state went), with nothing left to write the log (helper audit)."""
+    log = tmp_path / "vllm.log"
+    log.write_bytes(b"(APIServer pid=1) INFO started\n(EngineCore pid=2) ERROR EngineCore died\n")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state.save(make(log_path=str(log), run_dir=str(tmp_path), pid=gone.pid, start_time=time.time() - 60))
+    r = cli("logs", "-f", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 0 and "EngineCore died" in r.stdout
+    assert "has ended; its processes are gone, `dsv4serve down` clears its state" in r.stderr, r.stderr
+
+
 def test_the_log_checkpoint_is_never_in_the_run_dir(home, tmp_path):
     """A docker seat mounts its run dir into the container: a pickle there could be written by
     whatever runs inside and loaded by the host's status."""

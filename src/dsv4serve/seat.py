@@ -967,11 +967,19 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
                 pending = b""
                 sys.stderr.write(f"({path} was truncated: reading it from its start)\n")
                 continue
-            cur = state.load(name)
-            if (cur is None or cur.run_id != run_id) and time.time() - quiet_since > 1.0:
+            try:
+                cur = state.load(name)
+            except state.UnreadableState:
+                cur = None
+            # a native run whose main process died keeps its state until `down`: nothing will
+            # write this log again
+            dead = (cur is not None and cur.run_id == run_id and cur.runtime == "native"
+                    and state.liveness(cur) in ("gone", "reused"))
+            if (cur is None or cur.run_id != run_id or dead) and time.time() - quiet_since > 1.0:
                 if pending.strip() and keep(text(pending)):
                     out(text(pending))
-                sys.stderr.write(f"(seat {name}: run {run_id} has ended)\n")
+                sys.stderr.write(f"(seat {name}: run {run_id} has ended"
+                                 + ("; its processes are gone, `dsv4serve down` clears its state)\n" if dead else ")\n"))
                 return
             time.sleep(0.3)
     except KeyboardInterrupt:
