@@ -152,11 +152,50 @@ def test_extra_args_may_not_carry_a_flag_the_profile_owns():
     for extra, key in ((["--port", "18599"], "port"), (["--port=18599"], "port"), (["-tp", "1"], "tensor_parallel_size"),
                        (["--no-enable-prefix-caching"], "enable_prefix_caching"),
                        (["--max_model_len", "8192"], "max_model_len"),
-                       (["--speculative-config.num_speculative_tokens", "5"], "speculative_config")):
+                       (["--speculative-config.num_speculative_tokens", "5"], "speculative_config"),
+                       # vLLM's alias (helper audit: it replaced the seat's 0.97 behind check-seat's plan)
+                       (["--device-memory-utilization", "0.5"], "gpu_memory_utilization"),
+                       (["--device-mem=0.5"], "gpu_memory_utilization")):
         with pytest.raises(ProfileError, match=f"is vllm.{key}'s flag: set vllm.{key} instead"):
             load_profile("cpu-demo", [f"vllm.extra_args={json.dumps(extra)}"])
     for fine in (["--max-log-len", "10"], ["-O3"], ["--optimization-level", "3"]):  # -O is optimization_level's
         assert load_profile("cpu-demo", [f"vllm.extra_args={json.dumps(fine)}"]).vllm.extra_args == fine
+
+
+def test_prefill_context_parallelism_is_refused_like_pipeline_parallelism():
+    """vLLM 0.32 multiplies the workers by -pcp as by -pp: two workers would share one TP rank's
+    markers and counters (helper audit)."""
+    from dsv4serve.errors import ProfileError
+
+    for extra in (["-pcp", "2"], ["--prefill-context-parallel-size=2"], ["--prefill-context", "2"]):
+        with pytest.raises(ProfileError, match="sets prefill context parallelism, which dsv4serve does not supervise"):
+            load_profile("cpu-demo", [f"vllm.extra_args={json.dumps(extra)}"])
+
+
+def test_a_flag_given_twice_is_refused_by_the_parser_check():
+    """vLLM keeps the later of two flags for one setting and only logs "Found duplicate keys": the
+    parser check called such a line accepted (helper audit). Flags meant to repeat still pass."""
+    from dsv4serve.errors import ProfileError
+
+    for twice in (["--uvicorn-log-level", "info", "--uvicorn-log-level", "debug"],
+                  ["--enable-prefix-caching", "--no-enable-prefix-caching"]):
+        with pytest.raises(ProfileError, match="both set vLLM's"):
+            vllm_args.validate(["/m", *twice])
+    assert vllm_args.validate(["/m", "--middleware", "a", "--middleware", "b"]).available
+
+
+def test_capture_sizes_must_be_whole_numbers():
+    """[1, 2, 4, "32"] passed the row-ceiling check (it skipped what was not an int) while vLLM
+    reads it as 32; a bare 4 was a traceback (helper audit)."""
+    from dsv4serve.errors import ProfileError
+
+    for bad in ('4', '[1, 2, 4, "32"]', '[1, 2, 4, 32.0]', '[0, 1]', '[true]'):
+        with pytest.raises(ProfileError, match="cudagraph_capture_sizes must be a list of whole numbers"):
+            load_profile("8x16gb-380k", [f"vllm.compilation_config={{cudagraph_capture_sizes: {bad}}}"])
+    with pytest.raises(ProfileError, match="max_cudagraph_capture_size must be a whole number"):
+        load_profile("8x16gb-380k", ['vllm.compilation_config={max_cudagraph_capture_size: "64"}'])
+    with pytest.raises(ProfileError, match="above the lna2 row ceiling"):
+        launch.check_plan(load_profile("8x16gb-380k", ["vllm.compilation_config={cudagraph_capture_sizes: [1, 2, 4, 32]}"]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -292,6 +292,7 @@ class VllmSection(_Strict):
         own.update({"--no-" + k.replace("_", "-"): f"vllm.{k}" for k, f in fields.items() if bool in
                     (getattr(f.annotation, "__args__", None) or (f.annotation,))})
         own.update({"--model": "model.path", "--served-model-name": "model.served_name",
+                    "--device-memory-utilization": "vllm.gpu_memory_utilization",  # vLLM's alias
                     # vLLM's own shorthands that write compilation_config's capture sizes
                     "--cudagraph-capture-sizes": "vllm.compilation_config",
                     "--max-cudagraph-capture-size": "vllm.compilation_config",
@@ -302,6 +303,9 @@ class VllmSection(_Strict):
         # TP index, which pipeline or data-parallel workers would share (one stage proving for all)
         alone = {"--pipeline-parallel-size": "pipeline parallelism", "-pp": "pipeline parallelism",
                  "--data-parallel-size": "data parallelism", "-dp": "data parallelism",
+                 # workers = pipeline x tensor x prefill-context parallel sizes in vLLM 0.32
+                 "--prefill-context-parallel-size": "prefill context parallelism",
+                 "-pcp": "prefill context parallelism",
                  "--config": "a config file (it can set any flag, behind the profile's keys)"}
         for a in v:
             if a.startswith("--"):
@@ -347,6 +351,22 @@ class VllmSection(_Strict):
     @classmethod
     def _json_ready(cls, v: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
         _finite_json(v, f"vllm.{info.field_name}")
+        return v
+
+    @field_validator("compilation_config")
+    @classmethod
+    def _capture_sizes(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # these sizes decide which CUDA graph a decode step replays, checked against the lna2 row
+        # ceiling: vLLM would read "32" or 32.0 as 32, a check that skipped them would pass a graph
+        # captured on the incumbent
+        sizes = (v or {}).get("cudagraph_capture_sizes")
+        if sizes is not None and not (isinstance(sizes, list) and all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be a list of whole numbers of at least 1, e.g. "
+                             f"[1, 2, 4, 8, 16], got {json.dumps(sizes)}")
+        top = (v or {}).get("max_cudagraph_capture_size")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise ValueError(f"max_cudagraph_capture_size must be a whole number of at least 1, got {json.dumps(top)}")
         return v
 
     @field_validator("speculative_config")

@@ -7,9 +7,9 @@ registries as well. vLLM's rejection becomes our own one-line ProfileError.
 from __future__ import annotations
 
 import io
-
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from typing import Any
 
 from dsv4serve.errors import ProfileError
 
@@ -50,6 +50,7 @@ def validate(vllm_args: list[str], profile_name: str = "") -> ParserCheck:
         msg = lines[-1].split("error:", 1)[1].strip() if lines else (tail[-1] if tail else "(it printed nothing)")
         raise ProfileError(f"{who}vLLM {version} rejects the command line: {msg}",
                            hint="fix the vllm.* key that renders this flag") from None
+    _refuse_repeats(parser, vllm_args, who)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     try:
@@ -58,6 +59,25 @@ def validate(vllm_args: list[str], profile_name: str = "") -> ParserCheck:
         raise ProfileError(f"{who}vLLM {version} rejects the arguments: {e}") from None
     _check_registries(vllm_args, who, version)
     return ParserCheck(True, version, f"accepted by vLLM {version}'s parser")
+
+
+def _refuse_repeats(parser: Any, vllm_args: list[str], who: str) -> None:
+    """vLLM takes the later of two flags that set one setting and only logs it: a profile whose
+    extra_args repeat a flag (or give both --X and --no-X) serves a value nobody reviewed."""
+    import argparse
+
+    seen: dict[str, str] = {}
+    for a in vllm_args:
+        if not a.startswith("--") or "." in a.split("=", 1)[0]:  # --x.y=.. merges into a dict flag
+            continue
+        name = a.split("=", 1)[0]
+        act = parser._option_string_actions.get(name) or parser._option_string_actions.get(name.replace("_", "-"))
+        if act is None or isinstance(act, (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction)):
+            continue  # a flag meant to repeat, or one the parser completes from a prefix (judged by it)
+        if act.dest in seen:
+            raise ProfileError(f"{who}{seen[act.dest]} and {name} both set vLLM's {act.dest}: vLLM would take the "
+                               "later one without a word", hint="give it once (in vllm.extra_args or its vllm.* key)")
+        seen[act.dest] = name
 
 
 def _check_registries(vllm_args: list[str], who: str, version: str) -> None:
