@@ -607,3 +607,53 @@ def test_an_exponent_without_a_point_is_explained():
     with pytest.raises(ProfileError) as e:
         load_profile("cpu-demo", ["gates.timeouts.stall_s=1e3"])
     assert e.value.hint == "YAML reads 1e3 as text, not a number: write 1000"
+
+
+def test_a_hash_in_a_set_value_is_text_or_refused_never_a_silent_comment():
+    """` #` starts a YAML comment: `--set env.OMP_NUM_THREADS=#1` deleted the variable and
+    `gates.canary.prompt=Say ready #now` sent "Say ready" (helper audit)."""
+    assert load_profile("cpu-demo", ["env.OMP_NUM_THREADS=#1"]).env["OMP_NUM_THREADS"] == "#1"
+    assert load_profile("cpu-demo", ["env.FOO=abc #1"]).env["FOO"] == "abc #1"
+    assert "OMP_NUM_THREADS" not in load_profile("cpu-demo", ["env.OMP_NUM_THREADS=null"]).env
+    with pytest.raises(ProfileError, match="reads the '#' in this value as the start of a comment"):
+        load_profile("cpu-demo", ["gates.canary.prompt=Say ready #now"])
+    assert load_profile("cpu-demo", ['gates.canary.prompt="Say ready #now"']).gates.canary.prompt == "Say ready #now"
+    assert load_profile("cpu-demo", ["gates.canary.prompt=a#b"]).gates.canary.prompt == "a#b"
+
+
+def test_a_list_that_does_not_parse_is_called_bad_yaml_not_a_wrong_type():
+    with pytest.raises(ProfileError, match=r"--set 'gpus.ids': the value is not valid YAML") as e:
+        load_profile("cpu-demo", ["gpus.ids=[0, 1"])
+    assert "brackets" not in e.value.message
+
+
+def test_loose_numbers_and_an_unset_window_are_refused():
+    """memory_gib took true as 1.0 and 0 / -5; kv_cache_tokens took true and 1.0; a KV gate that
+    follows an unset max_model_len was no gate (helper audit)."""
+    for bad in ("gpus.memory_gib=true", "gpus.memory_gib=0", "gpus.memory_gib=-5", "reference.kv_cache_tokens=true",
+                "reference.kv_cache_tokens=1.0", "reference.ppl={value: 5.0, ctx: 0, chunks: 1}"):
+        with pytest.raises(ProfileError):
+            load_profile("cpu-demo", [bad])
+    with pytest.raises(ProfileError, match=r"max_model_len follows vllm.max_model_len, which is not set.*"
+                                           r"\(from --set vllm.max_model_len\)"):
+        load_profile("cpu-demo", ["vllm.max_model_len=null"])
+
+
+def test_a_whole_profile_error_names_the_set_that_caused_it():
+    with pytest.raises(ProfileError, match=r"exceeds vllm.tensor_parallel_size.*\(from --set gates.markers\)"):
+        load_profile("cpu-demo", ['gates.markers=[{text: "x", ranks: 3}]'])
+
+
+def test_a_renamed_shipped_profile_is_named_again_by_its_profile_name():
+    """`--set name=myseat` renames the seat; hints built from cli_ref() said `--profile myseat`,
+    which is no profile (helper audit)."""
+    assert load_profile("cpu-demo", ["name=myseat"]).cli_ref() == "cpu-demo"
+
+
+def test_values_nothing_would_read_are_refused():
+    from dsv4serve import launch
+
+    with pytest.raises(ProfileError, match="the demo model would be served, not /srv/x"):
+        launch.check_plan(load_profile("cpu-demo", ["model.path=/srv/x"]))
+    with pytest.raises(ProfileError, match="moe.extension is an lna2 build, and moe.kernel is incumbent"):
+        launch.check_plan(load_profile("8x16gb-380k-incumbent", ["moe.extension=/srv/x.so"]))

@@ -251,6 +251,13 @@ def check_plan(profile: Profile) -> None:
         raise ProfileError(f"profile {p.name}: runtime.exl3_extension is mounted into a docker seat's image; a native "
                            "seat imports the installed exllamav3", hint="drop runtime.exl3_extension, and rebuild the "
                            "installed exllamav3 after `dsv4serve patch apply`")
+    if p.moe.kernel != "lna2" and p.moe.extension:
+        raise ProfileError(f"profile {p.name}: moe.extension is an lna2 build, and moe.kernel is {p.moe.kernel}: "
+                           "nothing would load it", hint="drop moe.extension, or set moe.kernel=lna2")
+    if p.model.demo and p.model.path:
+        raise ProfileError(f"profile {p.name}: model.path is set and model.demo is true: the demo model would be "
+                           f"served, not {p.model.path}", hint="set model.demo=false to serve model.path, or drop "
+                           "model.path")
     if p.runtime.kind == "docker" and v.host and _numeric_host(v.host) is None:
         raise ProfileError(f"profile {p.name}: vllm.host {v.host} is a name, and docker's -p takes an IP address",
                            hint="use 127.0.0.1 (or the address the name stands for)")

@@ -102,7 +102,7 @@ class GpuSection(_Strict):
     ids: list[Annotated[int, Strict(), Field(ge=0)]] = Field(
         default_factory=list, description="host GPU indices; empty on a CPU seat")
     model: str | None = Field(None, description="expected NVML device name (substring)")
-    memory_gib: float | None = None
+    memory_gib: Annotated[float, Strict(), Field(gt=0)] | None = None
     compute_capability: str | None = Field(None, description='e.g. "12.0"')
 
 
@@ -466,7 +466,7 @@ class StackSection(_Strict):
 
 
 class NeedleRef(_Strict):
-    tokens: int
+    tokens: PosInt
     depth: float
     found: bool = True
     ttft_s: float | None = None
@@ -475,8 +475,8 @@ class NeedleRef(_Strict):
 
 class PplRef(_Strict):
     value: float
-    ctx: int
-    chunks: int
+    ctx: PosInt
+    chunks: PosInt
     text: str = "wikitext-2-raw test"
 
 
@@ -485,7 +485,7 @@ class ReferenceSection(_Strict):
     # streams ("1", "4") -> suite ("en", "ja", "code") -> tok/s
     tok_s: dict[str, dict[str, float]] = Field(default_factory=dict)
     acceptance_length: dict[str, float] = Field(default_factory=dict)
-    kv_cache_tokens: int | None = None
+    kv_cache_tokens: PosInt | None = None
     needle: NeedleRef | None = None
     ppl: PplRef | None = None
 
@@ -562,6 +562,14 @@ class Profile(_Strict):
             self.gates.markers = [*self.gates.markers, Marker(text=LNA2_ACTIVE, ranks="all")]
         if LNA2_DECLINE not in self.gates.forbidden:  # a narrower pattern of the user's is not a substitute
             self.gates.forbidden = [*self.gates.forbidden, LNA2_DECLINE]
+        return self
+
+    @model_validator(mode="after")
+    def _kv_gate_has_a_window(self) -> "Profile":
+        # "follow max_model_len" with no window set would be no gate at all, silently
+        if self.gates.kv_cache_min_tokens == "max_model_len" and self.vllm.max_model_len is None:
+            raise ValueError("gates.kv_cache_min_tokens: max_model_len follows vllm.max_model_len, which is not set; "
+                             "set vllm.max_model_len, or give the gate a number of tokens")
         return self
 
     @model_validator(mode="after")
@@ -823,6 +831,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
                                 "--profile")
     if raw.strip() == "":
         return parts, ""
+    env_value = len(parts) == 2 and parts[0] == "env"
     try:
         value = _yaml_load(raw)
     except _DuplicateKey as e:
@@ -830,19 +839,53 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except RecursionError:
         raise ProfileError(f"--set '{key}': the value nests deeper than YAML can be read here",
                            hint="flatten it") from None
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        text = raw.lstrip()
+        # ({home}/x.so is a placeholder path, not a mapping)
+        if (text.startswith("[") or text.startswith("{") and not re.match(r"\{\w+\}", text)) and not env_value:
+            # a list or mapping that does not parse: "[0, 1" read as text gave "should be a list"
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ProfileError(f"--set '{key}': the value is not valid YAML ({problem})",
+                               hint="close every bracket and quote text holding ': ' or ', '") from None
         value = raw
+    if "#" in raw and not env_value and value != _comment_free(raw, value):
+        # YAML drops ` #...` as a comment (and a value starting with # is all comment): the key
+        # would get less than was typed
+        raise ProfileError(f"--set '{key}': YAML reads the '#' in this value as the start of a comment and drops "
+                           "what follows", hint=f"quote the value: --set '{key}=\"{raw.strip()}\"'")
     # the guards a file gets: aliases of aliases load as shared references and explode later
     # (a self-referencing one never ends)
     if _too_big(value, MAX_NODES):
         raise ProfileError(f"--set '{key}': the value expands to more than {MAX_NODES:,} values (nested YAML "
                            "aliases)", hint="write the value out")
-    if len(parts) == 2 and parts[0] == "env" and value is not None and not isinstance(value, str):
-        # An env value is a string: YAML would turn 0755 into 493, 0x10 into 16, 12:30 into 750
-        # and `on` into a boolean, so keep what was typed. A string YAML read (a quoted '0755')
-        # and null (deletes the variable) keep their YAML meaning.
+    if env_value and not (isinstance(value, str) and raw.strip()[:1] in ("'", '"')) and not (
+            value is None and raw.strip() in ("null", "Null", "NULL", "~")):
+        # An env value is a string: YAML would turn 0755 into 493, 0x10 into 16, 12:30 into 750,
+        # `on` into a boolean and `#1` (a comment) into null, so keep what was typed. A quoted
+        # string ('0755') and a spelled-out null (deletes the variable) keep their YAML meaning.
         value = raw
     return parts, value
+
+
+_HASH = "\ue000"  # a private-use character no one types
+
+
+def _comment_free(raw: str, value: Any) -> Any:
+    """The value YAML reads from `raw` with every '#' taken as text (the first reading where
+    nothing in it can be a comment), or `value` itself when that text does not parse."""
+    def back(v: Any) -> Any:
+        if isinstance(v, str):
+            return v.replace(_HASH, "#")
+        if isinstance(v, list):
+            return [back(x) for x in v]
+        if isinstance(v, dict):
+            return {back(k): back(x) for k, x in v.items()}
+        return v
+
+    try:
+        return back(_yaml_load(raw.replace("#", _HASH)))
+    except (yaml.YAMLError, RecursionError, _DuplicateKey):
+        return value
 
 
 def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
@@ -926,6 +969,12 @@ def _format_validation(name: str, err: ValidationError, source: Any = None) -> P
     # our own validators name the exact key below pydantic's loc (env.1X under env): ask where
     # that key came from, or any --set under env.* would be blamed for a file's env.1X
     where_from = (source((*loc, exact.group(1)) if exact else loc)) if source else ""
+    if not loc and source:
+        # a whole-profile check has no key path: the keys its message names say where it came from,
+        # a --set among them first (else a renamed key of the user's reads as a broken shipped profile)
+        keys = re.findall(rf"\b(?:{'|'.join(Profile.model_fields)})(?:\.[A-Za-z0-9_]+)+", msg)
+        found = [source(tuple(int(k) if k.isdigit() else k for k in key.split("."))) for key in keys]
+        where_from = next((f for f in found if f.startswith(" (from --set")), next((f for f in found if f), ""))
     if e.get("type") == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
@@ -991,6 +1040,7 @@ def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
         prof = Profile.model_validate(data)
     except ValidationError as err:
         raise _format_validation(name, err, lambda loc: _source(loc, chain, overrides or [])) from None
-    if ref not in shipped_profiles():
-        prof._ref = str(path.resolve())
+    # a shipped profile is named again by what the user typed: `--set name=X` renames the seat,
+    # not the profile (`--profile X` would be unknown)
+    prof._ref = ref if ref in shipped_profiles() else str(path.resolve())
     return prof
