@@ -1041,3 +1041,22 @@ def test_a_docker_seat_without_moe_extension_is_described_by_the_default_build_i
     r = _st(_software(load_profile("8x16gb-380k")), "lna2")
     assert r.status == "fail" and f"the default build (mounted) {tmp_path}/home/cache/lna2/dsv4serve_lna2.so is " \
         "missing" in r.found, r.found
+
+
+def test_a_seat_started_with_set_is_checked_as_it_was_started(fake_seat, tmp_path):
+    """check-seat judged a seat started with `up --set vllm.max_model_len=256` against the profile
+    without it (a KV row failing on the shipped window) and never said the two differ (helper
+    audit): with no --set of its own it applies the seat's, and a `profile` row compares digests."""
+    sets = ["vllm.max_model_len=256", "gates.kv_cache_min_tokens=200"]
+    launched = load_profile("cpu-demo", sets)
+    rep, _ = fake_seat(launched, "(EngineCore pid=1) INFO GPU KV cache size: 300 tokens\n")
+    st = state.load("cpu-demo")
+    state.save(st.model_copy(update={"overrides": sets}))
+    assert _st(rep, "profile").status == "ok"
+    p = checks.load_for_check("cpu-demo", None)
+    assert p.vllm.max_model_len == 256 and p.digest() == launched.digest()
+    assert checks.load_for_check("cpu-demo", ["vllm.max_model_len=300"]).vllm.max_model_len == 300
+    other = checks.Report("cpu-demo")
+    checks._profile_live(other, load_profile("cpu-demo"), state.load("cpu-demo"))
+    row = other.rows[0]
+    assert row.status == "fail" and "--set vllm.max_model_len=256 --set gates.kv_cache_min_tokens=200" in row.found

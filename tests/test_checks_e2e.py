@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from dsv4serve import checks
-from dsv4serve.profile import load_profile
 
 pytestmark = pytest.mark.e2e
 
@@ -34,10 +33,11 @@ def _complete(seat) -> None:
 def test_live_rows_on_the_demo_seat(demo_seat, monkeypatch):
     monkeypatch.setenv("DSV4SERVE_HOME", str(demo_seat.home))
     _complete(demo_seat)  # counters exist once a decode has run
-    p = load_profile(demo_seat.profile)
+    p = checks.load_for_check(demo_seat.profile, None)  # as check-seat does: the seat's own --set applied
     rep = checks.run_all(p)
     live = {r.check: r for r in rep.section("live")}
     assert live["seat"].status == "ok", live["seat"]
+    assert live["profile"].status == "ok" and "--set vllm.port=" in live["profile"].found, live["profile"]
     for m in p.gates.markers:
         row = live[f"marker: {m.text}"]
         assert row.status == "ok" and row.found == "ranks 0,1", row

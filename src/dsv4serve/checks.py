@@ -18,6 +18,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import subprocess
 import time
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 from dsv4serve import gpu, home, launch, pack, readiness
 from dsv4serve.errors import DsvError, JobFailed
-from dsv4serve.profile import Profile
+from dsv4serve.profile import Profile, load_profile
 from dsv4serve.ranklog import with_seat
 
 GIB = 1024**3
@@ -1162,6 +1163,7 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
 
     rep.add("live", "seat", "ok", f"run {st.run_id}, pid {st.pid}, phase {st.phase}, {st.base_url}",
             f"liveness {state.liveness(st)}")
+    _profile_live(rep, p, st)
     tracker = _tracker(st.tp, [m.text for m in p.gates.markers], list(p.gates.forbidden))
     builds: dict[int, str] = {}  # rank -> the lna2 build its ACTIVE line names
     try:
@@ -1182,6 +1184,22 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
     t0 = time.time()
     _guard(rep, "live", "canary", lambda: _canary(rep, ctx, canary_timeout))
     _guard(rep, "live", "counters", lambda: _counters(rep, ctx, before, t0))
+
+
+def _profile_live(rep: Report, p: Profile, st: Any) -> None:
+    """Is the profile these rows judge the one the seat was started with? Its digest at `up` (with
+    `up`'s --set) against this one's: a profile edited since, or other --set here, means the live
+    rows below compare the seat with settings it does not run."""
+    sets = " ".join(f"--set {shlex.quote(o)}" for o in st.overrides)
+    launched = f"`up --profile {p.cli_ref()}{' ' + sets if sets else ''}`"
+    if st.profile_digest == p.digest():
+        rep.add("live", "profile", "ok", f"digest {p.digest()}, as the seat was started ({launched})",
+                "the seat's own profile")
+        return
+    rep.add("live", "profile", "fail", f"the seat was started by {launched} with profile digest "
+            f"{st.profile_digest or '(none recorded)'}; the profile checked here has {p.digest()}",
+            "the seat's own profile", "check it with the --set it was started with; if the profile file changed "
+            "since, restart the seat (`dsv4serve down`, then `up`) to serve the profile as it is now")
 
 
 _ACTIVE_EXT = re.compile(r"LNA2 MoE kernel ACTIVE rank=(\d+)/\d+ .*\bext=(\S+)")
@@ -1414,6 +1432,29 @@ def prelaunch(profile: Profile, *, nvml: Any = None) -> Report:
     ctx = Ctx(profile=profile, nvml=nvml)
     _run_sections(rep, ctx)
     return rep
+
+
+def load_for_check(ref: str, overrides: list[str] | None) -> Profile:
+    """The profile check-seat judges: with no --set of the user's, a running seat of it is checked
+    as it was launched (its `up --set ...` applied again), or every live row would judge the seat
+    against settings it was never given (another port, another window). The live `profile` row
+    says whether the result is the seat's own."""
+    from dsv4serve import state
+
+    p = load_profile(ref, overrides)
+    if overrides:
+        return p
+    try:
+        st = state.load(p.name)
+    except state.UnreadableState:
+        return p
+    if st is None or not st.overrides:
+        return p
+    try:
+        q = load_profile(ref, list(st.overrides))
+    except DsvError:  # the profile changed so that the seat's --set no longer applies: judged as it is
+        return p
+    return q if q.name == p.name else p
 
 
 def run_all(profile: Profile, *, nvml: Any = None, canary_timeout: float | None = None) -> Report:

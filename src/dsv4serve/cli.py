@@ -201,10 +201,10 @@ def check_seat(profile: str = typer.Option("cpu-demo", "--profile", "-p", help="
                overrides: Optional[List[str]] = SetOpt,
                json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Will this seat come up, and is the running seat really what it claims?"""
-    from dsv4serve import checks, seat
+    from dsv4serve import checks
 
     with handled(json_out):
-        p = seat.load(profile, overrides)
+        p = checks.load_for_check(profile, overrides)
         report = checks.run_all(p)
         if json_out:
             emit_json(report.as_json())
