@@ -696,3 +696,12 @@ def test_the_worker_recounts_decode_rows_from_the_config_vllm_resolved():
     # the launcher's count is never lowered, and a config the plugin does not know leaves it as it is
     assert with_vllm_decode_rows(env16, NS(scheduler_config=NS(max_num_seqs=2))).decode_rows == 16
     assert with_vllm_decode_rows(env16, None) is env16
+
+
+def test_strict_refuses_at_load_a_device_that_cannot_launch_the_seats_decode_rows():
+    """v55 fitting fewer rows than the seat decodes was found per call, in the middle of serving or
+    of graph capture, though strict promises a refusal at load (helper review of the kernel)."""
+    with pytest.raises(md.Lna2NotReadyError, match=r"holds v55 for 4 rows .* this seat decodes 8 rows a call"):
+        Harness(fit={55: 4}, strict=1, decode_rows=8).prepare()
+    assert Harness(fit={55: 8}, strict=1, decode_rows=8).prepare().lna2_layers == 2
+    assert Harness(fit={55: 4}, strict=0, decode_rows=8).prepare().lna2_layers == 2  # declined per call there
