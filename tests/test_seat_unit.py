@@ -350,3 +350,33 @@ def test_ctrl_c_during_downs_grace_finishes_the_stop_at_once(home, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_sigterm_between_the_state_write_and_the_spawn_leaves_nothing(home, tmp_path):
+    """The supervisor took the signals only after writing the state and run.json: a SIGTERM in that
+    window left a "launching" state of a run that never started, with "the seat may be running"
+    (helper audit). The signals are the supervisor's before the write now."""
+    import subprocess
+    import sys
+
+    from dsv4serve import ports
+
+    script = tmp_path / "window.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from dsv4serve import state\n"
+        "real = state.atomic_write\n"
+        "def atomic_write(path, data, mode=None):\n"
+        "    real(path, data, mode)\n"
+        "    if path.name == 'run.json':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "state.atomic_write = atomic_write\n"
+        "from dsv4serve.cli import main\n"
+        f"sys.argv = ['dsv4serve', 'up', '--profile', 'cpu-demo', '--skip-checks', '--no-validate', '--set', "
+        f"'vllm.port={ports.free_port()}']\n"
+        "main()\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DSV4SERVE_HOME": str(home)})
+    assert r.returncode == 143, r.stdout + r.stderr
+    assert "up stopped by SIGTERM before vLLM was started; nothing was started" in r.stdout + r.stderr
+    assert state.load("cpu-demo") is None

@@ -248,6 +248,23 @@ def test_an_up_taken_over_by_down_stops_its_child_if_down_missed_it(monkeypatch)
         child.wait()
 
 
+def test_an_up_whose_state_down_took_before_the_pid_kills_its_child_at_once():
+    """down found a 'launching' state without a pid, stopped nothing, said clean; the up then spawned
+    vLLM and left it holding the port and GPU for TAKEN_OVER_WAIT_S (120 s) (helper audit)."""
+    from types import SimpleNamespace
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        fake_sup = SimpleNamespace(proc=child, t0=time.time(), _attached_ready=False)
+        t0 = time.monotonic()
+        out = supervisor.Supervisor._taken_over_outcome(fake_sup, None, down_knew_pid=False)
+        assert out.taken_over and child.poll() is not None and time.monotonic() - t0 < 10
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
 NO_REAPER = ("import os, subprocess, sys, time; env = {**os.environ, sys.argv[1]: sys.argv[2]}; "
              "c = subprocess.Popen(['sleep', '60'], env=env, start_new_session=True); print(c.pid, flush=True); "
              "time.sleep(60)")

@@ -416,30 +416,35 @@ class Supervisor:
         return self._update(**changed)
 
     # -- run ------------------------------------------------------------------------------------
-    def _not_started(self, reason: str) -> Outcome:
+    def _not_started(self, reason: str, code: int = EXIT_FAILED) -> Outcome:
         """Nothing was spawned: no state of this run may stay behind."""
         with contextlib.suppress(OSError, state.UnreadableState):
             state.remove(self.seat, self.spec.run_id)
-        return self._finish(Outcome(False, EXIT_FAILED, reason, None, 0.0))
+        return self._finish(Outcome(False, code, reason, None, 0.0))
 
     def run(self) -> Outcome:
-        self.st = self._initial_state()
-        try:
-            state.save(self.st)
-            state.atomic_write(self.run_dir / "run.json", json.dumps(
-                {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
-                 "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
-                 "log": str(self.log_path)}, indent=2))
-        except OSError as e:
-            # nothing runs yet, and no state of a run that never started may stay behind
-            with contextlib.suppress(OSError, state.UnreadableState):
-                state.remove(self.seat, self.spec.run_id)
-            raise self._state_write_failed(e) from None
-        if state.cancel_requested(self.seat):
-            # a `down` that found no state yet asked us to stop; from here on it would find this one
-            state.clear_cancel(self.seat)
-            return self._not_started("stopped by `dsv4serve down` before vLLM was started; nothing was started")
+        # The signals are ours from before the state is written: a SIGTERM between that write and
+        # the spawn left a "launching" state of a run that never started, said to be maybe running.
         with Interrupts() as intr:
+            self.st = self._initial_state()
+            try:
+                state.save(self.st)
+                state.atomic_write(self.run_dir / "run.json", json.dumps(
+                    {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
+                     "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
+                     "log": str(self.log_path)}, indent=2))
+            except OSError as e:
+                # nothing runs yet, and no state of a run that never started may stay behind
+                with contextlib.suppress(OSError, state.UnreadableState):
+                    state.remove(self.seat, self.spec.run_id)
+                raise self._state_write_failed(e) from None
+            if state.cancel_requested(self.seat):
+                # a `down` that found no state yet asked us to stop; from here on it would find this one
+                state.clear_cancel(self.seat)
+                return self._not_started("stopped by `dsv4serve down` before vLLM was started; nothing was started")
+            if intr.requested:
+                return self._not_started(f"up stopped by {intr.label()} before vLLM was started; nothing was started",
+                                         code=intr.exit_code())
             try:
                 self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
             except (OSError, ValueError) as e:  # ValueError: a NUL byte in argv or env (exec cannot carry it)
@@ -460,7 +465,8 @@ class Supervisor:
 
     def _supervise(self, intr: Interrupts, pid: int, created: float | None) -> Outcome:
         if not self._update(pid=pid, pgid=pid, start_time=created, phase="starting"):
-            return self._taken_over_outcome(intr)
+            # down took the state before it held a pid: it stopped nothing of ours (and said clean)
+            return self._taken_over_outcome(intr, down_knew_pid=False)
         self.display.emit({"event": "spawn", "run_id": self.spec.run_id, "pid": pid, "pgid": pid,
                            "log": str(self.log_path),
                            "say": f"started run {self.spec.run_id}: pid {pid} (process group {pid}); "
@@ -765,9 +771,10 @@ class Supervisor:
                 f"seat {self.seat} in {out.seconds:.1f} s: {self.spec_base_url()}/v1 model {self.spec.served_name}; "
                 f"markers {marks}; KV cache {kv}; canary {out.readiness.get('canary_tokens')} tokens"), soft_wrap=True)
 
-    def _taken_over_outcome(self, intr: Interrupts) -> Outcome:
-        """`down` owns the teardown now: reap our child so `down`'s reap wait can finish, write nothing."""
-        deadline = time.time() + TAKEN_OVER_WAIT_S
+    def _taken_over_outcome(self, intr: Interrupts, down_knew_pid: bool = True) -> Outcome:
+        """`down` owns the teardown now: reap our child so `down`'s reap wait can finish, write nothing.
+        A `down` that took the state before the pid was in it is not stopping our child: no wait."""
+        deadline = time.time() + (TAKEN_OVER_WAIT_S if down_knew_pid else 0.0)
         while self.proc is not None and self.proc.poll() is None and time.time() < deadline:
             time.sleep(POLL_S)
         if self.proc is not None and self.proc.poll() is None:
