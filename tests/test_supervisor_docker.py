@@ -214,3 +214,39 @@ def test_docker_stop_without_escalation_waits_the_grace(fake, monkeypatch):
     assert elapsed >= 1.0
     assert [c[0] for c in fake.calls() if c[0] != "run"] == ["stop", "rm"]
     assert [r["rc"] for r in rep] == [0, 0]
+
+
+def test_a_container_of_the_same_name_but_another_seat_is_never_stopped(fake, tmp_path):
+    """Every docker seat defaults to container_name dsv4: `down` of a stale seat B stopped and removed
+    seat A's running container, and `up` of B called it B's (helper audit). The run-id label `up`
+    gives each container now decides whose it is."""
+    from dsv4serve import state
+
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    other = tmp_path / "seat-b.yaml"
+    other.write_text(Path(fake.profile).read_text().replace("name: fake-docker", "name: seat-b")
+                     .replace(f"port: {fake.port}", f"port: {ports.free_port()}"))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale_b = state.SeatState(seat="seat-b", run_id="seat-b-20250101-000000-abcd", profile="seat-b",
+                              profile_digest="x", runtime="docker", container_name=fake.name, argv=["docker"], env={},
+                              host="127.0.0.1", port=1, served_name="m", tp=1, run_dir=str(tmp_path),
+                              log_path=str(tmp_path / "b.log"), phase="ready", pid=gone.pid, start_time=1.0)
+    os.environ["DSV4SERVE_HOME"], old = str(fake.home), os.environ.get("DSV4SERVE_HOME")
+    try:
+        state.save(stale_b)
+    finally:
+        os.environ.pop("DSV4SERVE_HOME") if old is None else os.environ.__setitem__("DSV4SERVE_HOME", old)
+    n = len(fake.calls())
+    d = fake.run("down", "--profile", str(other), "--json")
+    assert d.returncode == 0, d.stdout + d.stderr
+    rep = json.loads(d.stdout)["seats"][0]
+    assert rep["docker"] == [] and rep["container_other"].startswith("fake-docker-")
+    assert not [c for c in fake.calls()[n:] if c[0] in ("stop", "rm", "kill")]
+    st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+    assert st["phase"] == "ready", st
+    r = fake.run("up", "--profile", str(other), "--skip-checks", "--no-validate")
+    assert r.returncode == 2 and f"container {fake.name} belongs to seat fake-docker" in r.stderr, r.stderr
+    assert f"`dsv4serve down --profile fake-docker`" in r.stderr
+    assert fake.run("down", "--profile", fake.profile).returncode == 0

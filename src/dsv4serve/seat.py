@@ -207,7 +207,7 @@ def _running_refusal(st: SeatState) -> BadInput | None:
     orphaned = live == "unknown" and bool(st.supervisor_pid) and not state.pid_alive(st.supervisor_pid)
     running = (live == "alive" or (live == "unknown" and not orphaned)) and st.phase != "stopped"
     if st.runtime == "docker" and st.container_name:
-        exists = stop.container_exists(st.container_name)
+        exists = stop.container_exists(st.container_name, st.run_id)
         if exists is None:  # docker cannot answer: the stale run's container may still hold the GPUs
             return BadInput(f"seat {name}: docker could not say whether container {st.container_name} of run "
                             f"{st.run_id} is gone", hint="fix docker access (daemon, socket permission), then up again")
@@ -402,7 +402,13 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         home.ensure(run_dir)
         launch.write_tuning(profile, run_dir)
         if spec.runtime == "docker":
-            if spec.container_name and stop.container_exists(spec.container_name):
+            exists, owner, other, _ = stop.container_owner(spec.container_name) if spec.container_name else \
+                (False, None, None, "")
+            if exists:
+                if owner:  # another seat's (both kept the default name): removing it would stop that seat
+                    raise BadInput(f"container {spec.container_name} belongs to seat {other} (run {owner})",
+                                   hint=f"set runtime.container_name for this seat, or stop that one first "
+                                        f"(`dsv4serve down --profile {other}`)")
                 raise BadInput(f"a container named {spec.container_name} already exists",
                                hint=f"it is not this seat's: remove it (`docker rm -f {spec.container_name}`) or set "
                                     "runtime.container_name")
@@ -648,6 +654,9 @@ def render_down(report: dict) -> None:
                       f"{verdict}", highlight=False, soft_wrap=True)
         if rep.get("note"):
             console.print(f"  {rep['note']}", highlight=False, markup=False, soft_wrap=True)
+        if rep.get("container_other"):
+            console.print(f"  container {rep.get('container')} is now run {rep['container_other']}: not this seat's, "
+                          "left running", highlight=False, markup=False, soft_wrap=True)
         for d in rep.get("docker", []) or []:
             console.print(f"  {' '.join(d['argv'])}: rc {d.get('rc')} {d.get('error', '')}", highlight=False,
                           markup=False, soft_wrap=True)
@@ -734,7 +743,8 @@ def _row(name: str) -> dict[str, Any]:
         problem = f"the main process {st.pid} is gone ({first}); stale state: `dsv4serve down` clears it"
     elif live == "alive":
         dead = state.dead_ranks(st)
-        if st.runtime == "docker" and st.container_name and stop.container_exists(st.container_name) is False:
+        if st.runtime == "docker" and st.container_name and \
+                stop.container_exists(st.container_name, st.run_id) is False:
             phase, problem = "failed", f"container {st.container_name} is gone"
         elif dead:
             phase = "failed"

@@ -40,23 +40,39 @@ def _docker(args: list[str], timeout: float) -> dict[str, Any]:
     return {"argv": ["docker", *args], "rc": r.returncode, "out": (r.stdout + r.stderr).strip()[-400:]}
 
 
-def container_exists(name: str) -> bool | None:
+def container_exists(name: str, run_id: str | None = None) -> bool | None:
     """True/False, or None when the docker CLI cannot say. Only the engine's own "No such ..." answer
     means gone: a failing CLI (no permission on the socket, the daemon down) says nothing about the
-    container, and reading it as "gone" would let `down` report a running seat clean."""
-    return container_check(name)[0]
+    container, and reading it as "gone" would let `down` report a running seat clean. With `run_id`,
+    a container of that name made by another run (its dsv4serve.run_id label) is not this one."""
+    return container_check(name, run_id)[0]
 
 
-def container_check(name: str) -> tuple[bool | None, str]:
-    """container_exists, with what docker said (the reason when it could not say)."""
-    r = _docker(["inspect", "--format", "{{.State.Status}}", name], timeout=30)
+_LABELS = '{{.State.Status}} {{index .Config.Labels "dsv4serve.run_id"}} {{index .Config.Labels "dsv4serve.profile"}}'
+
+
+def container_owner(name: str) -> tuple[bool | None, str | None, str | None, str]:
+    """(exists, run id, seat) of the container called `name`, from the labels `up` gives its
+    containers (None: not labelled, i.e. not dsv4serve's), and what docker said. Every docker seat
+    defaults to the name "dsv4": the name alone does not say whose container it is."""
+    r = _docker(["inspect", "--format", _LABELS, name], timeout=30)
     said = (r.get("error") or r.get("out") or "").strip().splitlines()
     said_last = said[-1] if said else ""
     if r["rc"] is None:
-        return None, said_last
-    if r["rc"] == 0:
-        return True, said_last
-    return (False if "no such" in r.get("out", "").lower() else None), said_last
+        return None, None, None, said_last
+    if r["rc"] != 0:
+        return (False if "no such" in r.get("out", "").lower() else None), None, None, said_last
+    parts = said_last.split(" ")
+    label = [p if p and p != "<no value>" else None for p in (parts[1:3] + [None, None])[:2]]
+    return True, label[0], label[1], said_last
+
+
+def container_check(name: str, run_id: str | None = None) -> tuple[bool | None, str]:
+    """container_exists, with what docker said (the reason when it could not say)."""
+    exists, owner, _, said = container_owner(name)
+    if exists and run_id is not None and owner != run_id:
+        return False, said  # a container of that name, but another run's (or not dsv4serve's)
+    return exists, said
 
 
 def _docker_stop(exe: str, name: str, grace: float, escalate: Callable[[], bool] | None,
@@ -128,9 +144,17 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     report: dict[str, Any] = {"seat": st.seat, "run_id": st.run_id, "runtime": st.runtime, "grace_s": grace}
     if st.runtime == "docker" and st.container_name:
         report["container"] = st.container_name
-        report["docker"] = stop_container(st.container_name, grace, escalate)
-        # True, False, or None when docker could not say: only False counts as stopped
-        report["container_left"], report["container_check"] = container_check(st.container_name)
+        exists, owner, seat, said = container_owner(st.container_name)
+        if exists and owner != st.run_id:
+            # another seat's container of the same name (or not dsv4serve's): this run's is gone,
+            # and stopping that one would take down a seat nobody asked to stop
+            report["docker"] = []
+            report["container_other"] = f"{owner} (seat {seat})" if owner else "a container dsv4serve did not start"
+            report["container_left"], report["container_check"] = False, said
+        else:
+            report["docker"] = stop_container(st.container_name, grace, escalate)
+            # True, False, or None when docker could not say: only False counts as stopped
+            report["container_left"], report["container_check"] = container_check(st.container_name, st.run_id)
     report.update(procs.stop(st, grace, escalate))
     try:
         # status's arguments, so its checkpoint serves here too (the markers change nothing read below)
