@@ -464,6 +464,30 @@ def test_lock_held_reads_the_kernels_lock_table_without_taking_the_lock(home):
     assert state.lock_held("cpu-demo") is False
 
 
+def test_a_lock_table_naming_another_device_number_still_finds_the_holder(home):
+    """On btrfs /proc/locks names a file by its superblock's device, stat by the subvolume's: the
+    seat's lock never matched, so `down` could not see an `up` in its pre-launch steps (helper
+    audit). A line with the inode and a pid that has the file open counts; one whose pid does not
+    hold it does not."""
+    import subprocess
+
+    lk = state.acquire("cpu-demo", "up")
+    try:
+        st = (state.seat_dir("cpu-demo") / "seat.lock").stat()
+        other_dev = f"{os.major(st.st_dev) + 1:02x}:{os.minor(st.st_dev) + 7:02x}:{st.st_ino}"
+        assert state.held_in(f"1: FLOCK  ADVISORY  WRITE {os.getpid()} {other_dev} 0 EOF\n", st) is True
+        stranger = subprocess.Popen(["sleep", "30"])
+        try:
+            assert state.held_in(f"1: FLOCK  ADVISORY  WRITE {stranger.pid} {other_dev} 0 EOF\n", st) is False
+        finally:
+            stranger.kill()
+            stranger.wait()
+        wrong_inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino + 1}"
+        assert state.held_in(f"1: FLOCK  ADVISORY  WRITE {os.getpid()} {wrong_inode} 0 EOF\n", st) is False
+    finally:
+        lk.release()
+
+
 def test_a_forced_update_writes_over_stopping_but_never_brings_a_removed_state_back(home):
     """The supervisor records a failed teardown even after `down` marked the seat stopping; but the
     read and the write are one locked step, so a `down` that removes the state in between wins."""

@@ -163,8 +163,38 @@ def lock_held(seat: str) -> bool:
         table = Path("/proc/locks").read_text()
     except OSError:
         return False
-    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    return any(inode in line.split() for line in table.splitlines())
+    return held_in(table, st)
+
+
+def held_in(table: str, st: os.stat_result) -> bool:
+    """Whether /proc/locks' `table` holds a lock on the file `st` describes. The table names a file
+    by MAJ:MIN:INODE of its superblock, which is not stat's st_dev on btrfs (a subvolume has a device
+    number of its own): a line with the inode but another device counts when its pid has the file
+    open (its fd stats to the same st_dev and inode)."""
+    exact = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        fields = line.split()
+        at = next((i for i, f in enumerate(fields) if f.count(":") == 2 and f.rsplit(":", 1)[1].isdigit()), None)
+        if at is None or int(fields[at].rsplit(":", 1)[1]) != st.st_ino:
+            continue
+        if fields[at] == exact or (at > 0 and fields[at - 1].isdigit() and _has_open(int(fields[at - 1]), st)):
+            return True
+    return False
+
+
+def _has_open(pid: int, st: os.stat_result) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # gone, or another user's: not provably this file
+        return False
+    for fd in fds:
+        try:
+            o = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if o.st_ino == st.st_ino and o.st_dev == st.st_dev:
+            return True
+    return False
 
 
 def acquire(seat: str, what: str) -> FileLock:
