@@ -242,7 +242,7 @@ def test_a_container_of_the_same_name_but_another_seat_is_never_stopped(fake, tm
     d = fake.run("down", "--profile", str(other), "--json")
     assert d.returncode == 0, d.stdout + d.stderr
     rep = json.loads(d.stdout)["seats"][0]
-    assert rep["docker"] == [] and rep["container_other"].startswith("fake-docker-")
+    assert rep["docker"] == [] and rep["container_other"].startswith("run fake-docker-")
     assert not [c for c in fake.calls()[n:] if c[0] in ("stop", "rm", "kill")]
     st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
     assert st["phase"] == "ready", st
@@ -250,3 +250,36 @@ def test_a_container_of_the_same_name_but_another_seat_is_never_stopped(fake, tm
     assert r.returncode == 2 and f"container {fake.name} belongs to seat fake-docker" in r.stderr, r.stderr
     assert f"`dsv4serve down --profile fake-docker`" in r.stderr
     assert fake.run("down", "--profile", fake.profile).returncode == 0
+
+
+def test_a_warning_of_the_docker_cli_is_not_read_as_the_containers_labels(fake, tmp_path):
+    """docker prints its own warnings (an unreadable ~/.docker/config.json) on stderr: the label
+    check read one as the run id, so status called a running container gone and down skipped it
+    and said clean (review)."""
+    shim = tmp_path / "warnbin"
+    shim.mkdir()
+    (shim / "docker").write_text(f"#!/bin/sh\necho 'WARNING: Error loading config file: /root/.docker/config.json' >&2\n"
+                                 f"exec {FAKES}/docker \"$@\"\n")
+    (shim / "docker").chmod(0o755)
+    env = {**fake.env, "PATH": f"{shim}{os.pathsep}{fake.env['PATH']}"}
+    r = cli("up", "--profile", fake.profile, "--skip-checks", "--no-validate", home=fake.home, timeout=120,
+            env_extra=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = json.loads(cli("status", "--profile", fake.profile, "--json", home=fake.home, timeout=60,
+                        env_extra=env).stdout)[0]
+    assert st["phase"] == "ready", st
+    d = cli("down", "--profile", fake.profile, "--json", home=fake.home, timeout=120, env_extra=env)
+    rep = json.loads(d.stdout)["seats"][0]
+    assert d.returncode == 0 and "container_other" not in rep and [c["argv"][1] for c in rep["docker"]] == ["stop", "rm"]
+
+
+def test_a_container_a_finished_run_left_is_named_for_docker_rm_not_for_down(fake):
+    """A labelled container whose run is no seat's any more: the hint sent the user to a `down` that
+    had nothing to stop, and up refused again (review)."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads((fake.dir / f"{fake.name}.json").read_text())
+    assert fake.run("down", "--profile", fake.profile).returncode == 0
+    (fake.dir / f"{fake.name}.json").write_text(json.dumps(rec))  # the container record comes back, exited
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    assert r.returncode == 2 and f"docker rm -f {fake.name}" in r.stderr, r.stderr

@@ -405,7 +405,8 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
             exists, owner, other, _ = stop.container_owner(spec.container_name) if spec.container_name else \
                 (False, None, None, "")
             if exists:
-                if owner:  # another seat's (both kept the default name): removing it would stop that seat
+                holder = _state_of_run(other, owner)
+                if holder is not None:  # another seat's (both kept the default name): removing it stops that seat
                     raise BadInput(f"container {spec.container_name} belongs to seat {other} (run {owner})",
                                    hint=f"set runtime.container_name for this seat, or stop that one first "
                                         f"(`dsv4serve down --profile {other}`)")
@@ -422,6 +423,20 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         _signals_restore(old)
         if lk.is_locked:
             lk.release()
+
+
+def _state_of_run(seat: str | None, run_id: str | None) -> Any:
+    """The state of the seat whose run made a container, while that run is still its seat's: a
+    container a finished run left behind belongs to nobody `down` could stop."""
+    from dsv4serve import state
+
+    if not seat or not run_id or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", seat):
+        return None  # a label is anyone's text: never a path to read
+    try:
+        st = state.load(seat)
+    except (state.UnreadableState, OSError, ValueError):
+        return None
+    return st if st is not None and st.run_id == run_id else None
 
 
 def _stop_if_cancelled(name: str) -> None:
@@ -655,7 +670,7 @@ def render_down(report: dict) -> None:
         if rep.get("note"):
             console.print(f"  {rep['note']}", highlight=False, markup=False, soft_wrap=True)
         if rep.get("container_other"):
-            console.print(f"  container {rep.get('container')} is now run {rep['container_other']}: not this seat's, "
+            console.print(f"  container {rep.get('container')} is now {rep['container_other']}: not this seat's, "
                           "left running", highlight=False, markup=False, soft_wrap=True)
         for d in rep.get("docker", []) or []:
             console.print(f"  {' '.join(d['argv'])}: rc {d.get('rc')} {d.get('error', '')}", highlight=False,

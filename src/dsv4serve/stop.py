@@ -37,7 +37,8 @@ def _docker(args: list[str], timeout: float) -> dict[str, Any]:
         r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"argv": ["docker", *args], "rc": None, "error": f"timed out after {timeout:.0f} s"}
-    return {"argv": ["docker", *args], "rc": r.returncode, "out": (r.stdout + r.stderr).strip()[-400:]}
+    return {"argv": ["docker", *args], "rc": r.returncode, "out": (r.stdout + r.stderr).strip()[-400:],
+            "stdout": r.stdout}
 
 
 def container_exists(name: str, run_id: str | None = None) -> bool | None:
@@ -62,8 +63,12 @@ def container_owner(name: str) -> tuple[bool | None, str | None, str | None, str
         return None, None, None, said_last
     if r["rc"] != 0:
         return (False if "no such" in r.get("out", "").lower() else None), None, None, said_last
-    parts = said_last.split(" ")
-    label = [p if p and p != "<no value>" else None for p in (parts[1:3] + [None, None])[:2]]
+    # stdout only: the CLI's own warnings (an unreadable ~/.docker/config.json) go to stderr
+    first = (r.get("stdout") or "").strip().splitlines()[:1]
+    parts = first[0].split(" ") if first else []
+    if len(parts) != 3 or not parts[0].isalpha():  # not "<status> <run id> <seat>": docker cannot say
+        return None, None, None, said_last
+    label = [p if p != "<no value>" else None for p in parts[1:]]
     return True, label[0], label[1], said_last
 
 
@@ -149,7 +154,7 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
             # another seat's container of the same name (or not dsv4serve's): this run's is gone,
             # and stopping that one would take down a seat nobody asked to stop
             report["docker"] = []
-            report["container_other"] = f"{owner} (seat {seat})" if owner else "a container dsv4serve did not start"
+            report["container_other"] = f"run {owner} (seat {seat})" if owner else "a container dsv4serve did not start"
             report["container_left"], report["container_check"] = False, said
         else:
             report["docker"] = stop_container(st.container_name, grace, escalate)
