@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -1060,3 +1061,18 @@ def test_a_seat_started_with_set_is_checked_as_it_was_started(fake_seat, tmp_pat
     checks._profile_live(other, load_profile("cpu-demo"), state.load("cpu-demo"))
     row = other.rows[0]
     assert row.status == "fail" and "--set vllm.max_model_len=256 --set gates.kv_cache_min_tokens=200" in row.found
+
+
+def test_a_failed_seats_set_is_not_applied_to_check_seat(tmp_path, monkeypatch):
+    """load_for_check read any state, so a failed run's --set (kept until down) judged the profile
+    while the live rows said no seat runs (review): only a running seat's are applied."""
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    sets = ["vllm.max_model_len=256", "gates.kv_cache_min_tokens=200"]
+    state.save(state.SeatState(seat="cpu-demo", run_id="r1", profile="cpu-demo",
+                               profile_digest=load_profile("cpu-demo", sets).digest(), runtime="native", pid=gone.pid,
+                               start_time=time.time() - 60, argv=["vllm"], env={}, host="127.0.0.1", port=1,
+                               served_name="dsv4-demo", tp=2, run_dir=str(tmp_path), log_path=str(tmp_path / "v.log"),
+                               phase="failed", overrides=sets))
+    assert checks.load_for_check("cpu-demo", None).vllm.max_model_len == 512

@@ -624,7 +624,10 @@ def test_a_hash_in_a_set_value_is_text_or_refused_never_a_silent_comment():
 def test_a_list_that_does_not_parse_is_called_bad_yaml_not_a_wrong_type():
     with pytest.raises(ProfileError, match=r"--set 'gpus.ids': the value is not valid YAML") as e:
         load_profile("cpu-demo", ["gpus.ids=[0, 1"])
-    assert "brackets" not in e.value.message
+    assert "should be a valid list" not in e.value.line()
+    # a text key's text that merely starts with a bracket is still text (review)
+    assert load_profile("cpu-demo", ["gates.canary.prompt=[INST] say ready [/INST]"]).gates.canary.prompt == \
+        "[INST] say ready [/INST]"
 
 
 def test_loose_numbers_and_an_unset_window_are_refused():

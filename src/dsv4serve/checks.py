@@ -1444,11 +1444,11 @@ def load_for_check(ref: str, overrides: list[str] | None) -> Profile:
     p = load_profile(ref, overrides)
     if overrides:
         return p
-    try:
-        st = state.load(p.name)
-    except state.UnreadableState:
+    try:  # the seat the live rows will judge (a failed run's state, kept until down, is not one)
+        st = state.find_running(p.name)
+    except (DsvError, state.UnreadableState):
         return p
-    if st is None or not st.overrides:
+    if not st.overrides:
         return p
     try:
         q = load_profile(ref, list(st.overrides))

@@ -841,8 +841,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
                            hint="flatten it") from None
     except yaml.YAMLError as e:
         text = raw.lstrip()
-        # ({home}/x.so is a placeholder path, not a mapping)
-        if (text.startswith("[") or text.startswith("{") and not re.match(r"\{\w+\}", text)) and not env_value:
+        # ({home}/x.so is a placeholder path, not a mapping; "[INST] say ready" is a text key's text)
+        if (text.startswith("[") or text.startswith("{") and not re.match(r"\{\w+\}", text)) and not env_value \
+                and not _takes_text(parts):
             # a list or mapping that does not parse: "[0, 1" read as text gave "should be a list"
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ProfileError(f"--set '{key}': the value is not valid YAML ({problem})",
@@ -903,6 +904,26 @@ def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
             raise ProfileError(f"--set {'.'.join(parts)}: '{'.'.join(parts[: i + 1])}' is not a section")
         node = nxt
     node[parts[-1]] = value
+
+
+def _takes_text(parts: list[str]) -> bool:
+    """Whether the key `parts` names is a text field (str, or str | None): there a value that is
+    not valid YAML is plain text, not a list or mapping gone wrong. An unknown key counts as text
+    (its own error comes from validation)."""
+    import types
+    import typing
+
+    model: Any = Profile
+    ann: Any = None
+    for part in parts:
+        field = getattr(model, "model_fields", {}).get(part) if model is not None else None
+        if field is None:
+            return True
+        ann = field.annotation
+        members = typing.get_args(ann) if typing.get_origin(ann) is not None else (ann,)
+        model = next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
+    members = typing.get_args(ann) if typing.get_origin(ann) in (Union, types.UnionType) else (ann,)
+    return any(m is str for m in members)
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
