@@ -632,10 +632,8 @@ def test_rows_past_what_fits_are_declined_not_launched(tmp_path):
     h.call(0, 6)  # another row count past the fit is the same cause: one counter, logged once
     assert h.counters.declines == {"rows past the shared memory this device has for the build": 2}
     assert len(h.grep("need more shared memory")) == 1
-    hs = Harness(fit={55: 4}, strict=1)
-    hs.prepare()
-    with pytest.raises(md.Lna2DispatchError, match="rows=5 need more shared memory"):
-        hs.call(0, 5)
+    with pytest.raises(md.Lna2NotReadyError, match="holds v55 for 4 rows"):  # strict: at load (below)
+        Harness(fit={55: 4}, strict=1).prepare()
 
 
 def test_on_a_99_kb_card_a_k3_layer_goes_to_the_builds_that_fit(monkeypatch):
@@ -703,5 +701,10 @@ def test_strict_refuses_at_load_a_device_that_cannot_launch_the_seats_decode_row
     of graph capture, though strict promises a refusal at load (helper review of the kernel)."""
     with pytest.raises(md.Lna2NotReadyError, match=r"holds v55 for 4 rows .* this seat decodes 8 rows a call"):
         Harness(fit={55: 4}, strict=1, decode_rows=8).prepare()
-    assert Harness(fit={55: 8}, strict=1, decode_rows=8).prepare().lna2_layers == 2
+    # a prefill chunk between the decode rows and the ceiling goes to lna2 too (review): refused at
+    # load, with the ceiling a build would need
+    with pytest.raises(md.Lna2NotReadyError, match=r"holds v55 for 8 rows .* 9 would not launch; build lna2 with "
+                                                   r"`dsv4serve kernel build --max-rows 8`"):
+        Harness(fit={55: 8}, strict=1, decode_rows=8).prepare()
+    assert Harness(fit={55: CEILING}, strict=1, decode_rows=8).prepare().lna2_layers == 2
     assert Harness(fit={55: 4}, strict=0, decode_rows=8).prepare().lna2_layers == 2  # declined per call there

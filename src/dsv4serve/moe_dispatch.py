@@ -565,18 +565,21 @@ class Runtime:
         extra = sorted(set(tuned.values()) - set(fit)) if tuned else []
         if extra:  # builds the policy does not serve (`kernel check --also`): what they fit here, too
             fit = {**fit, **self._fit_extra(ext, g, extra)}
-        rows = self.env.decode_rows
-        if self.env.strict >= 1 and rows:
-            # strict promises a refusal at load, not per call in the middle of serving (or of graph
-            # capture): every decode row count must have a build that fits this device
-            short = next(((r, v) for r in range(1, min(rows, self.ceiling) + 1)
+        if self.env.strict >= 1:
+            # strict promises a refusal at load, not an error per call in the middle of serving (or
+            # of graph capture): every row count up to the build's ceiling goes to lna2, prefill
+            # chunks included, so each must have a build that fits this device
+            short = next(((r, v) for r in range(1, self.ceiling + 1)
                           if fit.get(v := variant_for(r, g.inter, g.bits, g.hidden, fit, tuned), 0) < r), None)
             if short is not None:
                 r, v = short
+                rows = self.env.decode_rows
+                what = (f"this seat decodes {rows} rows a call ({self.env.decode_rows_why}): lower vllm.max_num_seqs "
+                        "until every decode step fits, and " if rows and r <= rows else "")
                 raise ContractError(f"this device's shared memory per block holds v{v} for {fit.get(v, 0)} rows at "
-                                    f"bits={g.bits} hidden={g.hidden} intermediate={g.inter}, and this seat "
-                                    f"decodes {rows} rows a call ({self.env.decode_rows_why}): {r} would not launch; "
-                                    f"lower vllm.max_num_seqs until every decode step fits")
+                                    f"bits={g.bits} hidden={g.hidden} intermediate={g.inter}, and the build takes "
+                                    f"calls of up to {self.ceiling} rows: {r} would not launch; {what}build lna2 with "
+                                    f"`dsv4serve kernel build --max-rows {r - 1}` (moe.row_ceiling to match)")
         tables = pointer_tables(st.layer, g)
         self.scratch.ensure(g.device, nbytes)
         st.geometry, st.tables, st.fit, st.tuned = g, tuple(tables[n] for n in TABLES), fit, tuned
