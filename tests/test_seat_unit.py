@@ -380,3 +380,35 @@ def test_a_sigterm_between_the_state_write_and_the_spawn_leaves_nothing(home, tm
     assert r.returncode == 143, r.stdout + r.stderr
     assert "up stopped by SIGTERM before vLLM was started; nothing was started" in r.stdout + r.stderr
     assert state.load("cpu-demo") is None
+
+
+def test_a_third_ctrl_c_gives_down_up_when_docker_hangs(home, tmp_path):
+    """Under down's signal handling every further Ctrl-C was ignored: with a docker CLI that took
+    8 s a call, down held the shell for 30 s after three presses (review). The third gives up,
+    saying the stop is unfinished."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text("#!/bin/sh\nsleep 8\necho \"Error: No such object: $*\" >&2\nexit 1\n")
+    (bin_dir / "docker").chmod(0o755)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state.save(state.SeatState(seat="cpu-demo", run_id="cpu-demo-20250101-000000-abcd", profile="cpu-demo",
+                               profile_digest="x", runtime="docker", container_name="dsv4-hang", argv=["docker"],
+                               env={}, host="127.0.0.1", port=1, served_name="m", tp=1, run_dir=str(tmp_path),
+                               log_path=str(tmp_path / "vllm.log"), phase="ready", pid=gone.pid, start_time=1.0))
+    d = subprocess.Popen([sys.executable, "-m", "dsv4serve", "down", "-p", "cpu-demo"], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    time.sleep(2.0)
+    for _ in range(3):
+        d.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    out, _ = d.communicate(timeout=60)
+    assert time.monotonic() - t0 < 5, out
+    assert d.returncode == 130 and "down stopped by a third Ctrl-C (SIGINT) before the stop finished" in out, out

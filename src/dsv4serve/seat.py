@@ -554,8 +554,14 @@ def down(profile_name: str | None, grace: float | None = None) -> dict:
     # A Ctrl-C / SIGTERM while down waits out the grace must not abandon the stop half done (only
     # SIGTERM sent, the state left "stopping"): it cuts the grace short (SIGKILL now) and the stop
     # still finishes, leftovers, state and all; down then exits 128 + the signal.
-    with Interrupts() as intr:
-        _down_seats(out, names, unreadable, grace, lambda: intr.requested)
+    with Interrupts(give_up_at=3) as intr:
+        try:
+            _down_seats(out, names, unreadable, grace, lambda: intr.requested)
+        except KeyboardInterrupt:  # the third signal: the user wants the shell back, whatever is left
+            from dsv4serve.errors import Signalled
+
+            raise Signalled(int(intr.first or 2), f"down stopped by a third {intr.label()} before the stop finished",
+                            hint="`dsv4serve status` shows what is left; `dsv4serve down` again finishes it") from None
     if intr.requested:
         out["signal"] = {"label": intr.label(), "exit_code": intr.exit_code()}
     return out
@@ -700,8 +706,9 @@ def render_down(report: dict) -> None:
                           + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False,
                           soft_wrap=True)
     if report.get("signal"):
-        console.print(f"{report['signal']['label']}: the grace was cut short (SIGKILL), the stop finished",
-                      highlight=False, markup=False, soft_wrap=True)
+        killed = any(rep.get("killed") for rep in report["seats"])
+        console.print(f"{report['signal']['label']}: " + ("the grace was cut short (SIGKILL); " if killed else "")
+                      + "the stop finished", highlight=False, markup=False, soft_wrap=True)
 
 
 # =============================================================================================

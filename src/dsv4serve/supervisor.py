@@ -115,15 +115,20 @@ class Interrupts:
     LABELS = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM",
               signal.SIGHUP: "SIGHUP (the terminal or session went away)"}
 
-    def __init__(self) -> None:
+    def __init__(self, give_up_at: int | None = None) -> None:
         self.count = 0
         self.first: int | None = None  # the signal that asked for the teardown
         self._old: dict[int, Any] = {}
+        # `down`: the first signal hurries the stop, and a user who keeps pressing Ctrl-C past that
+        # (a docker CLI that hangs) gets the shell back
+        self.give_up_at = give_up_at
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.first is None:
             self.first = signum
+        if self.give_up_at is not None and self.count >= self.give_up_at:
+            raise KeyboardInterrupt
 
     def label(self) -> str:
         sig = self.first if self.first is not None else signal.SIGINT
