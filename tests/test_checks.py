@@ -1076,3 +1076,9 @@ def test_a_failed_seats_set_is_not_applied_to_check_seat(tmp_path, monkeypatch):
                                served_name="dsv4-demo", tp=2, run_dir=str(tmp_path), log_path=str(tmp_path / "v.log"),
                                phase="failed", overrides=sets))
     assert checks.load_for_check("cpu-demo", None).vllm.max_model_len == 512
+
+
+def test_an_arch_specific_build_runs_on_its_plain_capability():
+    """A 12.0a build is SASS for compute capability 12.0: check-seat failed it against the cards'
+    sm_120 and suggested a rebuild (helper audit)."""
+    assert checks._lna2_archs({"built": {"arch": "9.0a;12.0a+PTX"}}) == ["sm_90", "sm_120"]

@@ -65,7 +65,9 @@ def test_the_build_metadata_is_the_loaded_modules_own(monkeypatch, tmp_path):
     ({"max_rows": 33}, "--max-rows 33 must be 1..32 (the route plan keeps a 32-bit row mask per expert)"),
     # nvcc 13 builds no 9.2 / 5.0: the build failed minutes later with "ninja: subcommand failed" (audit)
     ({"arch": "9.0;9.2"}, "--arch: this nvcc does not build 9.2 (it builds "),
-    ({"arch": "5.0"}, "--arch: this nvcc does not build 5.0"),
+    # lna2 needs clusters and mbarriers: nvcc failed on them minutes in for 8.0 (helper audit)
+    ({"arch": "5.0"}, "--arch: lna2 needs compute capability 9.0 or newer"),
+    ({"arch": "8.0;12.0"}, "--arch: lna2 needs compute capability 9.0 or newer (thread-block clusters, mbarriers), not 8.0"),
     ({"out": "UNDER_FILE"}, "cannot be made: "),
 ])
 def test_build_refuses_its_own_bad_arguments_before_anything_else(tmp_path, kw, words):
@@ -338,11 +340,26 @@ def test_the_arch_check_takes_ptx_and_arch_specific_entries_and_asks_torchs_nvcc
     build.check_archs("9.0a;12.0+PTX;12.0a+PTX")
     from dsv4serve.errors import BadInput
 
-    with pytest.raises(BadInput, match=r"does not build 8\.0 \(it builds 9\.0, 12\.0\)"):
-        build.check_archs("8.0;12.0")
+    with pytest.raises(BadInput, match=r"does not build 10\.0 \(it builds 9\.0, 12\.0\)"):
+        build.check_archs("10.0;12.0")
+    build.check_archs("09.0")  # the major as a number: nvcc's 90, not "090"
 
 
 def test_kernel_info_with_the_ext_variable_naming_the_root_is_not_a_traceback(monkeypatch):
     monkeypatch.setenv(loader.ENV, "/")
     info = loader.describe()
     assert info["loadable"] is False and "DSV4SERVE_LNA2_EXT names /" in info["error"]
+
+
+def test_kernel_info_fails_for_a_build_this_gpu_cannot_run(monkeypatch):
+    """`kernel info` exited 0 for a build that loads but has no kernel image for this GPU (its
+    device_error said so) (helper audit)."""
+    from typer.testing import CliRunner
+
+    from dsv4serve.cli import app
+
+    monkeypatch.setattr(loader, "describe", lambda: {"loadable": True, "build_id": "b1",
+                                                     "device_error": "no kernel image is available"})
+    assert CliRunner().invoke(app, ["kernel", "info"]).exit_code == 1
+    monkeypatch.setattr(loader, "describe", lambda: {"loadable": True, "build_id": "b1"})
+    assert CliRunner().invoke(app, ["kernel", "info"]).exit_code == 0

@@ -182,6 +182,29 @@ def test_a_timing_ablation_is_no_build_a_table_or_a_check_may_name(tmp_path, abl
     assert h.rt._fit_extra(h.ext, None, [ablation]) == {ablation: 0}  # asked of no extension
 
 
+@pytest.mark.parametrize("unknown", [5, 52, 99, 0, 1])
+def test_a_build_number_the_binding_does_not_launch_is_refused_before_serving(tmp_path, unknown):
+    """The binding's sizing answers for an unknown number (it falls back to another build) and its
+    launch refuses it: a hand-edited table naming v52 passed a strict load and died on the first
+    decode, and `--also 52` failed the whole check (helper audit). v0 / v1 have no fit query."""
+    good = json.loads(tuning.dumps(measured({"K2/mcg": {1: 26}})))
+    good["picks"]["K2/mcg"]["1"] = unknown
+    good["timings_us"]["K2/mcg"]["1"][str(unknown)] = 5.0
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(good))
+    with pytest.raises(tuning.TuningError, match=f"v{unknown} is no lna2 build a table may serve"):
+        tuning.load(path)
+    with pytest.raises(selfcheck.BadInput, match=f"v{unknown} is no build this check can size and serve"):
+        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, f"53,{unknown}")
+    h = Harness()
+    assert h.rt._fit_extra(h.ext, None, [unknown]) == {unknown: 0}
+
+
+def test_a_table_nested_past_the_json_parser_is_a_tuning_error():
+    with pytest.raises(tuning.TuningError, match="not JSON"):
+        tuning.parse(b"[" * 100000, "t.json")
+
+
 def test_a_table_knows_its_card_build_and_shape():
     t = measured({"K2/mcg": {1: 55, 16: 53}, "K3/mcg": {1: 55}})
     assert t.mismatch(CARD["device"], 34, "b1") is None

@@ -127,3 +127,17 @@ def test_the_policys_ablations_are_the_apis():
     want = set(range(consts["ABLATION_VARIANT_BASE"], consts["ABLATION_VARIANT_BASE"] + consts["ABLATION_VARIANTS"]))
     want |= set(range(consts["V7_ABLATION_BASE"], consts["V7_ABLATION_BASE"] + consts["V7_ABLATIONS"]))
     assert policy.ABLATIONS == want
+
+
+def test_the_policys_tunable_builds_are_what_the_binding_launches():
+    """An unknown build number "fits" in the binding's sizing (pick_v2 falls back) and is refused only
+    at launch: a hand-edited table naming v52 passed a strict load and died on its first decode
+    (helper audit). TUNABLE, with the ablations and the cooperative v0 / v1, is the binding's list."""
+    binding = (KERNELS / "bindings.cpp").read_text()
+    msg = re.search(r'"variant must be ([^"]*?), or ', binding).group(1)
+    named: set[int] = set()
+    for part in msg.split(","):
+        lo, _, hi = part.strip().partition("..")
+        named |= set(range(int(lo), int(hi or lo) + 1))
+    assert policy.TUNABLE | {0, 1} == named and not policy.TUNABLE & policy.ABLATIONS
+    assert set(policy.served(256, 4096)) | set(policy.served(2048, 4096)) <= policy.TUNABLE

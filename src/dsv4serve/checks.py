@@ -925,7 +925,8 @@ def _lna2_archs(info: dict[str, Any]) -> list[str]:
         return []
     out = []
     for a in arch.replace(",", ";").split(";"):
-        a = a.strip().replace("+PTX", "")
+        # 12.0a builds SASS that runs on compute capability 12.0 (its arch-specific features too)
+        a = a.strip().replace("+PTX", "").removesuffix("a")
         if a:
             out.append("sm_" + a.replace(".", ""))
     return out

@@ -241,7 +241,8 @@ def kernel_info(json_out: bool = typer.Option(False, "--json", help="machine-rea
         else:
             for k, v in info.items():  # one line each, piped or not: a path is never cut in two
                 console.print(f"{k}: {v}", highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(0 if info.get("loadable") else 1)
+        # loadable but not runnable here (no kernel image for this GPU): no good answer either
+        raise typer.Exit(0 if info.get("loadable") and not info.get("device_error") else 1)
 
 
 @kernel_app.command("check")

@@ -659,7 +659,7 @@ class Runtime:
         shape fits no rows (the built-in policy then serves those row counts)."""
         out = {}
         for v in variants:
-            if v in policy.ABLATIONS:  # no op to serve (a table's validator refuses them too)
+            if v not in policy.TUNABLE:  # an ablation or unknown number (a table's validator refuses them too)
                 out[v] = 0
                 continue
             key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}/{g.top_k}/{g.n_experts}/v{v}"

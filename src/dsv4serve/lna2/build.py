@@ -66,6 +66,9 @@ def arch_list(arch: str) -> list[str]:
         if m is None or not 3 <= int(m["major"]) <= 12:
             raise BadInput(f"--arch: '{a}' is not a compute capability like 9.0 or 12.0",
                            hint='the seat\'s cards are 12.0, an H100 / H200 9.0: --arch "9.0;12.0"') from None
+        if int(m["major"]) < 9:  # nvcc would fail minutes in, on __cluster_dims__ / mbarrier waits
+            raise BadInput(f"--arch: lna2 needs compute capability 9.0 or newer (thread-block clusters, "
+                           f"mbarriers), not {a}", hint='the seat\'s cards are 12.0, an H100 / H200 9.0: --arch "9.0;12.0"')
     return archs
 
 
@@ -89,7 +92,7 @@ def check_archs(arch: str) -> None:
     known = nvcc_archs()
     if known is None:
         return
-    bad = [a for a in arch_list(arch) if (m := _ARCH.fullmatch(a)) and m["major"] + m["minor"] not in known]
+    bad = [a for a in arch_list(arch) if (m := _ARCH.fullmatch(a)) and f"{int(m['major'])}{m['minor']}" not in known]
     if bad:
         listed = ", ".join(f"{k[:-1]}.{k[-1]}" for k in sorted(known, key=int))
         raise BadInput(f"--arch: this nvcc does not build {', '.join(bad)} (it builds {listed})",

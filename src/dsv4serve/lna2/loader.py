@@ -152,7 +152,7 @@ def _read_meta(info: dict[str, Any], meta_path: Path, build_id: str | None) -> N
         return
     try:
         meta = json.loads(meta_path.read_text())
-    except (ValueError, OSError):  # a private file of another user's build, not JSON, not UTF-8
+    except (ValueError, OSError, RecursionError):  # another user's private file, not JSON, not UTF-8, too deep
         info["built"] = "unreadable metadata"
         return
     if build_id is not None and (not isinstance(meta, dict) or build_tag(str(meta.get("build_id")), meta.get("max_rows")) != build_id):

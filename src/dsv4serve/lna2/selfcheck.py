@@ -96,6 +96,9 @@ class CheckSpec(BaseModel):
         if bad := sorted(set(v) & policy.ABLATIONS):
             raise ValueError(f"v{bad[0]} is a timing ablation (it skips a stage by design): it computes no op to "
                              "check or serve")
+        if bad := sorted(set(v) - policy.TUNABLE):
+            raise ValueError(f"v{bad[0]} is no build this check can size and serve (builds: "
+                             f"{', '.join(map(str, sorted(policy.TUNABLE)))})")
         return list(dict.fromkeys(v))
 
     @field_validator("reps")

@@ -31,7 +31,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dsv4serve.lna2.policy import ABLATIONS
+from dsv4serve.lna2.policy import ABLATIONS, TUNABLE
 
 FORMAT = "dsv4serve-lna2-tuning/1"
 DEFAULT_MARGIN = 0.03
@@ -91,6 +91,9 @@ class TuningTable(BaseModel):
             if bad := sorted({b for b in rows.values() if b in ABLATIONS}):
                 raise ValueError(f"{k}: v{bad[0]} is a timing ablation (it skips a stage by design), not a build "
                                  "that computes the op")
+            if bad := sorted({b for b in rows.values() if b not in TUNABLE}):
+                raise ValueError(f"{k}: v{bad[0]} is no lna2 build a table may serve (builds: "
+                                 f"{', '.join(map(str, sorted(TUNABLE)))})")
         return v
 
     @model_validator(mode="after")
@@ -212,7 +215,7 @@ def parse(data: bytes, p: str) -> tuple[TuningTable, str]:
     """The table in `data` (read from `p`) and its digest, or TuningError."""
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # 100,000 '[' nest past the parser
         raise TuningError(f"lna2 tuning table {p}: not JSON ({str(e).splitlines()[0][:120]})") from None
     if isinstance(doc, Mapping) and doc.get("format") not in (None, FORMAT):
         raise TuningError(f"lna2 tuning table {p}: format {doc.get('format')!r}, this dsv4serve reads {FORMAT}")
