@@ -325,3 +325,22 @@ def test_a_replay_that_ignores_fresh_inputs_fails_and_a_capture_fault_stops_the_
 
     rep = run_check([1, 2], grapher=refuse_capture)
     assert len(rep.cases) == 1 and rep.cases[0].pick.graph_error.startswith("CUDA error") and rep.aborted
+
+
+def test_a_build_of_older_sources_is_a_one_line_refusal(monkeypatch):
+    """A build from before lna2_moe_fit made `kernel check` a traceback (an AttributeError in the fit
+    query; with --json no document) (helper audit): it is checked against what the dispatch calls.
+    torch.cuda is stood in for (no GPU here): the refusal comes before any device work."""
+    from types import SimpleNamespace
+
+    from dsv4serve.errors import JobFailed
+    from dsv4serve.lna2 import loader
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    old = SimpleNamespace(lna2_moe_decode=None, lna2_moe_max_rows=None, lna2_moe_scratch_bytes=None,
+                          lna2_moe_info=None)
+    monkeypatch.setattr(loader, "load", lambda: old)
+    spec = selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "1", 0, False, 30)
+    with pytest.raises(JobFailed, match="the lna2 extension lacks lna2_moe_fit"):
+        selfcheck.run(spec)

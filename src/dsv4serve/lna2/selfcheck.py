@@ -482,6 +482,11 @@ def run(spec: CheckSpec, gpu: int = 0, progress: Callable[[str], None] = lambda 
         ext = loader.load()
     except RuntimeError as e:
         raise JobFailed(f"lna2 extension not loadable: {e}", hint="run `dsv4serve kernel build`") from None
+    from dsv4serve.moe_dispatch import EXT_API
+
+    if missing := [f for f in EXT_API if not hasattr(ext, f)]:  # what the dispatch calls, as it checks
+        raise JobFailed(f"the lna2 extension lacks {', '.join(missing)}: a build of other sources",
+                        hint="rebuild it with `dsv4serve kernel build`")
     device = torch.device("cuda", gpu)
     busy = seat_using(str(getattr(torch.cuda.get_device_properties(device), "uuid", "")))
     if busy:
