@@ -265,6 +265,34 @@ def test_a_failed_build_keeps_the_compilers_output_and_says_its_first_error(tmp_
     assert str(bdir / "build.log") in e.value.hint and "subcommand failed" in (bdir / "build.log").read_text()
 
 
+def test_a_metadata_write_that_fails_leaves_no_other_builds_description(monkeypatch, tmp_path):
+    """The new .so was installed, then the metadata write failed (a full disk): the old build's JSON
+    stayed beside it, describing it with another id, arch and ceiling (helper audit). Stand-ins for
+    torch's JIT `load` and the torch module, which a CPU machine cannot build with."""
+    import json
+
+    out, bdir = tmp_path / "out", tmp_path / "out" / "build-x"
+    bdir.mkdir(parents=True)
+    (out / f"{build.MODULE}.json").write_text(json.dumps({"build_id": "0123456789ab", "arch": "12.0", "max_rows": 32}))
+
+    def load(**kw):
+        (bdir / f"{build.MODULE}.so").write_bytes(b"\x7fELF new")
+
+    real = build.atomic_write
+
+    def full(path, data, mode=None):
+        if str(path).endswith(".json"):
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, data, mode)
+
+    monkeypatch.setattr(build, "atomic_write", full)
+    torch_ = SimpleNamespace(__version__="2.13.0", version=SimpleNamespace(cuda="13.0"))
+    with pytest.raises(OSError):
+        build._build_locked("9.0", out, bdir, "abcdef012345", [], None, False, 32, tmp_path, torch_, load)
+    assert (out / f"{build.MODULE}.so").read_bytes() == b"\x7fELF new"
+    assert not (out / f"{build.MODULE}.json").exists()
+
+
 def test_metadata_this_user_cannot_read_is_said_not_raised(monkeypatch, tmp_path):
     """The metadata was written 0600 beside a 0755 .so: another user's `kernel info` failed whole
     with PermissionError (audit). It is written 0644 now, and an unreadable one is said."""

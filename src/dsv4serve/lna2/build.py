@@ -224,6 +224,9 @@ def _build_locked(arch: str, out: Path, build_dir: Path, digest: str, gencode: l
     built = next(build_dir.glob(f"{MODULE}*.so"), None)
     if built is None:
         raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
+    # the old build's description goes first: were the new one's write to fail (a full disk), it
+    # would describe the new .so with another build's id, arch and ceiling
+    (out / f"{MODULE}.json").unlink(missing_ok=True)
     target = install_so(built, out)
     meta = {"build_id": digest, "arch": arch, "max_rows": max_rows, "torch": torch.__version__,
             "cuda": torch.version.cuda, "seconds": round(time.time() - t0, 1), "built_at": time.time()}
