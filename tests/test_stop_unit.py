@@ -229,6 +229,20 @@ def test_a_rendezvous_path_the_log_names_is_taken_only_as_a_file_in_a_temp_dir(t
     assert tree.is_dir() and far.read_bytes() == b"keep" and link.is_symlink()
 
 
+def test_a_rendezvous_file_in_ups_own_tmpdir_is_still_removed(tmp_path):
+    """Taking log-named paths only from down's temp dirs lost the ones in a TMPDIR that `up` had and
+    down's shell has not (review): the state keeps up's."""
+    from dsv4serve import leftovers
+
+    ups = tmp_path / "scratch"
+    ups.mkdir()
+    rdv = ups / "vllm_dist_ab12"
+    rdv.write_bytes(b"")
+    st = make_state(tmp_dir=str(ups), started_at=time.time() - 5)
+    assert leftovers.find(st, set(), {str(rdv)}, shm=tmp_path / "noshm") == [rdv]
+    assert leftovers.find(make_state(started_at=time.time() - 5), set(), {str(rdv)}, shm=tmp_path / "noshm") == []
+
+
 def test_an_up_taken_over_by_down_stops_its_child_if_down_missed_it(monkeypatch):
     """`down` owns the teardown once it marks the seat; but if its scan missed the child (it ran
     before the child carried the run tag), the `up` that spawned it must not leave it running."""
@@ -259,6 +273,12 @@ def test_an_up_whose_state_down_took_before_the_pid_kills_its_child_at_once():
         t0 = time.monotonic()
         out = supervisor.Supervisor._taken_over_outcome(fake_sup, None, down_knew_pid=False)
         assert out.taken_over and child.poll() is not None and time.monotonic() - t0 < 10
+        # and _supervise says so when its first state write (the pid's) finds the state gone
+        said = []
+        sup = SimpleNamespace(_update=lambda **kw: False,
+                              _taken_over_outcome=lambda intr, down_knew_pid=True: said.append(down_knew_pid))
+        supervisor.Supervisor._supervise(sup, None, child.pid, None)
+        assert said == [False]
     finally:
         if child.poll() is None:
             child.kill()

@@ -25,8 +25,10 @@ MP_PATTERNS = ("psm_*", "sem.mp-*")
 
 def _tmp_dirs(st: SeatState) -> list[Path]:
     dirs = {Path(tempfile.gettempdir()), Path("/tmp")}
-    if st.env.get("TMPDIR"):
-        dirs.add(Path(st.env["TMPDIR"]))
+    # the profile's TMPDIR, and the one `up` had (down may run from a shell with another)
+    for d in (st.env.get("TMPDIR"), st.tmp_dir):
+        if d:
+            dirs.add(Path(d))
     return sorted(dirs)
 
 

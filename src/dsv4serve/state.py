@@ -74,6 +74,8 @@ class SeatState(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="the --set overrides `up` was given")
     lna2_build: dict[str, str | None] | None = Field(
         None, description="launch.lna2_launched(): the lna2 build file the workers load and its build id")
+    tmp_dir: str | None = Field(None, description="the temp dir `up` (and so the seat) had: where vLLM's "
+                                                  "rendezvous files go when the profile sets no TMPDIR")
 
     @field_validator("gates")
     @classmethod

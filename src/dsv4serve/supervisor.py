@@ -21,6 +21,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -369,7 +370,7 @@ class Supervisor:
                          gpu_ids=list(self.profile.gpus.ids), gpu_uuids=self.gpu_uuids, run_dir=str(self.run_dir),
                          log_path=str(self.log_path), phase="launching", started_at=self.t0,
                          supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides,
-                         lna2_build=lna2_launched(self.profile))
+                         lna2_build=lna2_launched(self.profile), tmp_dir=tempfile.gettempdir())
 
     def _update(self, **changes: Any) -> bool:
         """Write to the state unless `down` took the seat (then False). StateWriteFailed when it
