@@ -873,3 +873,23 @@ def test_shell_proxy_names_the_route_without_credentials(monkeypatch):
         assert shell_proxy(c, "https://example.org") is None  # no HTTPS_PROXY / ALL_PROXY
     with bench.make_client(local=True) as c:
         assert shell_proxy(c, "http://127.0.0.1:8000") is None
+
+
+def test_proxy_and_key_hints_name_what_failed():
+    """The 407, the refused key and a proxy's timeout each say what to fix (review: untested)."""
+    from dsv4serve.bench_client import http_failure, status_hint
+
+    req = httpx.Request("GET", "http://10.0.0.5:8000/v1/models")
+    assert "the shell's proxy http://p:3128 wants credentials" in status_hint(httpx.Response(407, request=req),
+                                                                              "http://p:3128")
+    assert "pass it with --api-key KEY" in status_hint(httpx.Response(401, request=req))
+    keyed = httpx.Request("GET", "http://10.0.0.5:8000/v1/models", headers={"Authorization": "Bearer k"})
+    assert "refused the API key bench sent" in status_hint(httpx.Response(401, request=keyed))
+    assert "see its log" in status_hint(httpx.Response(502, request=req))
+    assert "went through the shell's proxy http://p:3128" in status_hint(httpx.Response(502, request=req),
+                                                                          "http://p:3128")
+    e = http_failure("http://10.0.0.5:8000", httpx.ReadTimeout("timed out", request=req), proxy="http://p:3128")
+    assert "did not answer through the shell's proxy http://p:3128 in time" in e.message and "NO_PROXY" in e.hint
+    e = http_failure("http://10.0.0.5:8000", httpx.ProxyError("503 Service Unavailable", request=req),
+                     proxy="http://p:3128")
+    assert e.message.startswith("cannot reach http://10.0.0.5:8000 through the shell's proxy http://p:3128")
