@@ -412,3 +412,15 @@ def test_a_third_ctrl_c_gives_down_up_when_docker_hangs(home, tmp_path):
     out, _ = d.communicate(timeout=60)
     assert time.monotonic() - t0 < 5, out
     assert d.returncode == 130 and "down stopped by a third Ctrl-C (SIGINT) before the stop finished" in out, out
+
+
+def test_downs_closing_line_counts_a_docker_kill_as_the_sigkill(capsys):
+    """A docker seat's escalation is `docker kill`, after which no process needs SIGKILL: the closing
+    line dropped "cut short (SIGKILL)" (review)."""
+    rep = {"seat": "s", "run_id": "r", "clean": True, "killed": [], "signalled": [],
+           "docker": [{"argv": ["docker", "stop", "-t", "20", "c"], "rc": 0}, {"argv": ["docker", "kill", "c"], "rc": 0}]}
+    seat.render_down({"clean": True, "seats": [rep], "signal": {"label": "Ctrl-C (SIGINT)", "exit_code": 130}})
+    assert "Ctrl-C (SIGINT): the grace was cut short (SIGKILL); the stop finished" in capsys.readouterr().out
+    seat.render_down({"clean": True, "seats": [{**rep, "docker": rep["docker"][:1]}],
+                      "signal": {"label": "Ctrl-C (SIGINT)", "exit_code": 130}})
+    assert "Ctrl-C (SIGINT): the stop finished" in capsys.readouterr().out

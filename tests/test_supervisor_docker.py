@@ -283,3 +283,17 @@ def test_a_container_a_finished_run_left_is_named_for_docker_rm_not_for_down(fak
     (fake.dir / f"{fake.name}.json").write_text(json.dumps(rec))  # the container record comes back, exited
     r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
     assert r.returncode == 2 and f"docker rm -f {fake.name}" in r.stderr, r.stderr
+
+
+def test_a_running_container_of_a_seat_in_another_home_is_never_called_removable(fake, tmp_path):
+    """Another user's (or another DSV4SERVE_HOME's) live seat holds the name: up told this user to
+    `docker rm -f` it, since this home has no state of that run (review)."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        other = cli("up", "--profile", fake.profile, "--skip-checks", "--no-validate", "--set",
+                    f"vllm.port={ports.free_port()}", home=tmp_path / "home2", timeout=120, env_extra=fake.env)
+        assert other.returncode == 2 and f"container {fake.name} belongs to seat fake-docker" in other.stderr
+        assert "docker rm -f" not in other.stderr and "stop that seat where it was started" in other.stderr
+    finally:
+        assert fake.run("down", "--profile", fake.profile).returncode == 0

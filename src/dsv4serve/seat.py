@@ -402,17 +402,20 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         home.ensure(run_dir)
         launch.write_tuning(profile, run_dir)
         if spec.runtime == "docker":
-            exists, owner, other, _ = stop.container_owner(spec.container_name) if spec.container_name else \
-                (False, None, None, "")
-            if exists:
-                holder = _state_of_run(other, owner)
-                if holder is not None:  # another seat's (both kept the default name): removing it stops that seat
-                    raise BadInput(f"container {spec.container_name} belongs to seat {other} (run {owner})",
-                                   hint=f"set runtime.container_name for this seat, or stop that one first "
-                                        f"(`dsv4serve down --profile {other}`)")
-                raise BadInput(f"a container named {spec.container_name} already exists",
-                               hint=f"it is not this seat's: remove it (`docker rm -f {spec.container_name}`) or set "
-                                    "runtime.container_name")
+            exists, owner, other, status = stop.container_owner(spec.container_name) if spec.container_name \
+                else (False, None, None, "")
+            if exists and owner and (status == "running" or _state_of_run(other, owner) is not None):
+                # another seat's (both kept the default name; maybe another user's or another home's):
+                # removing it would stop that seat
+                here = _state_of_run(other, owner) is not None
+                raise BadInput(f"container {spec.container_name} belongs to seat {other} (run {owner})",
+                               hint="set runtime.container_name for this seat" + (
+                                   f", or stop that one first (`dsv4serve down --profile {other}`)" if here else
+                                   ", or stop that seat where it was started"))
+            if exists:  # a leftover of a finished run, or not dsv4serve's at all
+                raise BadInput(f"a container named {spec.container_name} already exists ({status or 'status unknown'}"
+                               + (f", left by run {owner})" if owner else ", not started by dsv4serve)"),
+                               hint=f"remove it (`docker rm -f {spec.container_name}`) or set runtime.container_name")
             launch.write_plugin_dist_info(run_dir)
         _check_port(profile)  # again, just before the bind race window closes
         sup = supervisor.Supervisor(profile, spec, json_events=json_events, foreground=foreground,
@@ -706,7 +709,8 @@ def render_down(report: dict) -> None:
                           + (f" (other processes: {gpu['foreign']})" if gpu.get("foreign") else ""), highlight=False,
                           soft_wrap=True)
     if report.get("signal"):
-        killed = any(rep.get("killed") for rep in report["seats"])
+        killed = any(rep.get("killed") or any(d.get("argv", [None, None])[1:2] == ["kill"] for d in rep.get("docker") or [])
+                     for rep in report["seats"])
         console.print(f"{report['signal']['label']}: " + ("the grace was cut short (SIGKILL); " if killed else "")
                       + "the stop finished", highlight=False, markup=False, soft_wrap=True)
 

@@ -54,8 +54,9 @@ _LABELS = '{{.State.Status}} {{index .Config.Labels "dsv4serve.run_id"}} {{index
 
 def container_owner(name: str) -> tuple[bool | None, str | None, str | None, str]:
     """(exists, run id, seat) of the container called `name`, from the labels `up` gives its
-    containers (None: not labelled, i.e. not dsv4serve's), and what docker said. Every docker seat
-    defaults to the name "dsv4": the name alone does not say whose container it is."""
+    containers (None: not labelled, i.e. not dsv4serve's), and what docker said: its status when
+    it exists. Every docker seat defaults to the name "dsv4": the name alone does not say whose
+    container it is."""
     r = _docker(["inspect", "--format", _LABELS, name], timeout=30)
     said = (r.get("error") or r.get("out") or "").strip().splitlines()
     said_last = said[-1] if said else ""
@@ -63,13 +64,14 @@ def container_owner(name: str) -> tuple[bool | None, str | None, str | None, str
         return None, None, None, said_last
     if r["rc"] != 0:
         return (False if "no such" in r.get("out", "").lower() else None), None, None, said_last
-    # stdout only: the CLI's own warnings (an unreadable ~/.docker/config.json) go to stderr
-    first = (r.get("stdout") or "").strip().splitlines()[:1]
-    parts = first[0].split(" ") if first else []
+    # stdout only: the CLI's own warnings (an unreadable ~/.docker/config.json) go to stderr. A
+    # missing label prints as "" ("running  "), on older engines as "<no value>".
+    first = (r.get("stdout") or "").lstrip("\n").split("\n", 1)[0].replace("<no value>", "")
+    parts = first.split(" ")
     if len(parts) != 3 or not parts[0].isalpha():  # not "<status> <run id> <seat>": docker cannot say
         return None, None, None, said_last
-    label = [p if p != "<no value>" else None for p in parts[1:]]
-    return True, label[0], label[1], said_last
+    label = [p or None for p in parts[1:]]
+    return True, label[0], label[1], parts[0]
 
 
 def container_check(name: str, run_id: str | None = None) -> tuple[bool | None, str]:
