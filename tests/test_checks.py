@@ -1082,3 +1082,4 @@ def test_an_arch_specific_build_runs_on_its_plain_capability():
     """A 12.0a build is SASS for compute capability 12.0: check-seat failed it against the cards'
     sm_120 and suggested a rebuild (helper audit)."""
     assert checks._lna2_archs({"built": {"arch": "9.0a;12.0a+PTX"}}) == ["sm_90", "sm_120"]
+    assert checks._lna2_archs({"built": {"arch": "09.0;12.0"}}) == ["sm_90", "sm_120"]  # the major as a number

@@ -281,16 +281,34 @@ def test_a_metadata_write_that_fails_leaves_no_other_builds_description(monkeypa
     real = build.atomic_write
 
     def full(path, data, mode=None):
-        if str(path).endswith(".json"):
+        if ".json" in str(path):  # the description, staged or in place
             raise OSError(28, "No space left on device", str(path))
         return real(path, data, mode)
 
     monkeypatch.setattr(build, "atomic_write", full)
     torch_ = SimpleNamespace(__version__="2.13.0", version=SimpleNamespace(cuda="13.0"))
+    (out / f"{build.MODULE}.so").write_bytes(b"\x7fELF old")
     with pytest.raises(OSError):
         build._build_locked("9.0", out, bdir, "abcdef012345", [], None, False, 32, tmp_path, torch_, load)
+    # the old build stays whole, with its own description
+    assert (out / f"{build.MODULE}.so").read_bytes() == b"\x7fELF old"
+    assert json.loads((out / f"{build.MODULE}.json").read_text())["build_id"] == "0123456789ab"
+    # and a copy of the .so that fails (ENOSPC in the copy) takes the old description with it nowhere
+    monkeypatch.setattr(build, "atomic_write", real)
+
+    def no_space(src, dst, *a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(build.shutil, "copyfileobj", no_space)
+    with pytest.raises(OSError):
+        build._build_locked("9.0", out, bdir, "abcdef012345", [], None, False, 32, tmp_path, torch_, load)
+    assert (out / f"{build.MODULE}.so").read_bytes() == b"\x7fELF old"
+    assert json.loads((out / f"{build.MODULE}.json").read_text())["build_id"] == "0123456789ab"
+    assert sorted(p.name for p in out.iterdir()) == ["build-x", f"{build.MODULE}.json", f"{build.MODULE}.so"]
+    monkeypatch.undo()
+    build._build_locked("9.0", out, bdir, "abcdef012345", [], None, False, 32, tmp_path, torch_, load)
     assert (out / f"{build.MODULE}.so").read_bytes() == b"\x7fELF new"
-    assert not (out / f"{build.MODULE}.json").exists()
+    assert json.loads((out / f"{build.MODULE}.json").read_text())["build_id"] == "abcdef012345"
 
 
 def test_metadata_this_user_cannot_read_is_said_not_raised(monkeypatch, tmp_path):

@@ -625,6 +625,9 @@ def test_a_list_that_does_not_parse_is_called_bad_yaml_not_a_wrong_type():
     with pytest.raises(ProfileError, match=r"--set 'gpus.ids': the value is not valid YAML") as e:
         load_profile("cpu-demo", ["gpus.ids=[0, 1"])
     assert "should be a valid list" not in e.value.line()
+    # inside a free-form mapping nothing would check a broken list later: still bad YAML (review)
+    with pytest.raises(ProfileError, match="the value is not valid YAML"):
+        load_profile("cpu-demo", ['vllm.compilation_config.custom_ops=["+rms_norm", "-silu_and_mul"'])
     # a text key's text that merely starts with a bracket is still text (review)
     assert load_profile("cpu-demo", ["gates.canary.prompt=[INST] say ready [/INST]"]).gates.canary.prompt == \
         "[INST] say ready [/INST]"

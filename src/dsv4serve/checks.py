@@ -927,8 +927,9 @@ def _lna2_archs(info: dict[str, Any]) -> list[str]:
     for a in arch.replace(",", ";").split(";"):
         # 12.0a builds SASS that runs on compute capability 12.0 (its arch-specific features too)
         a = a.strip().replace("+PTX", "").removesuffix("a")
-        if a:
-            out.append("sm_" + a.replace(".", ""))
+        major, _, minor = a.partition(".")
+        if major.isdigit() and minor.isdigit():  # '09.0' is sm_90, as nvcc and torch read it
+            out.append(f"sm_{int(major)}{minor}")
     return out
 
 

@@ -908,15 +908,18 @@ def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
 
 def _takes_text(parts: list[str]) -> bool:
     """Whether the key `parts` names is a text field (str, or str | None): there a value that is
-    not valid YAML is plain text, not a list or mapping gone wrong. An unknown key counts as text
-    (its own error comes from validation)."""
+    not valid YAML is plain text, not a list or mapping gone wrong. An unknown key of a section
+    counts as text (validation names it); a key inside a free-form mapping (compilation_config,
+    speculative_config) does not: nothing would check a broken list there."""
     import types
     import typing
 
     model: Any = Profile
     ann: Any = None
     for part in parts:
-        field = getattr(model, "model_fields", {}).get(part) if model is not None else None
+        if model is None:  # below a field that is no section: a free-form mapping's key
+            return False
+        field = model.model_fields.get(part)
         if field is None:
             return True
         ann = field.annotation

@@ -224,11 +224,17 @@ def _build_locked(arch: str, out: Path, build_dir: Path, digest: str, gencode: l
     built = next(build_dir.glob(f"{MODULE}*.so"), None)
     if built is None:
         raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
-    # the old build's description goes first: were the new one's write to fail (a full disk), it
-    # would describe the new .so with another build's id, arch and ceiling
-    (out / f"{MODULE}.json").unlink(missing_ok=True)
-    target = install_so(built, out)
     meta = {"build_id": digest, "arch": arch, "max_rows": max_rows, "torch": torch.__version__,
             "cuda": torch.version.cuda, "seconds": round(time.time() - t0, 1), "built_at": time.time()}
-    atomic_write(out / f"{MODULE}.json", json.dumps(meta, indent=2), mode=0o644)  # as readable as the .so
+    # The new description is written aside first and renamed into place only once the new .so is:
+    # a full disk at either write leaves the old .so with its own description, never one with
+    # another build's id, arch and ceiling (check-seat and up trust it for a docker seat).
+    staged = out / f".{MODULE}.json.new"
+    atomic_write(staged, json.dumps(meta, indent=2), mode=0o644)  # as readable as the .so
+    try:
+        target = install_so(built, out)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    os.replace(staged, out / f"{MODULE}.json")
     return target
