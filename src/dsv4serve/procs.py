@@ -48,11 +48,14 @@ def group_is_ours(st: SeatState) -> bool:
         return False
 
 
+def _began(st: SeatState) -> float:
+    """When the run began: its main process's start, else the state's own stamp."""
+    return st.start_time if st.start_time is not None else st.started_at
+
+
 def _before_boot(st: SeatState) -> bool:
-    """The run began before this boot (its main process's start, else the state's own stamp)."""
-    began = st.start_time if st.start_time is not None else st.started_at
     try:
-        return began < psutil.boot_time() - 1.0
+        return _began(st) < psutil.boot_time() - 1.0
     except (psutil.Error, OSError):
         return False
 
@@ -60,9 +63,8 @@ def _before_boot(st: SeatState) -> bool:
 def _born_in_run(p: psutil.Process, st: SeatState) -> bool:
     """A process created before the run began cannot be one of its processes, whatever its group
     (a group whose number the run's leader once had)."""
-    began = st.start_time if st.start_time is not None else st.started_at
     try:
-        return p.create_time() >= began - 1.0
+        return p.create_time() >= _began(st) - 1.0
     except psutil.Error:
         return False
 

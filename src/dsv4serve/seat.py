@@ -404,10 +404,10 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         if spec.runtime == "docker":
             exists, owner, other, status = stop.container_owner(spec.container_name) if spec.container_name \
                 else (False, None, None, "")
-            if exists and owner and (status == "running" or _state_of_run(other, owner) is not None):
+            here = exists and _state_of_run(other, owner) is not None
+            if exists and owner and (status == "running" or here):
                 # another seat's (both kept the default name; maybe another user's or another home's):
                 # removing it would stop that seat
-                here = _state_of_run(other, owner) is not None
                 raise BadInput(f"container {spec.container_name} belongs to seat {other} (run {owner})",
                                hint="set runtime.container_name for this seat" + (
                                    f", or stop that one first (`dsv4serve down --profile {other}`)" if here else
@@ -433,7 +433,7 @@ def _state_of_run(seat: str | None, run_id: str | None) -> Any:
     container a finished run left behind belongs to nobody `down` could stop."""
     from dsv4serve import state
 
-    if not seat or not run_id or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", seat):
+    if not seat or not run_id or not state.SEAT_NAME.fullmatch(seat):
         return None  # a label is anyone's text: never a path to read
     try:
         st = state.load(seat)
