@@ -331,8 +331,11 @@ def test_ctrl_c_during_downs_grace_finishes_the_stop_at_once(home, tmp_path):
             argv=["python"], env={}, host="127.0.0.1", port=1, served_name="m", tp=1, run_dir=str(tmp_path),
             log_path=str(tmp_path / "vllm.log"), phase="ready", pid=p.pid, pgid=p.pid,
             start_time=psutil.Process(p.pid).create_time(), gates={"timeouts": {"shutdown_grace_s": 20.0}}))
+        # down keeps a SIGINT its parent ignores (a suite started in the background): this test sends
+        # it one, so it starts with the default whatever the suite was started under
         d = subprocess.Popen([sys.executable, "-m", "dsv4serve", "down", "-p", "cpu-demo", "--json"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 30
         while state.load("cpu-demo").phase != "stopping" and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -403,7 +406,8 @@ def test_a_third_ctrl_c_gives_down_up_when_docker_hangs(home, tmp_path):
                                log_path=str(tmp_path / "vllm.log"), phase="ready", pid=gone.pid, start_time=1.0))
     d = subprocess.Popen([sys.executable, "-m", "dsv4serve", "down", "-p", "cpu-demo"], text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+                         env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as above
     time.sleep(2.0)
     for _ in range(3):
         d.send_signal(signal.SIGINT)
