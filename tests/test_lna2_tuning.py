@@ -164,40 +164,28 @@ def test_a_bad_table_is_one_line_naming_the_field(tmp_path, content, phrase):
     assert phrase.replace("Value error, ", "") in text
 
 
-@pytest.mark.parametrize("ablation", [10, 13, 17, 19])
-def test_a_timing_ablation_is_no_build_a_table_or_a_check_may_name(tmp_path, ablation):
-    """v10-v13 and v17-v19 skip a stage by design. A table naming one (hand-edited, with a timing
-    beside it) loaded and the dispatch served it under strict 2, and `--also` timed them into one
-    (helper audit)."""
+@pytest.mark.parametrize("build, in_table, in_check", [
+    *((v, f"v{v} is a timing ablation", f"v{v} is a timing ablation") for v in (10, 13, 17, 19)),
+    *((v, f"v{v} is no lna2 build a table may serve", f"v{v} is no build this check can size and serve")
+      for v in (5, 52, 99, 0, 1)),
+])
+def test_a_build_a_table_or_a_check_may_not_name_is_refused_before_serving(tmp_path, build, in_table, in_check):
+    """v10-v13 and v17-v19 skip a stage by design: a table naming one (hand-edited, with a timing
+    beside it) loaded and the dispatch served it under strict 2, and `--also` timed them into one.
+    An unknown number "fits" in the binding's sizing (it falls back to another build) and its launch
+    refuses it: a table naming v52 passed a strict load and died on the first decode, and `--also
+    52` failed the whole check. v0 / v1 have no fit query (helper audits)."""
     good = json.loads(tuning.dumps(measured({"K2/mcg": {1: 26}})))
-    good["picks"]["K2/mcg"]["1"] = ablation
-    good["timings_us"]["K2/mcg"]["1"][str(ablation)] = 5.0
+    good["picks"]["K2/mcg"]["1"] = build
+    good["timings_us"]["K2/mcg"]["1"][str(build)] = 5.0
     path = tmp_path / "t.json"
     path.write_text(json.dumps(good))
-    with pytest.raises(tuning.TuningError, match=f"v{ablation} is a timing ablation"):
+    with pytest.raises(tuning.TuningError, match=in_table):
         tuning.load(path)
-    with pytest.raises(selfcheck.BadInput, match=f"v{ablation} is a timing ablation"):
-        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, f"53,{ablation}")
+    with pytest.raises(selfcheck.BadInput, match=in_check):
+        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, f"53,{build}")
     h = Harness()
-    assert h.rt._fit_extra(h.ext, None, [ablation]) == {ablation: 0}  # asked of no extension
-
-
-@pytest.mark.parametrize("unknown", [5, 52, 99, 0, 1])
-def test_a_build_number_the_binding_does_not_launch_is_refused_before_serving(tmp_path, unknown):
-    """The binding's sizing answers for an unknown number (it falls back to another build) and its
-    launch refuses it: a hand-edited table naming v52 passed a strict load and died on the first
-    decode, and `--also 52` failed the whole check (helper audit). v0 / v1 have no fit query."""
-    good = json.loads(tuning.dumps(measured({"K2/mcg": {1: 26}})))
-    good["picks"]["K2/mcg"]["1"] = unknown
-    good["timings_us"]["K2/mcg"]["1"][str(unknown)] = 5.0
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps(good))
-    with pytest.raises(tuning.TuningError, match=f"v{unknown} is no lna2 build a table may serve"):
-        tuning.load(path)
-    with pytest.raises(selfcheck.BadInput, match=f"v{unknown} is no build this check can size and serve"):
-        selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, True, 30, f"53,{unknown}")
-    h = Harness()
-    assert h.rt._fit_extra(h.ext, None, [unknown]) == {unknown: 0}
+    assert h.rt._fit_extra(h.ext, None, [build]) == {build: 0}  # asked of no extension
 
 
 def test_a_table_nested_past_the_json_parser_is_a_tuning_error():
