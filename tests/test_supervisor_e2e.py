@@ -111,13 +111,16 @@ def test_lifecycle_up_json_status_chat_down(demo_home):
     assert row["markers"]["dsv4serve plugin ready"] == {"ranks": [0, 1], "need": 2, "ok": True}
     out = chat(st.base_url, "dsv4-demo")
     assert out["usage"]["completion_tokens"] > 0
+    # vLLM's ZMQ sockets are in the run's own directory, where `down` can tell them from others'
+    assert st.rpc_dir and [p for p in Path(st.rpc_dir).iterdir() if p.is_socket()], st.rpc_dir
 
     dist = dist_ids_of(st.log_path)
     assert dist, "a TP 2 run has a vllm_dist rendezvous id"
     rep = down_clean(home)["seats"][0]
     assert {p["pid"] for p in rep["signalled"]} >= {st.pid, *st.rank_pids.values()}
     assert rep["port_free"] and not rep["remaining"]
-    assert_nothing_left(st.run_id, st.pgid, port, dist)
+    assert_nothing_left(st.run_id, st.pgid, port, dist, since=st.started_at)
+    assert not Path(st.rpc_dir).exists()
     assert status_row(home)["phase"] == "not running"
 
 
@@ -153,7 +156,7 @@ def test_down_during_start_up_and_a_second_up_meanwhile(demo_home):
         assert time.time() - t0 < 40
         out, err = bg.communicate(timeout=60)
         assert bg.returncode == 1 and "stopped by `dsv4serve down` before the seat was ready" in err, err
-        assert_nothing_left(st.run_id, st.pgid, port, dist_ids_of(st.log_path))
+        assert_nothing_left(st.run_id, st.pgid, port, dist_ids_of(st.log_path), since=st.started_at)
     finally:
         if bg.poll() is None:
             bg.kill()
@@ -166,6 +169,7 @@ def test_required_marker_missing_on_one_rank_fails_naming_it(demo_home):
     gate requiring it on every rank must fail, naming rank 1, after the seat answered its canary."""
     home = demo_home
     port = ports.free_port()
+    t0 = time.time()
     r = cli("up", "--profile", "cpu-demo", "--skip-checks", "--set", f"vllm.port={port}",
             "--set", 'gates.markers=[{text: "dsv4serve plugin ready", ranks: all}, '
                      '{text: "Loading drafter model", ranks: all}]', home=home, timeout=400)
@@ -179,7 +183,7 @@ def test_required_marker_missing_on_one_rank_fails_naming_it(demo_home):
     last = status_row(home)
     assert last["phase"] == "not running" and last["last_run"]["outcome"] == "failed"
     run_id = last["last_run"]["run_id"]
-    assert_nothing_left(run_id, None, port, dist_ids_of(last["last_run"]["log"]))
+    assert_nothing_left(run_id, None, port, dist_ids_of(last["last_run"]["log"]), since=t0)
 
 
 @pytest.mark.own_server
@@ -196,6 +200,7 @@ def test_corrupted_model_fails_fast_with_the_tracebacks_last_line(demo_home, tmp
     with open(model / "model.safetensors", "r+b") as f:
         f.truncate(100_000)
     port = ports.free_port()
+    t0 = time.time()
     r = cli("up", "--profile", "cpu-demo", "--skip-checks", "--set", f"vllm.port={port}",
             "--set", "model.demo=false", "--set", f"model.path={model}", "--set", "vllm.tensor_parallel_size=1",
             home=home, timeout=300)
@@ -216,7 +221,7 @@ def test_corrupted_model_fails_fast_with_the_tracebacks_last_line(demo_home, tmp
     launch = json.loads((diag / "launch.json").read_text())
     assert str(model) in launch["argv"] and launch["env"]["DSV4SERVE_RUN_ID"]
     run_id = launch["env"]["DSV4SERVE_RUN_ID"]
-    assert_nothing_left(run_id, None, port, dist_ids_of(str(diag / "vllm.log")))
+    assert_nothing_left(run_id, None, port, dist_ids_of(str(diag / "vllm.log")), since=t0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,5 +301,5 @@ def test_worker_killed_mid_run_is_reported_failed_and_down_cleans(demo_seat):
     assert f"rank 1 (pid {victim}) is gone" in row["problem"] or "VllmWorker-1 died" in row["problem"], row
     rep = down_clean(demo_seat.home)["seats"][0]
     assert rep["phase_before"] == "ready"
-    assert_nothing_left(st.run_id, st.pgid, demo_seat.port, dist_ids_of(st.log_path))
+    assert_nothing_left(st.run_id, st.pgid, demo_seat.port, dist_ids_of(st.log_path), since=st.started_at)
     assert not psutil.pid_exists(st.pid) or psutil.Process(st.pid).create_time() != st.start_time

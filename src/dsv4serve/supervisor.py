@@ -32,7 +32,7 @@ from typing import Any, Callable
 from filelock import Timeout
 from rich.markup import escape
 
-from dsv4serve import procs, readiness, state, stop
+from dsv4serve import leftovers, procs, readiness, state, stop
 from dsv4serve.cli_common import console, emit_json_line, err_console, silence
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
 from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child, lna2_launched, seat_api_key
@@ -320,12 +320,15 @@ def _no_core_dumps() -> None:  # runs in the child between fork and exec
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def spawn(spec: LaunchSpec, log_path: Path, core_dumps: bool = False) -> subprocess.Popen:
+def spawn(spec: LaunchSpec, log_path: Path, core_dumps: bool = False, rpc_dir: str | None = None) -> subprocess.Popen:
     """The seat in its own session (so its whole tree shares one process group that `down` can
-    signal, and a Ctrl-C in our terminal never reaches it), logging into the run's file."""
+    signal, and a Ctrl-C in our terminal never reaches it), logging into the run's file; vLLM's
+    socket files in `rpc_dir` (leftovers.make_rpc_dir)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = env_for_child(spec)
     env[RUN_ID_ENV] = spec.run_id  # also on the docker client, whose env delta is passed with -e
+    if rpc_dir:
+        env[leftovers.RPC_ENV] = rpc_dir
     with open(log_path, "ab", buffering=0) as log:
         return subprocess.Popen(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=spec.cwd, start_new_session=True,
@@ -360,6 +363,7 @@ class Supervisor:
         self._tearing_down = False  # set once a teardown began: a crash after it must not start another
         self._attached_ready = False  # --foreground, past ready: a `down` then is the user's stop, not a failure
         self._failing: Outcome | None = None  # the failure _fail is stopping the seat for
+        self.rpc_dir: str | None = None  # vLLM's socket files' directory (run() makes it)
 
     # -- state ----------------------------------------------------------------------------------
     def _initial_state(self) -> SeatState:
@@ -370,7 +374,8 @@ class Supervisor:
                          gpu_ids=list(self.profile.gpus.ids), gpu_uuids=self.gpu_uuids, run_dir=str(self.run_dir),
                          log_path=str(self.log_path), phase="launching", started_at=self.t0,
                          supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides,
-                         lna2_build=lna2_launched(self.profile), tmp_dir=tempfile.gettempdir())
+                         lna2_build=lna2_launched(self.profile), tmp_dir=tempfile.gettempdir(),
+                         rpc_dir=self.rpc_dir)
 
     def _update(self, **changes: Any) -> bool:
         """Write to the state unless `down` took the seat (then False). StateWriteFailed when it
@@ -426,12 +431,30 @@ class Supervisor:
         """Nothing was spawned: no state of this run may stay behind."""
         with contextlib.suppress(OSError, state.UnreadableState):
             state.remove(self.seat, self.spec.run_id)
+        self._drop_rpc_dir()
         return self._finish(Outcome(False, code, reason, None, 0.0))
+
+    def _drop_rpc_dir(self) -> None:
+        if self.rpc_dir:
+            with contextlib.suppress(OSError):  # empty: nothing ran that could have bound a socket there
+                os.rmdir(self.rpc_dir)
+
+    def _make_rpc_dir(self) -> str | None:
+        if self.spec.runtime != "native":
+            return None  # a container's sockets are in its own /tmp, gone with it
+        try:
+            return leftovers.make_rpc_dir(self.spec.env)
+        except OSError as e:
+            where = self.spec.env.get("TMPDIR") or tempfile.gettempdir()
+            raise JobFailed(f"could not make the run's socket directory in {where} ({e.strerror or e})",
+                                   hint=f"free space in {where} or fix its permissions (or set TMPDIR to a "
+                                        "writable directory), then up again") from None
 
     def run(self) -> Outcome:
         # The signals are ours from before the state is written: a SIGTERM between that write and
         # the spawn left a "launching" state of a run that never started, said to be maybe running.
         with Interrupts() as intr:
+            self.rpc_dir = self._make_rpc_dir()
             self.st = self._initial_state()
             try:
                 state.save(self.st)
@@ -443,6 +466,7 @@ class Supervisor:
                 # nothing runs yet, and no state of a run that never started may stay behind
                 with contextlib.suppress(OSError, state.UnreadableState):
                     state.remove(self.seat, self.spec.run_id)
+                self._drop_rpc_dir()
                 raise self._state_write_failed(e) from None
             if state.cancel_requested(self.seat):
                 # a `down` that found no state yet asked us to stop; from here on it would find this one
@@ -452,7 +476,8 @@ class Supervisor:
                 return self._not_started(f"up stopped by {intr.label()} before vLLM was started; nothing was started",
                                          code=intr.exit_code())
             try:
-                self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps)
+                self.proc = spawn(self.spec, self.log_path, core_dumps=self.profile.runtime.core_dumps,
+                                  rpc_dir=self.rpc_dir)
             except (OSError, ValueError) as e:  # ValueError: a NUL byte in argv or env (exec cannot carry it)
                 why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
                 return self._not_started(f"could not start {self.spec.argv[0]}: {why}")
