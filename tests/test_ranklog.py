@@ -344,7 +344,22 @@ def test_a_traceback_ending_in_a_cuda_error_is_that_kind_of_fatal():
         tr.feed('(Worker_TP1 pid=9) ERROR   File "x.py", line 1, in f')
         tr.feed(f"(Worker_TP1 pid=9) ERROR {last}")
         assert [f.kind for f in tr.fatal] == [kind], tr.fatal
-        assert (kind in SERVING_FATAL) == (kind != "traceback")
+        assert (kind in SERVING_FATAL) == (kind != "traceback") == tr.fatal[0].ends_serving
+
+
+def test_out_of_memory_in_the_api_servers_stream_does_not_end_a_ready_seat():
+    """A request's MemoryError in the API server (its shared-memory buffer full) is that request's
+    error, not the seat's end; out of memory on a rank or in the engine still is."""
+    tr = SeatTracker(2, [], [])
+    for ln in ("ERROR 12-02 19:04:17 [serving.py:929] Error in chat completion.", "Traceback (most recent call last):",
+               '  File "/vllm/distributed/device_communicators/shm_object_storage.py", line 719, in put',
+               "MemoryError: Not enough space in the data buffer"):
+        tr.feed(f"(APIServer pid=1) {ln}")
+    assert [(f.kind, f.stream, f.ends_serving) for f in tr.fatal] == [("oom", "api", False)], tr.fatal
+    tr.feed("(EngineCore_DP0 pid=5) ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    tr.feed("(Worker_TP0 pid=7) ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert [(f.kind, f.stream, f.ends_serving) for f in tr.fatal[1:]] == [("oom", "engine", True),
+                                                                          ("oom", "rank0", True)], tr.fatal
 
 
 ACTIVE = "LNA2 MoE kernel ACTIVE rank="

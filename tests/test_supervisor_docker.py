@@ -146,16 +146,20 @@ def test_foreground_watches_on_after_ready_and_fails_on_a_rank_error(fake):
     assert failed["clean"]
 
 
-def test_foreground_survives_one_requests_traceback_and_still_fails_on_a_rank_error(fake):
-    """vLLM logs a traceback for one failed request (a tool parser that raised on a stream) and
-    keeps serving; the attached `up` stopped a healthy seat for it. It is judged as status judges a
-    ready seat: the traceback passes, the rank's CUDA error 2 s later still ends the run."""
+@pytest.mark.parametrize("scenario,words", [("request_error", "JSONDecodeError"),
+                                             ("request_oom", "MemoryError: Not enough space")])
+def test_foreground_survives_one_requests_traceback_and_still_fails_on_a_rank_error(fake, scenario, words):
+    """vLLM logs a traceback for one failed request (a tool parser that raised on a stream; a
+    multimodal input too big for the API server's shared-memory buffer, a MemoryError, which was
+    classified "oom" and stopped the seat) and keeps serving; the attached `up` stopped a healthy
+    seat for it. It is judged as status judges a ready seat: the traceback passes, the rank's CUDA
+    error 2 s later still ends the run."""
     r = cli("up", "--profile", fake.profile, "--skip-checks", "--json", "--foreground", home=fake.home,
-            timeout=120, env_extra={**fake.env, "FAKE_DOCKER_SCENARIO": "request_error", "FAKE_DOCKER_LATE_S": "4"})
+            timeout=120, env_extra={**fake.env, "FAKE_DOCKER_SCENARIO": scenario, "FAKE_DOCKER_LATE_S": "4"})
     assert r.returncode == 1, r.stdout[-2000:]
     events = json_lines(r.stdout)
     assert any(e["event"] == "ready" for e in events)
-    assert any(e["event"] == "fatal" and "JSONDecodeError" in e["line"] for e in events)  # seen, and shown
+    assert any(e["event"] == "fatal" and words in e["line"] for e in events)  # seen, and shown
     failed = events[-1]
     assert failed["event"] == "failed" and failed["reason"].startswith("after ready: ") \
         and "illegal memory access" in failed["reason"], failed

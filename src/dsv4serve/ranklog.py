@@ -172,6 +172,14 @@ class Fatal:
     hint: str | None = None
     rank: int | None = None
 
+    @property
+    def ends_serving(self) -> bool:
+        """Whether it ends a ready seat. Out of memory in the API server's stream is one request's:
+        vLLM answers that request with an error and serves on (a multimodal input too big for its
+        shared-memory buffer raises MemoryError there). A GPU runs out in a rank's or the engine's
+        stream, and an API server that dies of it exits, which is caught on its own."""
+        return self.kind in SERVING_FATAL and not (self.kind == "oom" and self.stream == "api")
+
 
 class SeatTracker:
     """Feed it log lines in order; it keeps the state `up`, `status` and the gates read."""

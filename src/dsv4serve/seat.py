@@ -737,7 +737,7 @@ def _row(name: str) -> dict[str, Any]:
 
     from dsv4serve import readiness, state, stop
     from dsv4serve.errors import ProfileError
-    from dsv4serve.ranklog import SERVING_FATAL, read_log
+    from dsv4serve.ranklog import read_log
 
     try:
         st = state.load(name)
@@ -775,8 +775,8 @@ def _row(name: str) -> dict[str, Any]:
         elif dead:
             phase = "failed"
             problem = "; ".join(f"rank {r} (pid {st.rank_pids[r]}) is gone" for r in dead)
-        elif st.phase == "ready" and any(f.kind in SERVING_FATAL for f in tr.fatal):
-            f = next(f for f in tr.fatal if f.kind in SERVING_FATAL)
+        elif st.phase == "ready" and any(f.ends_serving for f in tr.fatal):
+            f = next(f for f in tr.fatal if f.ends_serving)
             phase, problem = "failed", f"{f.stream}: {f.line}"
         elif st.phase in ("starting", "launching") and st.supervisor_pid and not state.pid_alive(st.supervisor_pid):
             problem = "the `up` that started it is gone: nobody is gating it (`dsv4serve down` stops it)"

@@ -37,7 +37,7 @@ from dsv4serve.cli_common import console, emit_json_line, err_console, silence
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
 from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child, lna2_launched, seat_api_key
 from dsv4serve.profile import Profile
-from dsv4serve.ranklog import PHASE_LABEL, SERVING_FATAL, SeatTracker, with_seat
+from dsv4serve.ranklog import PHASE_LABEL, SeatTracker, with_seat
 from dsv4serve.state import RUN_ID_ENV, SeatState
 
 POLL_S = 0.2
@@ -916,7 +916,7 @@ class Supervisor:
                 return self._taken_over_outcome(intr)
             new_fatal = self.tracker.fatal[n_fatal:]
             n_fatal = len(self.tracker.fatal)
-            f = next((f for f in new_fatal if f.kind in SERVING_FATAL), None)
+            f = next((f for f in new_fatal if f.ends_serving), None)
             if f is not None:  # as status judges a ready seat: one request's traceback is not the seat's end
                 return self._fail(Outcome(False, EXIT_FAILED, f"after ready: {f.stream}: {f.line}", f.hint,
                                           now - self.t0), intr)
