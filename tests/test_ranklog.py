@@ -360,6 +360,13 @@ def test_out_of_memory_in_the_api_servers_stream_does_not_end_a_ready_seat():
     tr.feed("(Worker_TP0 pid=7) ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     assert [(f.kind, f.stream, f.ends_serving) for f in tr.fatal[1:]] == [("oom", "engine", True),
                                                                           ("oom", "rank0", True)], tr.fatal
+    # an unprefixed line lands in the API server's stream too, but is any process's last words
+    tr = SeatTracker(2, [], [])
+    tr.feed("terminate called after throwing an instance of 'c10::OutOfMemoryError'")
+    for ln in ("Process EngineCore_DP0:", "Traceback (most recent call last):", '  File "x.py", line 1, in run',
+               "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"):
+        tr.feed(ln)
+    assert [(f.kind, f.stream, f.ends_serving) for f in tr.fatal] == [("oom", "api", True)] * 2, tr.fatal
 
 
 ACTIVE = "LNA2 MoE kernel ACTIVE rank="

@@ -171,14 +171,17 @@ class Fatal:
     line: str
     hint: str | None = None
     rank: int | None = None
+    proc: str | None = None  # the process its line's prefix names; None for an unprefixed line
 
     @property
     def ends_serving(self) -> bool:
-        """Whether it ends a ready seat. Out of memory in the API server's stream is one request's:
-        vLLM answers that request with an error and serves on (a multimodal input too big for its
-        shared-memory buffer raises MemoryError there). A GPU runs out in a rank's or the engine's
-        stream, and an API server that dies of it exits, which is caught on its own."""
-        return self.kind in SERVING_FATAL and not (self.kind == "oom" and self.stream == "api")
+        """Whether it ends a ready seat. Out of memory on a line the API server logged is one
+        request's: vLLM answers that request with an error and serves on (a multimodal input too
+        big for its shared-memory buffer raises MemoryError there). An unprefixed line also lands in
+        the API server's stream, but may be any process's last words (a C++ terminate, the engine's
+        final traceback): it still ends the seat."""
+        return self.kind in SERVING_FATAL and not (self.kind == "oom" and self.stream == "api"
+                                                   and self.proc is not None)
 
 
 class SeatTracker:
@@ -373,7 +376,7 @@ class SeatTracker:
                 if self.ranks[r].markers >= set(self.required) and self.ranks[r].advance("marker", now):
                     events.append(self._ev(now, "phase", r, phase="marker"))
 
-        events += self._fatal_checks(stream, rank, text, now)
+        events += self._fatal_checks(stream, rank, text, now, p.proc)
         return events
 
     def _ev(self, now: float, event: str, rank: int | None, **kw: Any) -> dict[str, Any]:
@@ -385,17 +388,18 @@ class SeatTracker:
             st.first_error = line.strip()[:400]
 
     def _add_fatal(self, kind: str, stream: str, rank: int | None, line: str, hint: str | None,
-                   now: float, **extra: Any) -> dict[str, Any]:
+                   now: float, proc: str | None = None, **extra: Any) -> dict[str, Any]:
         line = line.strip()[:400]
         if kind == "rank_died" and rank is None:
             m = _DIED.search(line)  # the engine names the dead worker: blame its rank
             if m and int(m.group(1)) in self.ranks:
                 rank = int(m.group(1))
         self._note_error(stream, rank, line)
-        self.fatal.append(Fatal(kind, stream, line, hint, rank))
+        self.fatal.append(Fatal(kind, stream, line, hint, rank, proc))
         return self._ev(now, "fatal", rank, kind=kind, stream=stream, line=line, hint=hint, **extra)
 
-    def _traceback(self, stream: str, rank: int | None, text: str, now: float) -> dict[str, Any] | None:
+    def _traceback(self, stream: str, rank: int | None, text: str, now: float,
+                   proc: str | None) -> dict[str, Any] | None:
         """A Python traceback ends at its first unindented line that is not a chaining remark:
         that line is the exception (`SafetensorError: ...`), the root cause for the first one."""
         if TRACEBACK in text:
@@ -417,25 +421,26 @@ class SeatTracker:
         # the exception line is classified like any line (a CUDA error, NCCL, OOM): after ready
         # only SERVING_FATAL kinds stop a seat, and a traceback of one of those must still do
         kind = next((k for k, pat in FATAL if pat.search(body)), "traceback")
-        return self._add_fatal(kind, stream, rank, body, self._hint_for(body), now)
+        return self._add_fatal(kind, stream, rank, body, self._hint_for(body), now, proc)
 
-    def _fatal_checks(self, stream: str, rank: int | None, text: str, now: float) -> list[dict[str, Any]]:
+    def _fatal_checks(self, stream: str, rank: int | None, text: str, now: float,
+                      proc: str | None = None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if _REQUEST_ECHO.search(text):  # a user's prompt ("what does CUDA error: ... mean?") is no fatal
             return events
-        ev = self._traceback(stream, rank, text, now)
+        ev = self._traceback(stream, rank, text, now, proc)
         if ev:
             events.append(ev)
         elif not text.startswith((" ", "\t")):  # frames of a traceback quote code, not errors
             for kind, pat in FATAL:
                 m = pat.search(text)
                 if m:
-                    events.append(self._add_fatal(kind, stream, rank, text, self._hint_for(text), now))
+                    events.append(self._add_fatal(kind, stream, rank, text, self._hint_for(text), now, proc))
                     break
         for src, pat in self.forbidden:
             if pat.search(text):
                 events.append(self._add_fatal("forbidden", stream, rank, text, f"forbidden by the profile: /{src}/",
-                                              now, pattern=src))
+                                              now, proc, pattern=src))
         return events
 
     def _hint_for(self, line: str) -> str | None:
@@ -524,7 +529,7 @@ class SeatTracker:
 
 # Bump when SeatTracker's fields or what feed() does change: a checkpoint of another version is
 # rescanned from the start rather than resumed.
-SCAN_VERSION = 2  # 2: physical_parts (lines glued to a bar, colour codes), TP 1 engine ranks, KV lines
+SCAN_VERSION = 3  # 2: physical_parts (lines glued to a bar, colour codes), TP 1 engine ranks, KV lines; 3: Fatal.proc
 _TAIL_CHECK = 256  # bytes before a checkpoint's offset that must still be there to resume from it
 _BLOCK = 8 << 20
 
