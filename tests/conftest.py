@@ -148,7 +148,7 @@ def stray_sockets(since: float) -> list[str]:
                 s = p.lstat()
             except OSError:
                 continue
-            if s.st_mtime < since - 1.0:
+            if s.st_mtime < since - 1.0 or s.st_uid != os.getuid():  # another user's vLLM is not ours to judge
                 continue
             if (stat.S_ISSOCK(s.st_mode) and UUID_NAME.fullmatch(p.name)) or (
                     stat.S_ISDIR(s.st_mode) and p.name.startswith("dsv4serve-rpc-")):

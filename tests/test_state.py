@@ -170,6 +170,16 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
     # a cpu-demo run of another state dir (another user's, another test's)
     elsewhere = subprocess.Popen(sleep, env={**os.environ, state.RUN_ID_ENV: "cpu-demo-20261205-000000-ffff",
                                              "DSV4SERVE_RUN_DIR": "/elsewhere/runs/cpu-demo-20261205-000000-ffff"})
+    # the run's socket dir, as its run.json names it: down removes it once the run is stopped
+    import socket
+    import tempfile
+
+    rpc = Path(tempfile.mkdtemp(prefix="dsv4serve-rpc-", dir="/tmp"))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(rpc / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11"))
+    sock.close()
+    (home / "runs" / run_id).mkdir(parents=True)
+    (home / "runs" / run_id / "run.json").write_text(json.dumps({"run_id": run_id, "rpc_dir": str(rpc)}))
     try:
         state.save(make(seat="other"))
         state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
@@ -185,6 +195,8 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         assert seat["clean"] and seat["run_id"] == run_id
         assert [p["pid"] for p in seat["signalled"]] == [orphan.pid]
         orphan.wait(timeout=10)
+        assert seat["leftovers_removed"] == [str(rpc / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11"), str(rpc)]
+        assert not rpc.exists()
         assert stranger.poll() is None and elsewhere.poll() is None  # not this seat's, not this state dir's
         kept = [p.name for p in state.seat_dir("cpu-demo").iterdir() if p.name.startswith("state.json.unreadable-")]
         assert len(kept) == 1 and not state.state_path("cpu-demo").exists()
@@ -193,6 +205,9 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         for p in (orphan, stranger, elsewhere):
             p.kill()
             p.wait()
+        import shutil
+
+        shutil.rmtree(rpc, ignore_errors=True)
 
 
 def test_without_a_start_time_only_the_run_tag_proves_the_pid_is_ours(home):
@@ -732,7 +747,8 @@ def test_a_run_that_never_started_leaves_no_socket_dir(home, monkeypatch, tmp_pa
     sup = supervisor.Supervisor(profile, spec, json_events=True, foreground=False)
     made = []
     real_make = supervisor.leftovers.make_rpc_dir
-    monkeypatch.setattr(supervisor.leftovers, "make_rpc_dir", lambda env: made.append(real_make(env)) or made[-1])
+    monkeypatch.setattr(supervisor.leftovers, "make_rpc_dir",
+                        lambda env, cwd=None: made.append(real_make(env, cwd)) or made[-1])
     if how == "cancelled":
         state.seat_dir("cpu-demo").mkdir(parents=True, exist_ok=True)
         state.request_cancel("cpu-demo")

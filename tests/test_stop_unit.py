@@ -467,3 +467,36 @@ def test_the_rpc_dir_is_the_users_where_they_name_one_and_fits_a_socket_path(tmp
         assert d.parent == Path("/tmp") and len(str(d / ("u" * 36))) <= 107
     finally:
         d.rmdir()
+    # counted in bytes, as the kernel counts: 30 characters of three bytes each fit by characters
+    wide = tmp_path / ("é" * 30)
+    wide.mkdir()
+    d = Path(leftovers.make_rpc_dir({"TMPDIR": str(wide)}))
+    try:
+        assert d.parent != wide and len(os.fsencode(str(d / ("u" * 36)))) <= 107
+    finally:
+        d.rmdir()
+
+
+def test_a_missing_or_relative_tmpdir_gives_a_usable_absolute_rpc_dir(tmp_path, monkeypatch):
+    """A profile TMPDIR that does not exist (`{run_dir}/tmp`, never made) failed `up`, where the
+    child's own tempfile falls back to /tmp; a relative one was recorded relative, and a `down`
+    from another directory found nothing to remove (review)."""
+    import tempfile
+
+    from dsv4serve import leftovers
+
+    monkeypatch.delenv(leftovers.RPC_ENV, raising=False)
+    d = Path(leftovers.make_rpc_dir({"TMPDIR": str(tmp_path / "never-made")}))
+    try:
+        assert d.is_dir() and d.parent in (Path(tempfile.gettempdir()), Path("/tmp"))
+    finally:
+        d.rmdir()
+    base = Path(tempfile.mkdtemp(prefix="rel-", dir="/tmp"))  # short: a socket path holds 107 bytes
+    try:
+        (base / "t").mkdir()
+        d = leftovers.make_rpc_dir({"TMPDIR": "t"}, cwd=str(base))
+        assert Path(d).parent == base / "t" and os.path.isabs(d)
+    finally:
+        import shutil
+
+        shutil.rmtree(base)

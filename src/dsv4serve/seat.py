@@ -5,9 +5,11 @@ Each step lives in its own module; this one only sequences them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from rich.markup import escape
@@ -629,24 +631,40 @@ def _cancel_starting(name: str) -> dict[str, Any] | None:
 
 def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict[str, Any]:
     """`down` of a seat whose state file does not parse: stop every process tagged with one of the
-    seat's runs (the tag is all that is left to go by), then set the file aside, kept."""
-    from dsv4serve import home, procs, state, stop
+    seat's runs (the tag is all that is left to go by), remove the socket dir its run.json names,
+    then set the file aside, kept."""
+    from dsv4serve import home, leftovers, procs, state, stop
 
     runs = procs.tagged_runs(name, home.runs_dir())
     rep: dict[str, Any] = {"seat": name, "run_id": ", ".join(sorted(runs)) or "unknown", "was": "unreadable state",
                            "phase_before": "unknown", "unreadable_state": True, "signalled": [], "killed": [],
-                           "remaining": [], "unreaped": [], "zombies": []}
+                           "remaining": [], "unreaped": [], "zombies": [], "leftovers_removed": [],
+                           "leftovers_failed": []}
     for run_id in sorted(runs):
         # only what procs.stop reads: the run's tag (no pid or group is known without the state)
         st = state.SeatState(seat=name, run_id=run_id, profile=name, profile_digest="", runtime="native", argv=[],
-                             env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir="", log_path="")
+                             env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir="", log_path="",
+                             rpc_dir=_run_json_rpc_dir(home.runs_dir() / run_id))
         r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
         for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
+        if not r["remaining"]:  # sockets of a process still alive stay until a down that stops it
+            removed, failed = leftovers.clear_rpc_dir(st)
+            rep["leftovers_removed"] += removed
+            rep["leftovers_failed"] += failed
     moved = state.set_aside(name)
     rep["set_aside"] = str(moved) if moved else None
-    rep["clean"] = not rep["remaining"] and not rep["unreaped"]
+    rep["clean"] = not rep["remaining"] and not rep["unreaped"] and not rep["leftovers_failed"]
     return rep
+
+
+def _run_json_rpc_dir(run_dir: Path) -> str | None:
+    """The socket dir `up` recorded beside the state in the run's run.json, if it did."""
+    try:
+        got = json.loads((run_dir / "run.json").read_text()).get("rpc_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return got if isinstance(got, str) else None
 
 
 def render_down(report: dict) -> None:

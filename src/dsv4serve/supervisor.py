@@ -443,12 +443,11 @@ class Supervisor:
         if self.spec.runtime != "native":
             return None  # a container's sockets are in its own /tmp, gone with it
         try:
-            return leftovers.make_rpc_dir(self.spec.env)
-        except OSError as e:
-            where = self.spec.env.get("TMPDIR") or tempfile.gettempdir()
-            raise JobFailed(f"could not make the run's socket directory in {where} ({e.strerror or e})",
-                                   hint=f"free space in {where} or fix its permissions (or set TMPDIR to a "
-                                        "writable directory), then up again") from None
+            return leftovers.make_rpc_dir(self.spec.env, self.spec.cwd)
+        except leftovers.NoRpcDir as e:
+            raise JobFailed(f"could not make a directory for vLLM's socket files ({e})",
+                            hint="free space in the temp dir or fix its permissions, or point TMPDIR (the profile's "
+                                 "env or this shell's) at a writable directory, then up again") from None
 
     def run(self) -> Outcome:
         # The signals are ours from before the state is written: a SIGTERM between that write and
@@ -461,7 +460,7 @@ class Supervisor:
                 state.atomic_write(self.run_dir / "run.json", json.dumps(
                     {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
                      "profile_digest": self.profile.digest(), "overrides": self.overrides, "started_at": self.t0,
-                     "log": str(self.log_path)}, indent=2))
+                     "log": str(self.log_path), "rpc_dir": self.rpc_dir}, indent=2))
             except OSError as e:
                 # nothing runs yet, and no state of a run that never started may stay behind
                 with contextlib.suppress(OSError, state.UnreadableState):
