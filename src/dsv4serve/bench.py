@@ -155,6 +155,21 @@ def _running_seat(seat: str | None, profile: str | None) -> tuple[state.SeatStat
         raise BadInput(e.message, hint="name one with --seat (--profile only picks the reference figures)") from None
 
 
+def _launched_profile(st: state.SeatState, notes: list[str]) -> Profile | None:
+    """The running seat's profile as `up` launched it: the shipped name or YAML file it was given,
+    with its --set applied again (its name alone loads neither a profile from a file nor a seat
+    started with --set vllm.max_num_seqs=8)."""
+    try:
+        p = load_profile(st.profile_ref or st.profile, list(st.overrides))
+    except DsvError as e:
+        notes.append(f"the seat's profile could not be loaded ({e.line()})")
+        return None
+    if p.digest() != st.profile_digest:
+        notes.append(f"profile {p.cli_ref()} changed since the seat was started: its reference figures and "
+                     "max-num-seqs are read from the file as it is now")
+    return p
+
+
 def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | None,
                    profile: str | None, seat: str | None, api_key: str | None = None) -> Target:
     notes: list[str] = []
@@ -170,10 +185,7 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
         if st.phase != "ready":  # its readiness canary has not passed: warm-up and capture may still run
             notes.append(f"seat {st.seat} is still {st.phase} (not ready): its figures may include start-up work")
         model = model or st.served_name
-        try:
-            seat_profile = load_profile(st.profile)
-        except DsvError as e:
-            notes.append(f"the seat's profile could not be loaded ({e.line()})")
+        seat_profile = _launched_profile(st, notes)
     # A --profile that picked the seat means that seat's own profile, which is already loaded
     # (or noted as unloadable): the seat's name need not be a loadable profile name.
     ref_profile = load_profile(profile) if profile and not picked_by_profile else seat_profile
@@ -472,13 +484,18 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
     if bursts:
         notes.append(f"{bursts} stream(s) received all their tokens in one burst (client or server starved of CPU): "
                      "their decode rate is not measurable and is left out of the per-stream figures")
-    short = [s.completion_tokens for rs in cells.values() for r in rs for s in r.per_stream
+    short = [s for rs in cells.values() for r in rs for s in r.per_stream
              if s.completion_tokens is not None and s.completion_tokens < settings.max_tokens]
-    if short:
-        # an early end of sequence: the rate is still a rate, but over a shorter (less loaded) tail
-        notes.append(f"{len(short)} stream(s) ended before --max-tokens {settings.max_tokens} (as few as "
-                     f"{min(short)} tokens, the model's end of sequence): their figures cover fewer tokens than "
-                     "the reference's")
+    # an early end: the rate is still a rate, but over a shorter (less loaded) tail. "length" short
+    # of --max-tokens is the server's cut: vLLM lowers max_tokens to what the window leaves after
+    # the prompt, without a word
+    for why, group in (("the model's end of sequence", [s for s in short if s.finish_reason != "length"]),
+                       ("the seat's max-model-len, less the prompt: the server lowered max_tokens to what the "
+                        "window leaves", [s for s in short if s.finish_reason == "length"])):
+        if group:
+            notes.append(f"{len(group)} stream(s) ended before --max-tokens {settings.max_tokens} (as few as "
+                         f"{min(s.completion_tokens for s in group)} tokens, {why}): their figures cover fewer "
+                         "tokens than the reference's")
     differs = reference_method_differs(settings)
     if differs and target.profile is not None and target.profile.reference.tok_s:
         notes.append(f"no tok/s ratio against the reference: {differs}")

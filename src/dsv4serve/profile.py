@@ -598,10 +598,14 @@ class Profile(_Strict):
             return self.vllm.max_model_len
         return v
 
-    def cli_ref(self) -> str:
+    def ref(self) -> str:
         """What --profile takes to name this profile again: its shipped name, or the YAML file it was
-        loaded from (a hint saying `--profile NAME` would fail for a profile from a file)."""
-        return shlex.quote(self._ref) if self._ref else self.name
+        loaded from (its name alone would not load)."""
+        return self._ref or self.name
+
+    def cli_ref(self) -> str:
+        """ref(), quoted for a hint's command line."""
+        return shlex.quote(self.ref())
 
     def digest(self) -> str:
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

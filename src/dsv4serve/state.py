@@ -43,6 +43,8 @@ class SeatState(BaseModel):
     run_id: str
     profile: str
     profile_digest: str
+    profile_ref: str | None = Field(None, description="what `up --profile` named: a shipped profile's name or "
+                                                      "the YAML file's absolute path (Profile.ref())")
     runtime: Literal["native", "docker"]
     pid: Pid | None = None
     pgid: Pid | None = None

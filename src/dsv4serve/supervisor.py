@@ -369,7 +369,7 @@ class Supervisor:
     def _initial_state(self) -> SeatState:
         s = self.spec
         return SeatState(seat=self.seat, run_id=s.run_id, profile=self.profile.name,
-                         profile_digest=self.profile.digest(), runtime=s.runtime, container_name=s.container_name,
+                         profile_digest=self.profile.digest(), profile_ref=self.profile.ref(), runtime=s.runtime, container_name=s.container_name,
                          argv=s.argv, env=s.env, host=s.host, port=s.port, served_name=s.served_name, tp=self.tp,
                          gpu_ids=list(self.profile.gpus.ids), gpu_uuids=self.gpu_uuids, run_dir=str(self.run_dir),
                          log_path=str(self.log_path), phase="launching", started_at=self.t0,
