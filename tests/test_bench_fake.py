@@ -41,6 +41,7 @@ class Script:
     chunk_delay_s: float = 0.01
     api_key: str | None = None        # when set, /v1 paths answer 401 without "Bearer <it>", as vLLM's do
     answer_suffix: str = ""           # appended to the needle's code in the answer (a wrong recollection)
+    finish: str = "length"            # the last chunk's finish_reason
     # filled in by the server
     chat_bodies: list[dict] = field(default_factory=list)
     completion_bodies: list[dict] = field(default_factory=list)
@@ -168,7 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
                 for i, w in enumerate(words):
                     last = i == len(words) - 1
                     events.append({"choices": [{"index": 0, "delta": {"content": w},
-                                                "finish_reason": "length" if last else None}]})
+                                                "finish_reason": s.finish if last else None}]})
                 n = TOKENS_PER_CHUNK * len(words)
                 events.append({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": n,
                                                         "total_tokens": 20 + n}})
@@ -849,3 +850,76 @@ def test_the_shells_settings_are_one_line_errors_not_tracebacks(fake, monkeypatc
 def test_a_key_an_http_header_cannot_carry_is_refused_by_name(fake):
     res = run("--base-url", fake.url, "--api-key", "sk-\u2018x\u2019", "ppl", "--json")
     assert res.exit_code == 2 and "--api-key has a character an HTTP header cannot carry" in one_line_error(res, True)
+
+
+def test_a_seat_is_benched_against_the_profile_up_launched(fake, isolated_home, tmp_path):
+    """bench loaded the running seat's profile by its name alone: a seat started from a YAML file
+    lost its reference figures ("unknown profile"), and one started with --set max_num_seqs got the
+    queueing note of the file's value (helper audit)."""
+    from dsv4serve import state
+    from dsv4serve.profile import load_profile
+
+    f = tmp_path / "my-seat.yaml"
+    f.write_text("name: my-seat\nextends: 8x16gb-380k\n")
+    sets = ["vllm.max_num_seqs=2"]
+    prof = load_profile(str(f), sets)
+    port = int(fake.url.rsplit(":", 1)[1])
+    st = state.SeatState(seat="my-seat", run_id="r1", profile="my-seat", profile_ref=prof.ref(), overrides=sets,
+                         profile_digest=prof.digest(), runtime="native", pid=os.getpid(),
+                         start_time=psutil.Process().create_time(), argv=["vllm"], env={}, host="127.0.0.1",
+                         port=port, served_name="fake-model", tp=8, run_dir=str(isolated_home),
+                         log_path=str(isolated_home / "log"), phase="ready")
+    state.save(st)
+    args = ("--streams", "4", "--suite", "en", "--runs", "1", "--no-warmup", "--json")
+    res = run(*args)
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["reference"]["profile"] == "my-seat" and doc["cells"][0]["reference"]["tok_s"] == 146.4
+    assert any(n.startswith("4 streams exceed the seat's max-num-seqs 2") for n in doc["notes"]), doc["notes"]
+    assert not any("could not be loaded" in n or "changed since" in n for n in doc["notes"]), doc["notes"]
+    # the file edited after up: read as it is now, and said so
+    f.write_text("name: my-seat\nextends: 8x16gb-380k\nreference: {source: edited}\n")
+    doc = json.loads(run(*args).stdout)
+    assert any(n.startswith(f"profile {f} changed since the seat was started") for n in doc["notes"]), doc["notes"]
+
+
+def test_markup_in_a_model_name_or_a_note_is_printed_as_text(fake, tmp_path):
+    """A served name or a path holding "[/...]" raised rich's MarkupError after the whole run, and
+    "[wiki]" vanished from a title (helper audit)."""
+    fake.models = ["lab/[/exl3]"]
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup")
+    assert res.exit_code == 0, res.output
+    assert "en: lab/[/exl3] vs reference" in res.stdout
+    text = tmp_path / "[wiki]" / "[" / "x]" / "t.txt"  # .../[wiki]/[/x]/t.txt
+    text.parent.mkdir(parents=True)
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    res = run("--base-url", fake.url, "ppl", "--text", str(text), "--ctx", "64", "--chunks", "1")
+    assert res.exit_code == 0, res.output
+    assert f"ppl:{text}" in "".join(res.stdout.split())  # the title, as wrapped to the terminal
+
+
+@pytest.mark.parametrize("finish,why", [("stop", "the model's end of sequence"),
+                                        ("length", "the seat's max-model-len, less the prompt")])
+def test_a_stream_that_ended_early_is_blamed_on_what_ended_it(fake, finish, why):
+    """vLLM lowers max_tokens to what the window leaves after the prompt, without a word: a stream
+    ended by "length" short of --max-tokens was blamed on the model's end of sequence (helper audit)."""
+    fake.finish = finish
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup",
+              "--max-tokens", "100", "--json")
+    assert res.exit_code == 0, res.stderr
+    notes = [n for n in json.loads(res.stdout)["notes"] if "ended before --max-tokens 100" in n]
+    assert len(notes) == 1 and notes[0].startswith(f"1 stream(s) ended before --max-tokens 100 (as few as 12 "
+                                                    f"tokens, {why}"), json.loads(res.stdout)["notes"]
+
+
+def test_a_haystack_in_a_spaceless_script_is_long_enough(fake, tmp_path):
+    """A Japanese haystack (the reference's) has few space-separated words: it was refused as
+    "too short" (helper audit)."""
+    ja = tmp_path / "ja.txt"
+    ja.write_text("春はあけぼの。やうやう白くなりゆく山ぎは、すこしあかりて、紫だちたる雲のほそくたなびきたる。" * 40 + "\n")
+    res = run("--base-url", fake.url, "needle", "--tokens", "300", "--haystack", str(ja), "--json")
+    assert res.exit_code == 0, res.stderr
+    short = tmp_path / "short.txt"
+    short.write_text("春はあけぼの。")
+    res = run("--base-url", fake.url, "needle", "--tokens", "300", "--haystack", str(short))
+    assert res.exit_code == 2 and "is too short to build a haystack from" in one_line_error(res)

@@ -88,6 +88,9 @@ def compose(filler: str, n_chars: int, depth: float, code: str, nonce: str) -> N
     return NeedlePrompt(text=text, code=code, needle_at_char=at, haystack_chars=len(hay))
 
 
+MIN_HAYSTACK_CHARS = 200
+
+
 def _cycle(filler: str, n_chars: int) -> str:
     """The filler repeated to n_chars, cut back to a space when one is near (spaceless scripts
     such as Japanese are cut anywhere)."""
@@ -141,8 +144,10 @@ def _filler(path: Path | None) -> str:
 
         return sample_text()
     text = read_text_file(path, "--haystack")
-    if len(text.split()) < 20:
-        raise BadInput(f"--haystack {path} is too short to build a haystack from")
+    # words for spaced scripts, characters for spaceless ones (the reference's haystack is Japanese)
+    if len(text.split()) < 20 and len("".join(text.split())) < MIN_HAYSTACK_CHARS:
+        raise BadInput(f"--haystack {path} is too short to build a haystack from",
+                       hint=f"give a text of at least 20 words or {MIN_HAYSTACK_CHARS} characters")
     return text
 
 

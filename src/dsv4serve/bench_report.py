@@ -15,6 +15,7 @@ from typing import Any
 
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from dsv4serve.errors import BadInput, first_line
 from dsv4serve.jsonout import strict_json
@@ -57,7 +58,8 @@ def bench_tables(result: dict[str, Any]) -> list[Table]:
     tables = []
     for suite in result["settings"]["suites"]:
         # Sized for an 80-column terminal; the per-run token counts are in the Markdown and JSON.
-        t = Table(title=f"{suite}: {result['endpoint']['model']} vs reference {ref}", title_justify="left",
+        # Text, not markup: a served name or path may hold "[/...]" (rich raised after the whole run)
+        t = Table(title=Text(f"{suite}: {result['endpoint']['model']} vs reference {ref}"), title_justify="left",
                   caption="n = concurrent streams; tok/s = aggregate; TTFT = the slowest stream's; "
                           "± = half-range over runs",
                   caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True,
@@ -84,8 +86,8 @@ def _prompt_tokens(r: dict[str, Any]) -> str:
 
 def needle_table(r: dict[str, Any]) -> Table:
     ref = r.get("reference") or {}
-    t = Table(title=f"needle: {_prompt_tokens(r)} prompt tokens at depth {r['depth']:g} "
-                    f"({r['tokens_sized_by']}), vs reference {ref.get('profile') or 'none'}", title_justify="left")
+    t = Table(title=Text(f"needle: {_prompt_tokens(r)} prompt tokens at depth {r['depth']:g} "
+                         f"({r['tokens_sized_by']}), vs reference {ref.get('profile') or 'none'}"), title_justify="left")
     for col in ("metric", "measured", "reference", "ratio"):
         t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
     ratio = r.get("ratio") or {}
@@ -102,7 +104,7 @@ def _yn(v: bool | None) -> str:
 
 def ppl_table(r: dict[str, Any]) -> Table:
     ref = r.get("reference") or {}
-    t = Table(title=f"ppl: {r['text']}, {r['ctx']}×{r['chunks']} ({r['tokens_scored']} tokens scored)",
+    t = Table(title=Text(f"ppl: {r['text']}, {r['ctx']}×{r['chunks']} ({r['tokens_scored']} tokens scored)"),
               title_justify="left")
     for col in ("metric", "measured", "reference", "ratio", "comparable"):
         t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import typer
+from rich.text import Text
 
 from dsv4serve.cli_common import console, dir_path, emit_json, err_console, handled
 from dsv4serve.errors import BadInput
@@ -142,9 +143,9 @@ def _finish(sh: Shared, result: dict, stem: str, render: Callable[[dict], None])
         return
     render(result)
     for note in [*result.get("notes", []), *file_notes]:
-        console.print(f"[dim]note:[/] {note}", highlight=False, soft_wrap=True)
+        console.print(Text.assemble(("note:", "dim"), " ", note), highlight=False, soft_wrap=True)
     for p in written:
-        console.print(f"wrote {p}", highlight=False)
+        console.print(Text(f"wrote {p}"), highlight=False)
 
 
 # The table bench's own options: before a subcommand they would be dropped without a word
