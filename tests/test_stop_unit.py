@@ -500,3 +500,19 @@ def test_a_missing_or_relative_tmpdir_gives_a_usable_absolute_rpc_dir(tmp_path, 
         import shutil
 
         shutil.rmtree(base)
+
+
+def test_a_live_processs_semaphore_is_never_a_leftover():
+    """glibc maps a semaphore under a temp name and links it to `sem.mp-*` after: matched by name,
+    a live process never held one, and a `down` removed the semaphores of another seat starting up
+    beside it (its spawned workers then died on `SemLock._rebuild`: FileNotFoundError)."""
+    import multiprocessing
+
+    from dsv4serve import leftovers
+
+    lock = multiprocessing.get_context("spawn").Lock()  # this process maps it, as vLLM's engine does
+    sem = Path("/dev/shm") / f"sem.{lock._semlock.name.lstrip('/')}"
+    assert sem.exists()
+    found = leftovers.find(make_state(started_at=time.time() - 5), set(), set())
+    assert sem not in found, found
+    del lock

@@ -39,9 +39,13 @@ def _tmp_dirs(st: SeatState) -> list[Path]:
     return sorted(dirs)
 
 
-def held_shm() -> set[str]:
-    """Names of /dev/shm files that some live process has open or mapped."""
-    held: set[str] = set()
+def held_shm() -> tuple[set[str], set[int]]:
+    """The /dev/shm files some live process has open or mapped: their names, and their inode
+    numbers. The numbers matter for semaphores: glibc's sem_open maps a temp file and links it to
+    the name after, so a live process's map names `sem.XXXXXX (deleted)`, never the `sem.mp-*` that
+    a spawned child opens next (a `down` removed the semaphores of another seat's start-up)."""
+    names: set[str] = set()
+    inodes: set[int] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -50,20 +54,24 @@ def held_shm() -> set[str]:
                 for line in f:
                     i = line.find("/dev/shm/")
                     if i >= 0:
-                        held.add(line[i + 9:].strip().removesuffix(" (deleted)"))
+                        names.add(line[i + 9:].strip().removesuffix(" (deleted)"))
+                        fields = line.split(maxsplit=5)  # address perms offset dev inode path
+                        if len(fields) == 6 and fields[4].isdigit():
+                            inodes.add(int(fields[4]))
         except OSError:
             pass
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        names.add(target[9:].removesuffix(" (deleted)"))
+                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
                 except OSError:
                     continue
-                if target.startswith("/dev/shm/"):
-                    held.add(target[9:].removesuffix(" (deleted)"))
         except OSError:
             pass
-    return held
+    return names, inodes
 
 
 def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SHM) -> list[Path]:
@@ -80,7 +88,7 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
         if os.path.basename(p).startswith("vllm_dist_") and os.path.realpath(os.path.dirname(p)) in homes:
             found.add(Path(p))
     found = {p for p in found if _plain_file(p)}
-    held = held_shm()
+    held, held_inodes = held_shm()
     me = os.getuid()
     for pat in MP_PATTERNS:
         for p in shm.glob(pat):
@@ -89,7 +97,8 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
                 # `down` "not clean"), modified since the run started (a second of slack for clock
                 # granularity), and held by no live process
                 s = p.stat()
-                if s.st_uid == me and s.st_mtime >= st.started_at - 1.0 and p.name not in held:
+                if s.st_uid == me and s.st_mtime >= st.started_at - 1.0 and p.name not in held \
+                        and s.st_ino not in held_inodes:
                     found.add(p)
             except OSError:
                 continue
