@@ -227,8 +227,39 @@ def test_a_signal_during_an_undo_that_fails_does_not_claim_it_worked(tree, tmp_p
     r = _cli("apply", "-s", "sig-1.0", "-s", "sig2-1.0", "--root", str(tree))
     out = " ".join(r.output.split())
     assert r.exit_code == 1, out
-    assert "and undoing the sets applied before it failed: sig-1.0: [Errno 30] Read-only file system" in out
+    assert ("and undoing the sets applied before it failed: sig-1.0 is still patched ([Errno 30] Read-only file "
+            "system)") in out
+    assert "then run the same `dsv4serve patch apply` again to finish it, or `dsv4serve patch revert`" in out
     assert "SIGTERM" in out and "were taken back" not in out
+    assert _contents(tree) == [PATCHED] * 3  # what the message says
+
+
+def test_an_undo_on_a_full_disk_says_the_set_is_still_patched(tree, tmp_path, monkeypatch):
+    """The disk fills while the second set is recorded, so the undo of the first cannot write
+    either: the error read "...sig-1.0: cannot write ...; every file of the set was restored" (the
+    undo's own rollback), with the set in fact still patched (helper audit)."""
+    _add_set(tmp_path / "sets", tree, "sig2-1.0", "sigpkg2", ["a.py"])
+    real_record, real_write = patches._record, patches._atomic_write
+    full = []
+
+    def second_fills_the_disk(sdir, pset, tree_, action, changed):
+        if pset.set == "sig2-1.0":
+            full.append(True)
+            raise OSError(28, "No space left on device")
+        real_record(sdir, pset, tree_, action, changed)
+
+    def write(path, data):
+        if full and path.is_relative_to(tree / "sigpkg"):
+            raise OSError(28, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(patches, "_record", second_fills_the_disk)
+    monkeypatch.setattr(patches, "_atomic_write", write)
+    r = _cli("apply", "-s", "sig-1.0", "-s", "sig2-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1, out
+    assert "and undoing the sets applied before it failed: sig-1.0 is still patched (cannot write " in out, out
+    assert "every file of the set was restored" not in out.split("before it failed:")[1], out
     assert _contents(tree) == [PATCHED] * 3  # what the message says
 
 
@@ -251,13 +282,26 @@ def test_a_rollback_that_fails_names_the_files_it_left_changed(tree, monkeypatch
     state: dict = {}
     monkeypatch.setattr(patches, "_record", no_record)
     monkeypatch.setattr(patches, "_atomic_write", write)
+    # where hard links work, the rollback renames the old files back and needs no write: that one
+    # succeeds (every file back) whatever the disk says
+    r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1 and "state.json); every file it changed was restored" in out, out
+    assert _contents(tree) == [PRISTINE] * 3
+    assert not [p for p in tree.rglob(".*") if p.name.endswith((".dsv4keep", ".dsv4tmp"))]
+    # a filesystem without hard links: the rollback writes, and here its first write (the last
+    # file's) fails; the others are still restored, and the message names the one left patched
+    state.clear()
+    real_keep = patches._keep
+    monkeypatch.setattr(patches, "_keep", lambda path: None)
     r = _cli("apply", "-s", "sig-1.0", "--root", str(tree))
     out = " ".join(r.output.split())
     assert r.exit_code == 1
     assert "state.json" in out and ": None" not in out
-    assert "restoring its files failed too" in out and "a.py, sigpkg/b.py, sigpkg/c.py still patched" in out
+    assert "restoring its files failed too" in out and ": sigpkg/c.py still patched" in out, out
     assert "every file of the set was restored" not in out
-    assert _contents(tree) == [PATCHED] * 3
+    assert _contents(tree) == [PRISTINE, PRISTINE, PATCHED]
+    monkeypatch.setattr(patches, "_keep", real_keep)
     monkeypatch.setattr(patches, "_atomic_write", real_write)
     state.clear()
     for f in FILES:  # as the hint says: restored from the backups

@@ -157,20 +157,22 @@ def test_write_failure_mid_set_rolls_back(trees: Path, tmp_path: Path, monkeypat
     writes_in_tree: list[Path] = []
 
     def failing_write(path: Path, data: bytes) -> None:
-        """Stands in for a disk that fails on the second target file (ENOSPC), to drive the rollback."""
+        """Stands in for a disk that fills after the first target file (ENOSPC from then on), to drive
+        the rollback: writing the first file's old bytes again would fail as well (helper audit)."""
         if path.is_relative_to(root):
             writes_in_tree.append(path)
-            if len(writes_in_tree) == 2:
+            if len(writes_in_tree) >= 2:
                 raise OSError(28, "No space left on device", str(path))
         real_write(path, data)
 
     monkeypatch.setattr(patches, "_atomic_write", failing_write)
-    with pytest.raises(JobFailed, match="restored"):
+    with pytest.raises(JobFailed, match="every file of the set was restored"):
         patches.apply_set(pset, root)
     monkeypatch.setattr(patches, "_atomic_write", real_write)
-    assert len(writes_in_tree) >= 3  # first file written, second failed, first restored
+    assert len(writes_in_tree) == 2  # first file written, second failed; the first restored by a rename
     assert snapshot(root, pset) == before
     assert states(patches.set_status(pset, root)) == ["pristine"] * len(pset.files)
+    assert not [p for p in root.rglob(".*") if p.name.endswith((".dsv4keep", ".dsv4tmp"))]
 
 
 def test_version_mismatch(trees: Path, tmp_path: Path) -> None:

@@ -452,22 +452,42 @@ class _ChangedUnderfoot(Exception):
         self.path = path
 
 
-def _write_all(targets: list[tuple[Path, bytes, bytes]], check: bool = True) -> None:
+def _keep(path: Path) -> Path | None:
+    """A second name for the file's bytes, beside it, before they are replaced: a rollback renames
+    it back, which needs no free space (writing the old bytes again failed on the very disk that
+    had just filled), and keeps the file's own inode, mode and owner. None where the filesystem has
+    no hard links: that rollback writes the bytes again."""
+    keep = path.parent / f".{path.name}.{os.urandom(4).hex()}.dsv4keep"
+    try:
+        os.link(path, keep)
+    except OSError:
+        return None
+    return keep
+
+
+def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> dict[Path, Path]:
     """Write (path, new, old) triples; on any failure restore what was written, then re-raise. A
     file whose bytes are no longer `old` when its turn comes (someone edited it after the check) is
-    not overwritten: the edit would be lost with no backup of it. A rollback (`check` off) writes
-    every file back whatever it holds. Runs inside _change_whole's signal hold, rollback included."""
+    not overwritten: the edit would be lost with no backup of it. Returns each file's _keep link of
+    its old bytes, for the caller's undo until the change is recorded (then _drop them). Runs
+    inside _change_whole's signal hold, rollback included."""
     done: list[tuple[Path, bytes]] = []
+    keeps: dict[Path, Path] = {}
     current: Path | None = None
     try:
         for path, new, old in targets:
             current = path
-            if check and path.read_bytes() != old:
+            if path.read_bytes() != old:
                 raise _ChangedUnderfoot(path)
+            if (keep := _keep(path)) is not None:
+                keeps[path] = keep
             _atomic_write(path, new)
             done.append((path, old))
     except BaseException as e:
-        _restore_written(targets, done, current, e)
+        try:
+            _restore_written(targets, done, current, e, keeps)
+        finally:
+            _drop(keeps.values())
         if isinstance(e, _ChangedUnderfoot):
             raise JobFailed(f"{e.path} changed while it was being written (someone else edited it); every file "
                             "of the set was restored and that edit kept", hint="let whatever is writing it "
@@ -477,24 +497,45 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]], check: bool = True) -> 
                             hint="fix that path (permissions, a read-only mount, space), then run the command "
                                  "again") from e
         raise
+    return keeps
+
+
+def _drop(paths: Any) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def _restore_written(targets: list[tuple[Path, bytes, bytes]], done: list[tuple[Path, bytes]],
-                     current: Path | None, e: BaseException) -> None:
+                     current: Path | None, e: BaseException, keeps: dict[Path, Path]) -> None:
     # an interrupt between the rename and the append leaves the file new but not in `done`
     if current is not None and len(done) < len(targets) and not isinstance(e, _ChangedUnderfoot):
         _path, new, old = targets[len(done)]
         with contextlib.suppress(OSError):
             if new != old and current.read_bytes() == new:
                 done.append((current, old))
-    failed_restores = []
-    for path, old in reversed(done):
-        try:
-            _atomic_write(path, old)
-        except OSError as re_err:  # pragma: no cover - reported, cannot do more
-            failed_restores.append(f"{path}: {re_err}")
+    failed_restores = _put_back(list(reversed(done)), keeps)
     if failed_restores:
         raise JobFailed("patch write failed and the rollback failed too: " + "; ".join(failed_restores)) from e
+
+
+def _put_back(olds: list[tuple[Path, bytes]], keeps: dict[Path, Path]) -> list[str]:
+    """Give each file its old bytes back: its _keep link renamed over it, else the bytes written
+    again. The failures, 'path: reason'."""
+    failed = []
+    for path, old in olds:
+        keep = keeps.pop(path, None)
+        try:
+            if keep is not None:
+                try:
+                    os.replace(keep, path)
+                    continue
+                except OSError:
+                    _drop([keep])
+            _atomic_write(path, old)
+        except OSError as err:
+            failed.append(f"{path}: {err}")
+    return failed
 
 
 def _refuse_symlinks(targets: list[tuple[Path, bytes, bytes]], action: str, pset: PatchSet, tree: Path) -> None:
@@ -530,14 +571,17 @@ def _change_whole(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pset: Pa
     set either untouched or changed, recorded and known to `_all_or_none` (which then takes it
     back with the rest)."""
     with _signals_held():
-        _write_all(targets)
-        _verify_and_record(targets, sdir, pset, tree, action, changed)
+        keeps = _write_all(targets)
+        try:
+            _verify_and_record(targets, sdir, pset, tree, action, changed, keeps)
+        finally:
+            _drop(keeps.values())
         if on_changed is not None and changed:
             on_changed(SetResult(pset.set, action, str(tree), changed, [], [], None, str(sdir)))
 
 
 def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pset: PatchSet, tree: Path,
-                       action: str, changed: list[str]) -> None:
+                       action: str, changed: list[str], keeps: dict[Path, Path]) -> None:
     """After _write_all: every file reads back as written and the change is recorded, or every file
     gets its old bytes back and the error says so (a record that cannot be written must not leave
     a changed tree behind a traceback)."""
@@ -555,12 +599,12 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
             why = f"{e.strerror}: {sdir / 'state.json' if recording else (e.filename or '?')}"
         else:
             why = str(e)
-        try:
-            _write_all([(p, old, new) for p, new, old in targets], check=False)
-        except BaseException as undo:  # the tree keeps the change, unrecorded: say which files
+        # a record that failed on a full disk: the old bytes come back by rename where they can
+        failed = _put_back([(p, old) for p, _, old in reversed(targets)], keeps)
+        if failed:  # the tree keeps the change, unrecorded: say which files
             still = [str(p.relative_to(tree)) for p, new, _ in targets if _holds(p, new)]
             raise JobFailed(f"{action} {pset.set} failed ({why}), and restoring its files failed too "
-                            f"({str(undo).split(';')[0]}): {', '.join(still) or 'no file'} still "
+                            f"({failed[0]}): {', '.join(still) or 'no file'} still "
                             f"{'patched' if action == 'apply' else 'reverted'}, and nothing was recorded",
                             hint=(f"fix the cause, then restore those files from {sdir / 'backup'} (apply's pristine "
                                   f"copies) or reinstall {pset.pip_requirement}" if action == "apply" else
@@ -834,9 +878,12 @@ def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, a
             # a signal's own text says the sets were taken back: here they were not
             first = f"patch {action} stopped by {_signal_name(e)}" if isinstance(e, (KeyboardInterrupt, Signalled)) \
                 else str(e)
+            other = "revert" if action == "apply" else "apply"
             raise JobFailed(f"{first}; and {what} before it failed: {'; '.join(errors)}"
                             + (f" ({_signal_name(held)} arrived meanwhile)" if held is not None else ""),
-                            hint="`dsv4serve patch status` shows each file's state") from e
+                            hint=f"fix the cause (space, permissions), then run the same `dsv4serve patch {action}` "
+                                 f"again to finish it, or `dsv4serve patch {other}` of those sets to take them "
+                                 "back; `dsv4serve patch status` shows each file's state") from e
         if held is not None:
             raise held from e
         raise
@@ -863,7 +910,10 @@ def _undo(done: list[tuple[PatchSet, SetResult]], root: Path | None, profile: st
         try:
             back(pset, root, profile=profile, only=set(res.changed))
         except Exception as e:  # keep undoing the others
-            errors.append(f"{pset.set}: {e}")
+            # the undo's own "every file of the set was restored" means: restored to how this
+            # command left it, which reads as the opposite here
+            why = str(e).split("; every file of the set was restored")[0]
+            errors.append(f"{pset.set} is still {'patched' if res.action == 'apply' else 'reverted'} ({why})")
     return errors
 
 
