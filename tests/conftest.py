@@ -140,7 +140,7 @@ UUID_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f
 
 def stray_sockets(since: float) -> list[str]:
     """Socket files named like vLLM's ZMQ endpoints (a uuid4) made directly in a temp dir since
-    `since`, and dsv4serve's per-run socket dirs made since then: what a run left behind."""
+    `since` by this user: what a run that had no socket dir of its own left behind."""
     found = []
     for d in {Path(tempfile.gettempdir()), Path("/tmp")}:
         for p in d.iterdir():
@@ -148,18 +148,17 @@ def stray_sockets(since: float) -> list[str]:
                 s = p.lstat()
             except OSError:
                 continue
-            if s.st_mtime < since - 1.0 or s.st_uid != os.getuid():  # another user's vLLM is not ours to judge
-                continue
-            if (stat.S_ISSOCK(s.st_mode) and UUID_NAME.fullmatch(p.name)) or (
-                    stat.S_ISDIR(s.st_mode) and p.name.startswith("dsv4serve-rpc-")):
+            if s.st_mtime >= since - 1.0 and s.st_uid == os.getuid() and stat.S_ISSOCK(s.st_mode) \
+                    and UUID_NAME.fullmatch(p.name):
                 found.append(str(p))
     return sorted(found)
 
 
 def assert_nothing_left(run_id: str, pgid: int | None, port: int | None = None, dist_ids: list[str] | None = None,
-                        timeout: float = 20, since: float | None = None) -> None:
+                        timeout: float = 20, since: float | None = None, run_dir: str | Path | None = None) -> None:
     """No process of the run by process group *and* by env tag, the port free, no leftovers; with
-    `since` (the run's start, for a real vLLM), none of vLLM's socket files either."""
+    `since` (the run's start, for a real vLLM) no stray socket file of vLLM's, and with `run_dir`
+    (a native run's) the socket dir its run.json names made and gone."""
     deadline = time.time() + timeout
     while True:
         left = set(tagged_processes(run_id)) | (set(group_processes(pgid)) if pgid else set())
@@ -175,6 +174,9 @@ def assert_nothing_left(run_id: str, pgid: int | None, port: int | None = None, 
         assert not run_leftovers(run_id, dist_ids), run_leftovers(run_id, dist_ids)
     if since is not None:
         assert not stray_sockets(since), stray_sockets(since)
+    if run_dir is not None:
+        rpc = json.loads((Path(run_dir) / "run.json").read_text()).get("rpc_dir")
+        assert rpc and not Path(rpc).exists(), f"the run's socket dir {rpc!r} was not made, or is still there"
 
 
 def dist_ids_of(log_path: str) -> list[str]:
@@ -255,6 +257,8 @@ def demo_seat(demo_home: Path):
     st = load_state(demo_home, "cpu-demo")
     if r.returncode != 0:
         cli("down", home=demo_home, timeout=120)
+        # --apply-patches patched this venv's vLLM: left so, every later run of the suite refuses
+        _revert_demo_patches(demo_home)
         pytest.fail(f"the demo seat did not come up (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     seat = DemoSeat(base_url=f"http://127.0.0.1:{port}", model="dsv4-demo", max_model_len=512, profile="cpu-demo",
                     home=demo_home, port=port, up_seconds=up_s, up_stdout=r.stdout, up_stderr=r.stderr,
@@ -266,7 +270,8 @@ def demo_seat(demo_home: Path):
             if load_state(demo_home, "cpu-demo") is not None:  # a seat_last test may have stopped it already
                 d = cli("down", "--json", home=demo_home, timeout=120)
                 assert d.returncode == 0 and json.loads(d.stdout)["clean"], d.stdout + d.stderr
-            assert_nothing_left(seat.run_id, seat.pgid, port, dist_ids_of(seat.log_path), since=t0)
+            assert_nothing_left(seat.run_id, seat.pgid, port, dist_ids_of(seat.log_path), since=t0,
+                                run_dir=Path(seat.log_path).parent)
         finally:
             _revert_demo_patches(demo_home)
             if old_home is None:

@@ -133,7 +133,7 @@ def test_lna2_strict1_fails_fast_on_every_rank(tmp_path):
     assert "dsv4serve plugin ready" not in log
     assert took < 240, f"took {took:.0f} s: not fast"  # the failure is at load, long before any gate timeout
     run_id = logs[-1].parent.name
-    assert_nothing_left(run_id, None, port, since=t0)
+    assert_nothing_left(run_id, None, port, since=t0, run_dir=logs[-1].parent)
 
 
 @pytest.mark.own_server
@@ -170,6 +170,6 @@ def test_lna2_strict0_comes_up_and_logs_the_fallback_once_per_rank(tmp_path):
         d = cli("down", "--json", home=home, timeout=120)
         assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-2000:]
     run_id = logs[-1].parent.name
-    assert_nothing_left(run_id, None, port, since=t0)
+    assert_nothing_left(run_id, None, port, since=t0, run_dir=logs[-1].parent)
     # No assertion on "final": on a process-group stop the engine SIGKILLs its workers right
     # after the SIGTERM, so the workers' last write is best effort (plugin_counters.py).

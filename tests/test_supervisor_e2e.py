@@ -119,8 +119,7 @@ def test_lifecycle_up_json_status_chat_down(demo_home):
     rep = down_clean(home)["seats"][0]
     assert {p["pid"] for p in rep["signalled"]} >= {st.pid, *st.rank_pids.values()}
     assert rep["port_free"] and not rep["remaining"]
-    assert_nothing_left(st.run_id, st.pgid, port, dist, since=st.started_at)
-    assert not Path(st.rpc_dir).exists()
+    assert_nothing_left(st.run_id, st.pgid, port, dist, since=st.started_at, run_dir=st.run_dir)
     assert status_row(home)["phase"] == "not running"
 
 
@@ -156,7 +155,8 @@ def test_down_during_start_up_and_a_second_up_meanwhile(demo_home):
         assert time.time() - t0 < 40
         out, err = bg.communicate(timeout=60)
         assert bg.returncode == 1 and "stopped by `dsv4serve down` before the seat was ready" in err, err
-        assert_nothing_left(st.run_id, st.pgid, port, dist_ids_of(st.log_path), since=st.started_at)
+        assert_nothing_left(st.run_id, st.pgid, port, dist_ids_of(st.log_path), since=st.started_at,
+                            run_dir=st.run_dir)
     finally:
         if bg.poll() is None:
             bg.kill()
@@ -183,7 +183,8 @@ def test_required_marker_missing_on_one_rank_fails_naming_it(demo_home):
     last = status_row(home)
     assert last["phase"] == "not running" and last["last_run"]["outcome"] == "failed"
     run_id = last["last_run"]["run_id"]
-    assert_nothing_left(run_id, None, port, dist_ids_of(last["last_run"]["log"]), since=t0)
+    assert_nothing_left(run_id, None, port, dist_ids_of(last["last_run"]["log"]), since=t0,
+                        run_dir=Path(last["last_run"]["log"]).parent)
 
 
 @pytest.mark.own_server
@@ -221,7 +222,8 @@ def test_corrupted_model_fails_fast_with_the_tracebacks_last_line(demo_home, tmp
     launch = json.loads((diag / "launch.json").read_text())
     assert str(model) in launch["argv"] and launch["env"]["DSV4SERVE_RUN_ID"]
     run_id = launch["env"]["DSV4SERVE_RUN_ID"]
-    assert_nothing_left(run_id, None, port, dist_ids_of(str(diag / "vllm.log")), since=t0)
+    assert_nothing_left(run_id, None, port, dist_ids_of(str(diag / "vllm.log")), since=t0,
+                        run_dir=home / "runs" / run_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,5 +303,6 @@ def test_worker_killed_mid_run_is_reported_failed_and_down_cleans(demo_seat):
     assert f"rank 1 (pid {victim}) is gone" in row["problem"] or "VllmWorker-1 died" in row["problem"], row
     rep = down_clean(demo_seat.home)["seats"][0]
     assert rep["phase_before"] == "ready"
-    assert_nothing_left(st.run_id, st.pgid, demo_seat.port, dist_ids_of(st.log_path), since=st.started_at)
+    assert_nothing_left(st.run_id, st.pgid, demo_seat.port, dist_ids_of(st.log_path), since=st.started_at,
+                        run_dir=st.run_dir)
     assert not psutil.pid_exists(st.pid) or psutil.Process(st.pid).create_time() != st.start_time
