@@ -257,9 +257,11 @@ def demo_seat(demo_home: Path):
     st = load_state(demo_home, "cpu-demo")
     if r.returncode != 0:
         cli("down", home=demo_home, timeout=120)
-        # --apply-patches patched this venv's vLLM: left so, every later run of the suite refuses
-        _revert_demo_patches(demo_home)
-        pytest.fail(f"the demo seat did not come up (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+        try:
+            pytest.fail(f"the demo seat did not come up (exit {r.returncode}):\n{r.stdout[-4000:]}\n"
+                        f"{r.stderr[-4000:]}")
+        finally:  # --apply-patches patched this venv's vLLM: left so, every later run of the suite refuses
+            _revert_demo_patches(demo_home)
     seat = DemoSeat(base_url=f"http://127.0.0.1:{port}", model="dsv4-demo", max_model_len=512, profile="cpu-demo",
                     home=demo_home, port=port, up_seconds=up_s, up_stdout=r.stdout, up_stderr=r.stderr,
                     run_id=st.run_id, pgid=st.pgid, log_path=st.log_path)

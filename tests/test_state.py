@@ -210,6 +210,32 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         shutil.rmtree(rpc, ignore_errors=True)
 
 
+def test_down_of_an_unreadable_state_removes_the_socket_dir_of_a_run_already_dead(home):
+    """With no tagged process left, the runs were found by nothing, and the socket dir a dead run's
+    run.json names stayed behind a 'clean' down (review)."""
+    import socket
+    import tempfile
+
+    run_id = "cpu-demo-20261207-000000-abcd"
+    rpc = Path(tempfile.mkdtemp(prefix="dsv4serve-rpc-", dir="/tmp"))
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(rpc / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11"))
+        s.close()
+        (home / "runs" / run_id).mkdir(parents=True)
+        (home / "runs" / run_id / "run.json").write_text(json.dumps({"run_id": run_id, "rpc_dir": str(rpc)}))
+        state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
+        state.state_path("cpu-demo").write_text('{"seat": "cpu-demo", "run_id": ')  # truncated
+        r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        seat = json.loads(r.stdout)["seats"][0]
+        assert seat["clean"] and seat["leftovers_removed"][-1] == str(rpc) and not rpc.exists(), seat
+    finally:
+        import shutil
+
+        shutil.rmtree(rpc, ignore_errors=True)
+
+
 def test_without_a_start_time_only_the_run_tag_proves_the_pid_is_ours(home):
     """If up could not record the start time, a pid reused by another process must not pass as the
     seat (down would signal a stranger's group): the run tag in its environment decides."""

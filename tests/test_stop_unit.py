@@ -459,22 +459,33 @@ def test_the_rpc_dir_is_the_users_where_they_name_one_and_fits_a_socket_path(tmp
     monkeypatch.setenv(leftovers.RPC_ENV, str(tmp_path))
     assert leftovers.make_rpc_dir({}) is None
     monkeypatch.delenv(leftovers.RPC_ENV)
-    # a temp dir so deep that <dir>/dsv4serve-rpc-XXXXXXXX/<uuid4> would pass 107 bytes: /tmp instead
+    # a temp dir so deep that <dir>/dsv4serve-rpc-XXXXXXXX/<uuid4> would pass 107 bytes: the next
+    # candidate (this process's temp dir, else /tmp)
     deep = tmp_path / ("d" * 60)
     deep.mkdir()
     d = Path(leftovers.make_rpc_dir({"TMPDIR": str(deep)}))
     try:
-        assert d.parent == Path("/tmp") and len(str(d / ("u" * 36))) <= 107
+        assert d.parent != deep and len(str(d / ("u" * 36))) <= 107
     finally:
         d.rmdir()
-    # counted in bytes, as the kernel counts: 30 characters of three bytes each fit by characters
-    wide = tmp_path / ("é" * 30)
-    wide.mkdir()
-    d = Path(leftovers.make_rpc_dir({"TMPDIR": str(wide)}))
+    # counted in bytes, as the kernel counts: /tmp/<short>/ + 30 'é' fits by characters, not by bytes
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="w", dir="/tmp"))
     try:
-        assert d.parent != wide and len(os.fsencode(str(d / ("u" * 36)))) <= 107
+        wide = short / ("é" * 30)
+        wide.mkdir()
+        rpc_path = len(str(wide / ("x" * 22) / ("u" * 36)))
+        assert rpc_path <= 107 < len(os.fsencode(str(wide / ("x" * 22) / ("u" * 36)))), rpc_path
+        d = Path(leftovers.make_rpc_dir({"TMPDIR": str(wide)}))
+        try:
+            assert d.parent != wide and len(os.fsencode(str(d / ("u" * 36)))) <= 107
+        finally:
+            d.rmdir()
     finally:
-        d.rmdir()
+        import shutil
+
+        shutil.rmtree(short)
 
 
 def test_a_missing_or_relative_tmpdir_gives_a_usable_absolute_rpc_dir(tmp_path, monkeypatch):
@@ -515,4 +526,7 @@ def test_a_live_processs_semaphore_is_never_a_leftover():
     assert sem.exists()
     found = leftovers.find(make_state(started_at=time.time() - 5), set(), set())
     assert sem not in found, found
+    # held by device and inode: a container's own /dev/shm numbers its inodes from 2 as well
+    st = sem.stat()
+    assert (st.st_dev, st.st_ino) in leftovers.held_shm()[1]
     del lock

@@ -39,13 +39,14 @@ def _tmp_dirs(st: SeatState) -> list[Path]:
     return sorted(dirs)
 
 
-def held_shm() -> tuple[set[str], set[int]]:
-    """The /dev/shm files some live process has open or mapped: their names, and their inode
-    numbers. The numbers matter for semaphores: glibc's sem_open maps a temp file and links it to
+def held_shm() -> tuple[set[str], set[tuple[int, int]]]:
+    """The /dev/shm files some live process has open or mapped: their names, and their (device,
+    inode) pairs. The pairs matter for semaphores: glibc's sem_open maps a temp file and links it to
     the name after, so a live process's map names `sem.XXXXXX (deleted)`, never the `sem.mp-*` that
-    a spawned child opens next (a `down` removed the semaphores of another seat's start-up)."""
+    a spawned child opens next (a `down` removed the semaphores of another seat's start-up). The
+    device too: a container's own /dev/shm numbers its inodes from 2 as the host's does."""
     names: set[str] = set()
-    inodes: set[int] = set()
+    inodes: set[tuple[int, int]] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -55,9 +56,12 @@ def held_shm() -> tuple[set[str], set[int]]:
                     i = line.find("/dev/shm/")
                     if i >= 0:
                         names.add(line[i + 9:].strip().removesuffix(" (deleted)"))
-                        fields = line.split(maxsplit=5)  # address perms offset dev inode path
-                        if len(fields) == 6 and fields[4].isdigit():
-                            inodes.add(int(fields[4]))
+                        fields = line.split(maxsplit=5)  # address perms offset dev(maj:min, hex) inode path
+                        maj, _, mnr = fields[3].partition(":") if len(fields) == 6 else ("", "", "")
+                        try:
+                            inodes.add((os.makedev(int(maj, 16), int(mnr, 16)), int(fields[4])))
+                        except ValueError:
+                            pass
         except OSError:
             pass
         try:
@@ -66,7 +70,8 @@ def held_shm() -> tuple[set[str], set[int]]:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith("/dev/shm/"):
                         names.add(target[9:].removesuffix(" (deleted)"))
-                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+                        fs = os.stat(f"/proc/{pid}/fd/{fd}")
+                        inodes.add((fs.st_dev, fs.st_ino))
                 except OSError:
                     continue
         except OSError:
@@ -98,7 +103,7 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
                 # granularity), and held by no live process
                 s = p.stat()
                 if s.st_uid == me and s.st_mtime >= st.started_at - 1.0 and p.name not in held \
-                        and s.st_ino not in held_inodes:
+                        and (s.st_dev, s.st_ino) not in held_inodes:
                     found.add(p)
             except OSError:
                 continue

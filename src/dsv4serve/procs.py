@@ -108,13 +108,18 @@ def tagged(run_id: str) -> list[psutil.Process]:
     return [p for p, env in _environs() if env.get(RUN_ID_ENV) == run_id]
 
 
+def run_id_pattern(seat: str) -> re.Pattern[str]:
+    """A run id of this seat, to match whole: `<seat>-YYYYmmdd-HHMMSS-<4 hex>` (seat._run_id)."""
+    return re.compile(rf"{re.escape(seat)}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}")
+
+
 def tagged_runs(seat: str, runs_dir: Path) -> dict[str, list[psutil.Process]]:
     """Running processes tagged with any run of this seat, by run id: what a seat whose state file
     is unreadable may have left. Run ids are `<seat>-YYYYmmdd-HHMMSS-<4 hex>` (seat._run_id), matched
     whole, so seat `cpu` never claims a run of seat `cpu-demo`; and the run's directory (the
     plugin's DSV4SERVE_RUN_DIR tag) must be under `runs_dir`, so another state dir's seat of the same
     name (another user's, a test's) is never touched."""
-    run_of = re.compile(rf"{re.escape(seat)}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}")
+    run_of = run_id_pattern(seat)
     out: dict[str, list[psutil.Process]] = {}
     for p, env in _environs():
         tag, run_dir = env.get(RUN_ID_ENV), env.get(RUN_DIR_ENV)

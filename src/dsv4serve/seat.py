@@ -652,6 +652,17 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
             removed, failed = leftovers.clear_rpc_dir(st)
             rep["leftovers_removed"] += removed
             rep["leftovers_failed"] += failed
+    # a run that died before this down (no tagged process left) still has its socket dir on disk
+    run_of = procs.run_id_pattern(name)
+    for d in sorted(home.runs_dir().glob(f"{name}-*")):
+        if d.name in runs or not run_of.fullmatch(d.name):
+            continue
+        st = state.SeatState(seat=name, run_id=d.name, profile=name, profile_digest="", runtime="native", argv=[],
+                             env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir=str(d), log_path="",
+                             rpc_dir=_run_json_rpc_dir(d))
+        removed, failed = leftovers.clear_rpc_dir(st)
+        rep["leftovers_removed"] += removed
+        rep["leftovers_failed"] += failed
     moved = state.set_aside(name)
     rep["set_aside"] = str(moved) if moved else None
     rep["clean"] = not rep["remaining"] and not rep["unreaped"] and not rep["leftovers_failed"]

@@ -173,7 +173,8 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
         tracker = read_log(st.log_path, st.tp, [], [])
     found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
     removed, failed = leftovers.remove(found)
-    rpc_removed, rpc_failed = leftovers.clear_rpc_dir(st)
+    # the sockets of a process that outlived the stop stay, for the down that stops it
+    rpc_removed, rpc_failed = leftovers.clear_rpc_dir(st) if not report["remaining"] else ([], [])
     removed, failed = removed + rpc_removed, failed + rpc_failed
     report["leftovers_removed"] = removed
     report["leftovers_failed"] = failed

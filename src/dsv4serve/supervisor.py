@@ -454,8 +454,8 @@ class Supervisor:
         # the spawn left a "launching" state of a run that never started, said to be maybe running.
         with Interrupts() as intr:
             self.rpc_dir = self._make_rpc_dir()
-            self.st = self._initial_state()
             try:
+                self.st = self._initial_state()
                 state.save(self.st)
                 state.atomic_write(self.run_dir / "run.json", json.dumps(
                     {"seat": self.seat, "run_id": self.spec.run_id, "argv": self.spec.argv, "env": self.spec.env,
@@ -467,6 +467,9 @@ class Supervisor:
                     state.remove(self.seat, self.spec.run_id)
                 self._drop_rpc_dir()
                 raise self._state_write_failed(e) from None
+            except BaseException:
+                self._drop_rpc_dir()  # nothing was spawned that could have used it
+                raise
             if state.cancel_requested(self.seat):
                 # a `down` that found no state yet asked us to stop; from here on it would find this one
                 state.clear_cancel(self.seat)
