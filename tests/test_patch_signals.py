@@ -289,8 +289,8 @@ def test_a_rollback_that_fails_names_the_files_it_left_changed(tree, monkeypatch
     assert r.exit_code == 1 and "state.json); every file it changed was restored" in out, out
     assert _contents(tree) == [PRISTINE] * 3
     assert not [p for p in tree.rglob(".*") if p.name.endswith((".dsv4keep", ".dsv4tmp"))]
-    # a filesystem without hard links: the rollback writes, and here its first write (the last
-    # file's) fails; the others are still restored, and the message names the one left patched
+    # a filesystem without hard links: the rollback writes, and here its first write fails; the set
+    # stays whole (the files already put back are patched again) and the message says so
     state.clear()
     real_keep = patches._keep
     monkeypatch.setattr(patches, "_keep", lambda path: None)
@@ -298,9 +298,9 @@ def test_a_rollback_that_fails_names_the_files_it_left_changed(tree, monkeypatch
     out = " ".join(r.output.split())
     assert r.exit_code == 1
     assert "state.json" in out and ": None" not in out
-    assert "restoring its files failed too" in out and ": sigpkg/c.py still patched" in out, out
+    assert "restoring its files failed too" in out and "a.py, sigpkg/b.py, sigpkg/c.py still patched" in out
     assert "every file of the set was restored" not in out
-    assert _contents(tree) == [PRISTINE, PRISTINE, PATCHED]
+    assert _contents(tree) == [PATCHED] * 3
     monkeypatch.setattr(patches, "_keep", real_keep)
     monkeypatch.setattr(patches, "_atomic_write", real_write)
     state.clear()

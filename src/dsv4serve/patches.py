@@ -602,6 +602,10 @@ def _verify_and_record(targets: list[tuple[Path, bytes, bytes]], sdir: Path, pse
         # a record that failed on a full disk: the old bytes come back by rename where they can
         failed = _put_back([(p, old) for p, _, old in reversed(targets)], keeps)
         if failed:  # the tree keeps the change, unrecorded: say which files
+            for p, new, _ in targets:  # whole: the files already put back are changed again
+                if not _holds(p, new):
+                    with contextlib.suppress(OSError):
+                        _atomic_write(p, new)
             still = [str(p.relative_to(tree)) for p, new, _ in targets if _holds(p, new)]
             raise JobFailed(f"{action} {pset.set} failed ({why}), and restoring its files failed too "
                             f"({failed[0]}): {', '.join(still) or 'no file'} still "
@@ -912,7 +916,7 @@ def _undo(done: list[tuple[PatchSet, SetResult]], root: Path | None, profile: st
         except Exception as e:  # keep undoing the others
             # the undo's own "every file of the set was restored" means: restored to how this
             # command left it, which reads as the opposite here
-            why = str(e).split("; every file of the set was restored")[0]
+            why = re.split(r"; every file (?:of the set|it changed) was restored", str(e))[0]
             errors.append(f"{pset.set} is still {'patched' if res.action == 'apply' else 'reverted'} ({why})")
     return errors
 
