@@ -663,3 +663,16 @@ def test_values_nothing_would_read_are_refused():
         launch.check_plan(load_profile("cpu-demo", ["model.path=/srv/x"]))
     with pytest.raises(ProfileError, match="moe.extension is an lna2 build, and moe.kernel is incumbent"):
         launch.check_plan(load_profile("8x16gb-380k-incumbent", ["moe.extension=/srv/x.so"]))
+
+
+def test_a_profile_reached_through_a_link_is_named_again_by_the_link(tmp_path):
+    """ref() resolved the link: a seat up'd through `my-seat.yaml -> real.yaml` (no `name:`) is
+    named my-seat, but was reloaded from real.yaml, another name and digest (review)."""
+    real = tmp_path / "real.yaml"
+    real.write_text("extends: cpu-demo\n")
+    link = tmp_path / "my-seat.yaml"
+    link.symlink_to(real)
+    p = load_profile(str(link))
+    assert p.name == "my-seat" and p.ref() == str(link)
+    again = load_profile(p.ref())
+    assert again.name == "my-seat" and again.digest() == p.digest()

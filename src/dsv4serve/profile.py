@@ -15,6 +15,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -1070,5 +1071,6 @@ def load_profile(ref: str, overrides: list[str] | None = None) -> Profile:
         raise _format_validation(name, err, lambda loc: _source(loc, chain, overrides or [])) from None
     # a shipped profile is named again by what the user typed: `--set name=X` renames the seat,
     # not the profile (`--profile X` would be unknown)
-    prof._ref = ref if ref in shipped_profiles() else str(path.resolve())
+    # absolute, not resolved: a profile reached through a link is named (and reloaded) by the link
+    prof._ref = ref if ref in shipped_profiles() else os.path.abspath(path)
     return prof
