@@ -641,10 +641,7 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
                            "remaining": [], "unreaped": [], "zombies": [], "leftovers_removed": [],
                            "leftovers_failed": []}
     for run_id in sorted(runs):
-        # only what procs.stop reads: the run's tag (no pid or group is known without the state)
-        st = state.SeatState(seat=name, run_id=run_id, profile=name, profile_digest="", runtime="native", argv=[],
-                             env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir="", log_path="",
-                             rpc_dir=_run_json_rpc_dir(home.runs_dir() / run_id))
+        st = _tag_only_state(name, home.runs_dir() / run_id)
         r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
         for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
@@ -657,10 +654,7 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
     for d in sorted(home.runs_dir().glob(f"{name}-*")):
         if d.name in runs or not run_of.fullmatch(d.name):
             continue
-        st = state.SeatState(seat=name, run_id=d.name, profile=name, profile_digest="", runtime="native", argv=[],
-                             env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir=str(d), log_path="",
-                             rpc_dir=_run_json_rpc_dir(d))
-        removed, failed = leftovers.clear_rpc_dir(st)
+        removed, failed = leftovers.clear_rpc_dir(_tag_only_state(name, d))
         rep["leftovers_removed"] += removed
         rep["leftovers_failed"] += failed
     moved = state.set_aside(name)
@@ -669,13 +663,19 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
     return rep
 
 
-def _run_json_rpc_dir(run_dir: Path) -> str | None:
-    """The socket dir `up` recorded beside the state in the run's run.json, if it did."""
+def _tag_only_state(name: str, run_dir: Path) -> SeatState:
+    """What procs.stop and leftovers.clear_rpc_dir read of a run whose state is lost: its tag (the
+    run dir's name; no pid or group is known without the state) and the socket dir its run.json
+    names, if it does."""
+    from dsv4serve import state
+
     try:
-        got = json.loads((run_dir / "run.json").read_text()).get("rpc_dir")
+        rpc = json.loads((run_dir / "run.json").read_text()).get("rpc_dir")
     except (OSError, ValueError, AttributeError):
-        return None
-    return got if isinstance(got, str) else None
+        rpc = None
+    return state.SeatState(seat=name, run_id=run_dir.name, profile=name, profile_digest="", runtime="native",
+                           argv=[], env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir=str(run_dir),
+                           log_path="", rpc_dir=rpc if isinstance(rpc, str) else None)
 
 
 def render_down(report: dict) -> None:
