@@ -899,7 +899,7 @@ def test_markup_in_a_model_name_or_a_note_is_printed_as_text(fake, tmp_path):
 
 
 @pytest.mark.parametrize("finish,why", [("stop", "the model's end of sequence"),
-                                        ("length", "the seat's max-model-len, less the prompt")])
+                                        ("length", "the server's cap: it lowered max_tokens")])
 def test_a_stream_that_ended_early_is_blamed_on_what_ended_it(fake, finish, why):
     """vLLM lowers max_tokens to what the window leaves after the prompt, without a word: a stream
     ended by "length" short of --max-tokens was blamed on the model's end of sequence (helper audit)."""

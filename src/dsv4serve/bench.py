@@ -488,10 +488,10 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
              if s.completion_tokens is not None and s.completion_tokens < settings.max_tokens]
     # an early end: the rate is still a rate, but over a shorter (less loaded) tail. "length" short
     # of --max-tokens is the server's cut: vLLM lowers max_tokens to what the window leaves after
-    # the prompt, without a word
+    # the prompt (or to a configured output limit), without a word
     for why, group in (("the model's end of sequence", [s for s in short if s.finish_reason != "length"]),
-                       ("the seat's max-model-len, less the prompt: the server lowered max_tokens to what the "
-                        "window leaves", [s for s in short if s.finish_reason == "length"])):
+                       ("the server's cap: it lowered max_tokens to what the seat's max-model-len leaves after "
+                        "the prompt, or to its own output limit", [s for s in short if s.finish_reason == "length"])):
         if group:
             notes.append(f"{len(group)} stream(s) ended before --max-tokens {settings.max_tokens} (as few as "
                          f"{min(s.completion_tokens for s in group)} tokens, {why}): their figures cover fewer "
