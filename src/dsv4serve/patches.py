@@ -298,6 +298,15 @@ def _fix_cmd(pset: PatchSet | None, root: Path | None, profile: str | None, acti
     return f"dsv4serve patch {action} {which}" + (f" --root {shlex.quote(str(root))}" if root else "")
 
 
+def _site_packages_below(root: Path, package: str) -> Path | None:
+    """The site-packages under a venv or prefix `root` that holds `package`, if there is one."""
+    try:
+        found = sorted(p.parent for p in root.glob(f"lib*/python3*/site-packages/{package}") if p.is_dir())
+    except OSError:
+        return None
+    return found[0] if found else None
+
+
 def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None = None) -> list[FileStatus]:
     """Per-file state of `pset` in `root` (or in the installed package when root is None)."""
     tree = find_root(pset.package, root)
@@ -312,6 +321,11 @@ def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None 
             state, fix = "package-missing", (
                 f"{root} is not a directory: point --root / runtime.patch_root at the site-packages tree that "
                 f"holds {pset.package} (for a docker seat, a `docker cp` of the image's)")
+        elif tree is None and root is not None and (inner := _site_packages_below(root, pset.package)):
+            # a venv or a prefix given for its site-packages: the fix is the path, not an install
+            state, fix = "package-missing", (
+                f"{root} holds {pset.package} in {inner}, not at its top: pass --root {shlex.quote(str(inner))} "
+                "(the site-packages directory itself)")
         elif tree is None:
             state, fix = "package-missing", (
                 f"install {pset.pip_requirement} in {where}, or point --root / runtime.patch_root "
@@ -474,6 +488,7 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> dict[Path, Path]:
     done: list[tuple[Path, bytes]] = []
     keeps: dict[Path, Path] = {}
     current: Path | None = None
+    _drop(p for path, _, _ in targets for p in _stale_beside(path))
     try:
         for path, new, old in targets:
             current = path
@@ -498,6 +513,17 @@ def _write_all(targets: list[tuple[Path, bytes, bytes]]) -> dict[Path, Path]:
                                  "again") from e
         raise
     return keeps
+
+
+def _stale_beside(path: Path) -> list[Path]:
+    """The temp files and _keep links a killed apply or revert (SIGKILL, power cut) left beside a
+    target: redundant copies (the backups and the diff hold both contents), removed before the next
+    write, under the set's lock."""
+    stale = re.compile(rf"\.{re.escape(path.name)}\.(?:[0-9a-f]{{8}}\.dsv4keep|\w+\.dsv4tmp)")
+    try:
+        return [p for p in path.parent.iterdir() if stale.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    except OSError:
+        return []
 
 
 def _drop(paths: Any) -> None:
