@@ -137,6 +137,17 @@ def test_gpu_profile_without_driver_is_one_failing_row():
     assert {"shm", "disk-home", "core-dumps", "port"} <= {r.check for r in rep.rows}
 
 
+@pytest.mark.parametrize("size,status", [("1k", "fail"), ("512m", "fail"), ("1g", "ok"), ("16g", "ok")])
+def test_a_containers_shm_size_is_judged_not_only_shown(size, status):
+    """The row said ok for any --shm-size of a docker seat without ipc_host, `1k` at TP 8 included,
+    its own expected column reading "≥ 1g for TP > 1" (check-seat audit)."""
+    p = load_profile("8x16gb-380k", ["runtime.ipc_host=false", f"runtime.shm_size={size}"])
+    row = _st(_machine(p), "shm")
+    assert (row.status, row.found) == (status, f"container --shm-size={size}"), row
+    if status == "fail":
+        assert "runtime.shm_size" in row.fix
+
+
 def test_cpu_seat_gpu_rows_not_applicable():
     rep = _machine(load_profile("cpu-demo"))
     assert _st(rep, "gpus").status == "n/a"

@@ -474,3 +474,29 @@ def test_a_header_that_is_not_plain_utf8_is_refused_as_safetensors_refuses_it(tm
     shard.write_bytes(struct.pack("<Q", len(bom)) + bom + data[8 + n:])
     with pytest.raises(pack.HeaderError, match="header is not JSON"):
         pack.read_header(shard)
+
+
+def test_routed_widths_the_seats_kernel_does_not_serve_fail(clean):
+    """Stamps and widths agreed, so routed-bits said ok for a K3 layer on a seat whose kernel takes
+    K2 only (lna2 under strict takes K 2 and 3, vllm-exl3 0.2.3 K 2-6): every rank then fails at load
+    (check-seat audit)."""
+    from dsv4serve import checks
+    from dsv4serve.profile import load_profile
+
+    args = dict(expect_shards=clean.expect_shards, model_class=VISION, wo_a_slices=8)
+    ok = pack.validate(clean.path, routed_ks=(2, 3), **args).get("routed-bits")
+    assert ok.status == "ok" and "K3" in ok.found
+    f = pack.validate(clean.path, routed_ks=(2,), **args).get("routed-bits")
+    assert f.status == "fail" and "layer 2: K3" in f.found and f.expected.startswith("routed experts of K2"), f
+    assert checks._routed_ks(load_profile("8x16gb-380k")) == (2, 3)  # lna2, strict 1
+    assert checks._routed_ks(load_profile("8x16gb-380k", ["moe.strict=0", "env.VLLM_EXL3_MOE_STRICT=0"])) == \
+        (2, 3, 4, 5, 6)  # lna2 falls back to the incumbent for what it declines
+
+
+def test_wo_a_slices_are_compared_with_the_seats_tensor_parallel_size(clean):
+    """The row read "8 (one per TP rank)" without looking at TP: a profile without
+    model.wo_a_rank_slices at TP 4 passed, and the attention patch refuses it at load (audit)."""
+    args = dict(expect_shards=clean.expect_shards, model_class=VISION)
+    assert pack.validate(clean.path, tp=8, **args).get("wo-a-slices").status == "ok"
+    f = pack.validate(clean.path, tp=4, **args).get("wo-a-slices")
+    assert f.status == "fail" and f.found.endswith("x 8 slices, the seat runs TP 4"), f

@@ -422,11 +422,37 @@ def _links(rep: Report, ctx: Ctx, m: gpu.Machine) -> None:
             data={"links": [asdict(ln) for ln in m.links]})
 
 
+# The routed-expert widths each kernel serves: lna2 is built for K 2 and 3 (kernels/lna2), and
+# refuses any other at load under strict; vllm-exl3 0.2.3 takes K 2-6 (exl3-reference §4.2).
+LNA2_KS = (2, 3)
+INCUMBENT_KS = (2, 3, 4, 5, 6)
+
+
+def _routed_ks(p: Profile) -> tuple[int, ...] | None:
+    if p.vllm.quantization != "exl3":
+        return None
+    return LNA2_KS if p.moe.kernel == "lna2" and p.moe.strict >= 1 else INCUMBENT_KS
+
+
+def _docker_bytes(size: str) -> int | None:
+    """docker's --shm-size in bytes (`16g`, `512m`, `1.5GiB`; k/m/g/t/p are powers of 1024 to docker)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s?([kmgtp]?)(?:i?b)?", size.strip().lower())
+    if not m:
+        return None
+    return int(float(m.group(1)) * 1024 ** "_kmgtp".index(m.group(2) or "_"))
+
+
 def _shm(rep: Report, ctx: Ctx) -> None:
     p = ctx.profile
     tp = p.vllm.tensor_parallel_size
     if p.runtime.kind == "docker" and not p.runtime.ipc_host:
-        rep.add("machine", "shm", "ok", f"container --shm-size={p.runtime.shm_size}", "≥ 1g for TP > 1")
+        size = _docker_bytes(p.runtime.shm_size)
+        if tp > 1 and size is not None and size < GIB:
+            rep.add("machine", "shm", "fail", f"container --shm-size={p.runtime.shm_size}", "≥ 1g for TP > 1",
+                    "vLLM's TP workers exchange through the container's /dev/shm: set runtime.shm_size to 16g "
+                    "(or runtime.ipc_host: true)")
+        else:
+            rep.add("machine", "shm", "ok", f"container --shm-size={p.runtime.shm_size}", "≥ 1g for TP > 1")
         return
     shm = Path("/dev/shm")
     if not shm.is_dir():
@@ -538,7 +564,8 @@ def check_pack(rep: Report, ctx: Ctx) -> None:
     else:
         pr = pack.validate(path, expect_shards=p.model.expect_shards, model_class=p.model.model_class,
                            wo_a_slices=p.model.wo_a_rank_slices, exl3=p.vllm.quantization == "exl3",
-                           mounted_only=p.runtime.kind == "docker")
+                           mounted_only=p.runtime.kind == "docker", routed_ks=_routed_ks(p),
+                           tp=p.vllm.tensor_parallel_size)
     ctx.pack_report = pr
     for f in pr.findings:
         rep.add("pack", f.check, f.status, f.found, f.expected, f.fix)

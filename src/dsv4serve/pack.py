@@ -244,7 +244,8 @@ def _bits_eq(a: Any, b: float) -> bool:
 
 
 def validate(path: str | Path, *, expect_shards: int | None = None, model_class: str | None = None,
-             wo_a_slices: int | None = None, exl3: bool = True, mounted_only: bool = False) -> PackReport:
+             wo_a_slices: int | None = None, exl3: bool = True, mounted_only: bool = False,
+             routed_ks: tuple[int, ...] | None = None, tp: int | None = None) -> PackReport:
     """Every finding about the pack at `path`. `exl3=False` (the demo seat) checks a plain
     safetensors pack: files, headers, index coverage, config, tokenizer; no EXL3 rules.
     `mounted_only`: the seat sees only this directory (a docker mount), so a link out of it is dead."""
@@ -308,7 +309,7 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
         rep.add("exl3-rules", "n/a", "config.json is missing or unusable (see config)", "",
                 "checked once config.json is restored")
     elif exl3:
-        _exl3_rules(rep, model_class, wo_a_slices)
+        _exl3_rules(rep, model_class, wo_a_slices, routed_ks, tp)
         _layer_modules(rep, rep.config or {}, _stray_modules(root, stray))
         _expert_format(rep)
     else:
@@ -636,7 +637,8 @@ def effective_class(config: dict[str, Any] | None, profile_class: str | None) ->
     return arch[0] if arch else profile_class
 
 
-def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | None) -> None:
+def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | None,
+                routed_ks: tuple[int, ...] | None = None, tp: int | None = None) -> None:
     cfg = rep.config or {}
     qc = cfg.get("quantization_config")
     if not isinstance(qc, dict):
@@ -659,16 +661,16 @@ def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | Non
         for name in ("codebook", "dense-bits", "routed-bits", "mtp"):
             rep.add(name, "n/a", "config.json has no quantization_config (see quant-method)", "",
                     "checked once quantization_config is restored")
-        _wo_a(rep, cfg, mods, wo_a_slices)
+        _wo_a(rep, cfg, mods, wo_a_slices, tp)
         return
     _codebook(rep, qc, mods)
     nr = qc.get("non_routed_exl3") if isinstance(qc.get("non_routed_exl3"), dict) else None
     entries = _entries(rep, nr)
     cls = model_class or effective_class(cfg, None)
     _dense(rep, cfg, mods, nr, entries, cls)
-    _routed_bits(rep, cfg, qc, mods)
+    _routed_bits(rep, cfg, qc, mods, routed_ks)
     _mtp(rep, qc, mods)
-    _wo_a(rep, cfg, mods, wo_a_slices)
+    _wo_a(rep, cfg, mods, wo_a_slices, tp)
 
 
 def _shapes(rep: PackReport, cfg: dict[str, Any], mods: _Modules) -> None:
@@ -998,7 +1000,10 @@ def _expected_counts(cfg: dict[str, Any], dense: dict[tuple[int, str], str]) -> 
     return out, "the dense tensors in the pack"
 
 
-def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods: _Modules) -> None:
+def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods: _Modules,
+                 routed_ks: tuple[int, ...] | None = None) -> None:
+    """The stamps (bits, layer_bits) against the experts' trellis widths, and with `routed_ks` the
+    widths against what the seat's routed-expert kernel serves."""
     n = int(cfg.get("num_hidden_layers") or 0)
     per_layer: dict[int, Counter[float]] = defaultdict(Counter)
     for m in mods.parts:
@@ -1044,6 +1049,13 @@ def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods:
                 f"bits {base}, layer_bits {json.dumps(lb_raw, separators=(',', ':'))} = expert trellis widths "
                 "(32 -> K2, 48 -> K3)",
                 "correct quantization_config.layer_bits (or bits) to the stored widths, or re-bake the odd layers")
+    elif routed_ks and (odd := [f"layer {layer}: {_kstr(next(iter(ks)))}" for layer, ks in sorted(per_layer.items())
+                                if next(iter(ks)) not in routed_ks]):
+        # stamps and widths agree, but the seat's kernel refuses the width: every rank fails at load
+        serves = ", ".join(f"K{k}" for k in routed_ks)
+        rep.add("routed-bits", "fail", f"{summary}; {_few(odd, 3)}", f"routed experts of {serves} (what the seat's "
+                "kernel serves)", "re-bake those layers at a width the kernel serves, or use a profile whose "
+                "moe.kernel serves it")
     elif orphans:
         rep.add("routed-bits", "warn", f"{summary}; layer_bits names layers without experts: {_few(orphans)}",
                 "layer_bits only for layers with experts", "drop the stale layer_bits keys")
@@ -1069,7 +1081,7 @@ def _mtp(rep: PackReport, qc: dict[str, Any], mods: _Modules) -> None:
         rep.add("mtp-experts", "ok", f"{len(layers)} draft layers with EXL3 experts", "draft experts load as EXL3")
 
 
-def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None) -> None:
+def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None, tp: int | None = None) -> None:
     per_layer: dict[int, set[int]] = defaultdict(set)
     for m in mods.parts:
         t = _TRUNK.match(m)
@@ -1097,6 +1109,11 @@ def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None
         msg = "; ".join(parts)
         rep.add("wo-a-slices", "fail", msg, f"slices 0..{int(expect or 0) - 1} on every layer",
                 "the pack is incomplete: restore the dense overlay shard")
+    elif tp is not None and int(expect or 0) != tp:
+        # the patched DeepSeek-V4 attention serves a rank-local wo_a only with one slice (group) per
+        # rank: "EXL3 wo_a requires TP=8" otherwise (seat-reference §2, the wo_a patch)
+        rep.add("wo-a-slices", "fail", f"{len(per_layer)} layers x {int(expect or 0)} slices, the seat runs TP {tp}",
+                f"{tp} (one per TP rank)", f"run this pack at TP {int(expect or 0)}, or use a pack baked for TP {tp}")
     else:
         rep.add("wo-a-slices", "ok", f"{len(per_layer)} layers x {int(expect or 0)} slices",
                 f"{int(expect or 0)} (one per TP rank)")
