@@ -62,6 +62,9 @@ def _drop(root: Path, gone: Callable[[str], bool]) -> None:
     (lambda n: n.startswith("layers.2.ffn.shared_experts.w3."), "layers.2: ffn.shared_experts.w3"),
     (lambda n: n == "layers.1.ffn.experts.2.w2.trellis", "layers.1: 1 expert projections (2.w2)"),
     (lambda n: n.startswith("mtp.1.ffn.experts.3."), "mtp.1: 3 expert projections"),
+    # the router, which a rewrite of `layers.N.ffn.*` also drops (check-seat audit)
+    (lambda n: n == "layers.3.ffn.gate.weight", "layers.3: ffn.gate"),
+    (lambda n: n == "mtp.0.ffn.gate.weight", "mtp.0: ffn.gate"),
 ])
 def test_a_module_lost_with_its_index_entries_fails_layer_modules(tmp_path, clean, gone, found):
     p = _copy(clean, tmp_path)

@@ -1193,7 +1193,9 @@ def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str]) 
         ratio = cr[ln] if ln < len(cr) else 0
         need += list(_COMPRESSOR) if ratio else []
         need += list(_INDEXER) if ratio == 4 else []
-        missing[p] += [m for m in need if p + m not in present]
+        # the router too: vLLM does not track missing weights of a quantized model, so a layer
+        # served without its gate routes with whatever the parameter held
+        missing[p] += [m for m in (*need, "ffn.gate") if p + m not in present]
         if p + "attn.wo_a" not in present and p + "attn.wo_a" not in sliced:
             missing[p].append("attn.wo_a")
         missing[p] += [f"ffn.experts.{e}.{w}" for e in range(n_exp) for w in ("w1", "w2", "w3")
@@ -1201,11 +1203,12 @@ def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str]) 
     drafts = sorted({int(e.group(2)) for m in present if (e := _EXPERT.match(m)) and e.group(1) == "mtp"})
     for j in drafts:
         p = f"mtp.{j}."
+        missing[p] += ([] if p + "ffn.gate" in present else ["ffn.gate"])
         missing[p] += [f"ffn.experts.{e}.{w}" for e in range(n_exp) for w in ("w1", "w2", "w3")
                        if f"{p}ffn.experts.{e}.{w}" not in present]
     gone = [(p, ms) for p, ms in missing.items() if ms]
     total = sum(len(ms) for _, ms in gone)
-    expected = (f"{n} layers, each with {n_exp} routed experts (w1/w2/w3), attention, wo_a"
+    expected = (f"{n} layers, each with {n_exp} routed experts (w1/w2/w3) and their gate, attention, wo_a"
                 + (", shared experts" if isinstance(n_shared, int) and n_shared > 0 else "")
                 + (" and the compressor / indexer its compress ratio gives it" if cr else ""))
     if not gone:
