@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from dsv4serve import gpu, home, launch, pack, readiness
+from dsv4serve.lna2 import policy
 from dsv4serve.errors import DsvError, JobFailed
 from dsv4serve.profile import Profile, load_profile
 from dsv4serve.ranklog import with_seat
@@ -422,16 +423,15 @@ def _links(rep: Report, ctx: Ctx, m: gpu.Machine) -> None:
             data={"links": [asdict(ln) for ln in m.links]})
 
 
-# The routed-expert widths each kernel serves: lna2 is built for K 2 and 3 (kernels/lna2), and
-# refuses any other at load under strict; vllm-exl3 0.2.3 takes K 2-6 (exl3-reference §4.2).
-LNA2_KS = (2, 3)
+# The routed-expert widths vllm-exl3 0.2.3 serves (exl3-reference §4.2); lna2's are policy.BITS,
+# and under strict it refuses any other at load.
 INCUMBENT_KS = (2, 3, 4, 5, 6)
 
 
 def _routed_ks(p: Profile) -> tuple[int, ...] | None:
     if p.vllm.quantization != "exl3":
         return None
-    return LNA2_KS if p.moe.kernel == "lna2" and p.moe.strict >= 1 else INCUMBENT_KS
+    return policy.BITS if p.moe.kernel == "lna2" and p.moe.strict >= 1 else INCUMBENT_KS
 
 
 def _docker_bytes(size: str) -> int | None:
@@ -447,12 +447,10 @@ def _shm(rep: Report, ctx: Ctx) -> None:
     tp = p.vllm.tensor_parallel_size
     if p.runtime.kind == "docker" and not p.runtime.ipc_host:
         size = _docker_bytes(p.runtime.shm_size)
-        if tp > 1 and size is not None and size < GIB:
-            rep.add("machine", "shm", "fail", f"container --shm-size={p.runtime.shm_size}", "≥ 1g for TP > 1",
-                    "vLLM's TP workers exchange through the container's /dev/shm: set runtime.shm_size to 16g "
-                    "(or runtime.ipc_host: true)")
-        else:
-            rep.add("machine", "shm", "ok", f"container --shm-size={p.runtime.shm_size}", "≥ 1g for TP > 1")
+        small = tp > 1 and size is not None and size < GIB
+        rep.add("machine", "shm", "fail" if small else "ok", f"container --shm-size={p.runtime.shm_size}",
+                "≥ 1g for TP > 1", "vLLM's TP workers exchange through the container's /dev/shm: set "
+                "runtime.shm_size to 16g (or runtime.ipc_host: true)" if small else "")
         return
     shm = Path("/dev/shm")
     if not shm.is_dir():

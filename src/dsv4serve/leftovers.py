@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from dsv4serve.state import SeatState
@@ -118,12 +119,17 @@ def _plain_file(p: Path) -> bool:
         return False
 
 
-def remove(paths: list[Path]) -> tuple[list[str], list[str]]:
-    """(removed, failed: 'path: reason'). Files only: a directory is never removed."""
+def _socket(p: Path) -> bool:
+    return stat.S_ISSOCK(p.lstat().st_mode)
+
+
+def remove(paths: list[Path], kind: Callable[[Path], bool] = _plain_file) -> tuple[list[str], list[str]]:
+    """(removed, failed: 'path: reason'). Only paths of `kind` (files by default): a directory is
+    never removed."""
     removed, failed = [], []
     for p in paths:
         try:
-            if not _plain_file(p):
+            if not kind(p):
                 continue
             p.unlink()
             removed.append(str(p))
@@ -178,20 +184,11 @@ def clear_rpc_dir(st: SeatState) -> tuple[list[str], list[str]]:
         return [], []  # gone already
     if not stat.S_ISDIR(s.st_mode) or not d.name.startswith(RPC_PREFIX) or s.st_uid != os.getuid():
         return [], []
-    removed, failed = [], []
     try:
         entries = list(d.iterdir())
     except OSError as e:
         return [], [f"{d}: {e.strerror}"]
-    for p in entries:
-        try:
-            if stat.S_ISSOCK(p.lstat().st_mode):
-                p.unlink()
-                removed.append(str(p))
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            failed.append(f"{p}: {e.strerror}")
+    removed, failed = remove(entries, _socket)
     try:
         d.rmdir()
         removed.append(str(d))

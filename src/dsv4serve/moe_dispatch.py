@@ -229,7 +229,7 @@ def validate_layer(layer: Any, method: Any, *, max_top_k: int = KERNEL_MAX_TOP_K
     if words % 16:
         raise ContractError(f"w13_trellis last dim {words} is not 16*K")
     bits = words // 16
-    if bits not in (2, 3):
+    if bits not in policy.BITS:
         raise ContractError(f"K={bits} (trellis last dim {words}) is not 2 or 3")
     hidden, inter = 16 * h16, 16 * i16
     if hidden % 128 or hidden > 16384:

@@ -136,6 +136,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# The routed-expert widths (K, bits per weight) lna2 is built for: the dispatch refuses any other
+# layer, and check-seat holds a pack's routed experts to them.
+BITS = (2, 3)
 # Timing ablations (lna2_api.h is_ablation: v4's 10..13, v7's 17..19) skip a stage by design: what
 # they write is not the op, so nothing may serve them (a tuning table, --also, the dispatch).
 ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
@@ -181,7 +184,7 @@ def served(inter: int = 256, hidden: int = 4096) -> list[int]:
     """Every build `preference` may name for a layer of this shape, in a fixed order."""
     out: list[int] = []
     for rows in range(1, CLUSTER_MAX_ROWS_K2 + 2):
-        for bits in (2, 3):
+        for bits in BITS:
             out += [v for v in preference(rows, inter, bits, hidden) if v not in out]
     return out
 

@@ -70,7 +70,7 @@ class CheckSpec(BaseModel):
     @field_validator("bits")
     @classmethod
     def _bits(cls, v: list[int]) -> list[int]:
-        if not v or any(b not in (2, 3) for b in v):
+        if not v or any(b not in policy.BITS for b in v):
             raise ValueError("lna2 decodes K 2 and 3")
         return v
 
