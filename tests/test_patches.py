@@ -628,3 +628,31 @@ def test_applying_cuda_fixes_for_a_docker_seat_says_how_they_reach_the_container
     patches.revert_set(patches.load_set("exllamav3-1.4.5"), root)
     r = _cli("apply", "--set-name", "exllamav3-1.4.5", "--root", str(root))
     assert r.exit_code == 0 and "rebuild needed" in r.stdout and "runtime.exl3_extension" not in r.stdout
+
+
+def test_one_unreadable_target_is_a_row_not_the_end_of_status(trees: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests run as root, whom chmod does not stop: the read of one target is made to fail the way
+    a file of another owner's 0600 makes it fail for a user. Status still reports every other file,
+    and apply refuses with the cause, changing nothing."""
+    pset = patches.load_set("vllm-0.32.0")
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    victim = root / pset.files[1].path
+    real = patches.sha256_file
+
+    def denied(path: Path) -> str:
+        if Path(path) == victim:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(patches, "sha256_file", denied)
+    before = snapshot(root, pset)
+    r = _cli("status", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")
+    assert r.exit_code == 1, r.output
+    rows = {x["file"]: x for x in json.loads(r.stdout)["rows"] if x["state"] != "not-applicable"}
+    assert rows[pset.files[1].path]["state"] == "unreadable"
+    assert "Permission denied" in rows[pset.files[1].path]["fix"] and str(victim) in rows[pset.files[1].path]["fix"]
+    assert {x["state"] for f, x in rows.items() if f != pset.files[1].path} == {"pristine"}
+    r = _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root))
+    assert r.exit_code == 1 and f"{pset.files[1].path} is unreadable" in r.output, r.output
+    assert "Traceback" not in r.output and snapshot(root, pset) == before

@@ -34,7 +34,7 @@ RootOpt = typer.Option(None, "--root", parser=dir_path, metavar="DIR", help="sit
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
 
 _STYLE = {"patched": "green", "pristine": "yellow", "not-applicable": "dim", "modified-unknown": "bold red",
-          "missing": "red", "version-mismatch": "red", "package-missing": "red"}
+          "missing": "red", "version-mismatch": "red", "package-missing": "red", "unreadable": "red"}
 
 
 @dataclass

@@ -44,7 +44,7 @@ from dsv4serve.errors import BadInput, JobFailed, Signalled
 from dsv4serve.resources import patches_dir
 
 State = Literal["pristine", "patched", "modified-unknown", "missing", "version-mismatch",
-                "not-applicable", "package-missing"]
+                "not-applicable", "package-missing", "unreadable"]
 OK_PATCHED: frozenset[str] = frozenset({"patched", "not-applicable"})
 OK_PRISTINE: frozenset[str] = frozenset({"pristine", "not-applicable"})
 # The keys profile_plan() promises to seat.py and check-seat.
@@ -315,7 +315,11 @@ def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None 
     rows: list[FileStatus] = []
     for spec in pset.files:
         target = tree / spec.path if tree else None
-        found = sha256_file(target) if target is not None and target.is_file() else None
+        found, unreadable = None, ""
+        try:
+            found = sha256_file(target) if target is not None and target.is_file() else None
+        except OSError as e:  # one file's permissions must not hide every other file's state
+            unreadable = e.strerror or str(e)
         state: State
         if tree is None and root is not None and not root.is_dir():  # a typo, not a missing package
             state, fix = "package-missing", (
@@ -335,6 +339,10 @@ def set_status(pset: PatchSet, root: Path | None = None, *, profile: str | None 
                 f"{pset.set} is pinned to {pset.package} {pset.version} but {where} has "
                 f"{version or 'no dist-info for ' + '/'.join(pset.distributions)}: install "
                 f"{pset.pip_requirement} or use a set made for {version or 'that tree'}")
+        elif unreadable:
+            state, fix = "unreadable", (
+                f"{target}: {unreadable}: make it (and the directories above it) readable to this user, "
+                "or run as the tree's owner")
         elif found is None:
             state, fix = "missing", (
                 f"{spec.path} is absent from {pset.package} {version}: reinstall "
