@@ -301,3 +301,30 @@ def test_a_running_container_of_a_seat_in_another_home_is_never_called_removable
         assert "docker rm -f" not in other.stderr and "stop that seat where it was started" in other.stderr
     finally:
         assert fake.run("down", "--profile", fake.profile).returncode == 0
+
+
+def test_a_container_that_exited_is_a_stale_seat_not_a_running_one(fake):
+    """A crash, an OOM kill or a reboot leaves the container exited, not removed: up said the seat was
+    "already running" while status said failed (audit). Now up clears the stale run, removing the
+    exited container, and starts."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+    k = subprocess.run(["docker", "kill", fake.name], env={**os.environ, **fake.env}, capture_output=True, timeout=30)
+    assert k.returncode == 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+        if st["phase"] == "failed" or not st.get("alive", True):
+            break
+        time.sleep(0.2)
+    assert json.loads((fake.dir / f"{fake.name}.json").read_text())  # the exited container's record stays
+    n = len(fake.calls())
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    try:
+        assert r.returncode == 0 and "already running" not in r.stderr, r.stdout + r.stderr
+        assert "clearing the stale state" in r.stdout
+        assert ["rm", "-f", fake.name] in fake.calls()[n:]  # the exited container went before the new run
+    finally:
+        assert fake.run("down", "--profile", fake.profile).returncode == 0
+    assert_nothing_left(first["run_id"], first["pgid"], fake.port)

@@ -209,11 +209,13 @@ def _running_refusal(st: SeatState) -> BadInput | None:
     orphaned = live == "unknown" and bool(st.supervisor_pid) and not state.pid_alive(st.supervisor_pid)
     running = (live == "alive" or (live == "unknown" and not orphaned)) and st.phase != "stopped"
     if st.runtime == "docker" and st.container_name:
-        exists = stop.container_exists(st.container_name, st.run_id)
+        exists, owner, _, status = stop.container_owner(st.container_name)
         if exists is None:  # docker cannot answer: the stale run's container may still hold the GPUs
             return BadInput(f"seat {name}: docker could not say whether container {st.container_name} of run "
                             f"{st.run_id} is gone", hint="fix docker access (daemon, socket permission), then up again")
-        running = running or exists
+        # An exited container stays until removed (a crash, an OOM kill, a reboot): it holds no GPU, and
+        # clearing the stale state removes it; only one that runs (or can run on) is the seat running.
+        running = running or (exists and owner == st.run_id and status in stop.CONTAINER_ACTIVE)
     if running:
         return BadInput(f"seat {name} is already running (run {st.run_id}, pid {st.pid}, {st.phase}, {st.base_url})",
                         hint=f"use it, or stop it first: `dsv4serve down --profile {name}`")

@@ -49,6 +49,10 @@ def container_exists(name: str, run_id: str | None = None) -> bool | None:
     return container_check(name, run_id)[0]
 
 
+# `docker inspect`'s State.Status of a container that runs or holds its processes; "created",
+# "exited" and "dead" hold none ("removing" is on its way out, and `rm -f` finishes it).
+CONTAINER_ACTIVE = frozenset({"running", "restarting", "paused"})
+
 _LABELS = '{{.State.Status}} {{index .Config.Labels "dsv4serve.run_id"}} {{index .Config.Labels "dsv4serve.profile"}}'
 
 
