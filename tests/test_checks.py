@@ -1094,3 +1094,34 @@ def test_an_arch_specific_build_runs_on_its_plain_capability():
     sm_120 and suggested a rebuild (helper audit)."""
     assert checks._lna2_archs({"built": {"arch": "9.0a;12.0a+PTX"}}) == ["sm_90", "sm_120"]
     assert checks._lna2_archs({"built": {"arch": "09.0;12.0"}}) == ["sm_90", "sm_120"]  # the major as a number
+
+
+def test_a_docker_seats_lna2_build_must_match_the_images_python_and_torch(tmp_path, monkeypatch):
+    """The build a docker seat mounts is made outside the image; one made with another Python or torch
+    loads nowhere in it, and every rank failed at load after the weights (docker audit). Its metadata
+    now records the Python; check-seat compares both with the image's (site_packages, stack.torch)."""
+    import json as _json
+
+    from dsv4serve.lna2.build import source_digest
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(tmp_path / "home"))
+    so = tmp_path / "img" / "dsv4serve_lna2.so"
+    so.parent.mkdir()
+    so.write_bytes(b"\x7fELF not loaded here")
+    p = load_profile("8x16gb-380k", [f"moe.extension={so}"])
+
+    def meta(**kw):
+        so.with_suffix(".json").write_text(_json.dumps({"build_id": source_digest(), "arch": "12.0", "max_rows": 24,
+                                                        **kw}))
+        return _st(_software(p), "lna2-abi")
+
+    r = meta(python="3.11", torch="2.13.0+cu130")
+    assert r.status == "fail" and "Python 3.11, the image runs 3.12" in r.found and "torch" not in r.found.split(":")[1]
+    r = meta(python="3.12", torch="2.11.0+cu130")
+    assert r.status == "fail" and "torch 2.11.0+cu130, the profile pins >=2.13,<2.14" in r.found
+    assert "kernel build --out DIR" in r.fix
+    assert meta(python="3.12", torch="2.13.0+cu130").status == "ok"
+    r = meta(torch="2.13.0+cu130")  # a build by an older dsv4serve
+    assert r.status == "warn" and "Python ?" in r.found
+    native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+    assert not any(x.check == "lna2-abi" for x in _software(native).rows)  # the build loads here or not at all

@@ -54,6 +54,10 @@ def test_canon_docker_argv_holds_every_flag_and_env():
     assert any(m.endswith(":/lab/exl3-tune-cache") for m in vols)
     assert any("/dist-packages/dsv4serve:ro" in m for m in vols)          # our plugin
     assert any(m.endswith("/dist-packages/dsv4serve_lna2.so:ro") for m in vols)  # the lna2 extension
+    # ... and the loader in the image loads that file alone, so its own load error is what it reports
+    assert envs["DSV4SERVE_LNA2_EXT"] == "/usr/local/lib/python3.12/dist-packages/dsv4serve_lna2.so"
+    inc = build("cpu-demo", "runtime.kind=docker", "runtime.image=x/y:z").argv  # an incumbent docker seat
+    assert not any(inc[i + 1].startswith("DSV4SERVE_LNA2_EXT=") for i, x in enumerate(inc) if x == "-e")
     # the shell rendering round-trips
     assert shlex.split(spec.shell()) == spec.argv
     # no rebuilt exllamav3 extension named: the image's own module runs (check-seat warns)

@@ -7,6 +7,7 @@ API). The H200 run that found the bug: check-seat warned "build b710d8a1faddf, s
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -153,6 +154,25 @@ def test_a_file_that_does_not_load_is_not_called_unbuilt(monkeypatch, tmp_path):
     so.unlink()
     with pytest.raises(RuntimeError, match=r"^extension not built \(.*\(missing\)\)"):
         loader.load()
+
+
+def test_a_module_on_sys_path_that_does_not_load_says_why(monkeypatch, tmp_path):
+    """The last resort, a module mounted into site-packages, swallowed its ImportError and said "not
+    built" with the default path: a container whose mounted build was made for another Python looked
+    unbuilt, and rebuilding on the host changed nothing (docker audit)."""
+    sp = tmp_path / "site"
+    sp.mkdir()
+    (sp / f"{build.MODULE}.so").write_bytes(b"\x7fELF too short")
+    monkeypatch.syspath_prepend(str(sp))
+    monkeypatch.delenv("DSV4SERVE_LNA2_EXT", raising=False)
+    monkeypatch.setattr(loader, "default_out", lambda: tmp_path / "nowhere")
+    monkeypatch.setattr(loader, "_loaded", None)
+    monkeypatch.delitem(sys.modules, build.MODULE, raising=False)
+    with pytest.raises(RuntimeError) as e:
+        loader.load()
+    text = str(e.value)
+    assert text.startswith("extension does not load (") and f"{sp / build.MODULE}.so" in text, text
+    assert "on sys.path" in text and "not built" not in text
 
 
 def test_the_build_dsv4serve_lna2_ext_names_is_the_only_one_loaded(monkeypatch, tmp_path):
@@ -308,7 +328,10 @@ def test_a_metadata_write_that_fails_leaves_no_other_builds_description(monkeypa
     monkeypatch.undo()
     build._build_locked("9.0", out, bdir, "abcdef012345", [], None, False, 32, tmp_path, torch_, load)
     assert (out / f"{build.MODULE}.so").read_bytes() == b"\x7fELF new"
-    assert json.loads((out / f"{build.MODULE}.json").read_text())["build_id"] == "abcdef012345"
+    meta = json.loads((out / f"{build.MODULE}.json").read_text())
+    assert meta["build_id"] == "abcdef012345"
+    # what a docker seat's check compares with the image it mounts the build into
+    assert meta["torch"] == "2.13.0" and meta["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def test_metadata_this_user_cannot_read_is_said_not_raised(monkeypatch, tmp_path):

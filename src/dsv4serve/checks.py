@@ -841,6 +841,8 @@ def _lna2(rep: Report, ctx: Ctx) -> None:
                 f"{info.get('source_build_id')}", "a build of the current sources", "dsv4serve kernel build", data=info)
     else:
         rep.add("software", "lna2", "ok", f"{info.get('path')} (build {info.get('build_id', '?')})", "", data=info)
+    if p.runtime.kind == "docker":
+        _lna2_abi(rep, p, info)
     archs = _lna2_archs(info)
     sm = _seat_sm(ctx)
     if info.get("device_error"):
@@ -918,6 +920,38 @@ def _lna2_tuning(rep: Report, ctx: Ctx) -> None:
     moved = len(table.changes())
     rep.add("software", "lna2-tuning", "ok", f"{path} ({digest}): {n} measured points on a {table.device}, "
             f"{moved} serving another build than the built-in policy", want)
+
+
+def _lna2_abi(rep: Report, p: Profile, info: dict[str, Any]) -> None:
+    """A docker seat loads a build made outside the image: its Python and torch must be the image's,
+    or every rank fails at load, after the weights, with an ImportError (audit)."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    built = info.get("built") if isinstance(info.get("built"), dict) else {}
+    m = re.search(r"python(\d+\.\d+)", p.runtime.site_packages)
+    image_py = m.group(1) if m else None
+    want = f"Python {image_py or '? (runtime.site_packages names none)'}, torch {p.stack.torch or '(not pinned)'}"
+    fix = (f"build it with the image's interpreter and torch: `dsv4serve kernel build --out DIR` run inside "
+           f"{p.runtime.image or 'the image'} (or a host venv that matches it), then moe.extension=DIR/dsv4serve_lna2.so")
+    py, tv = built.get("python"), built.get("torch")
+    found = f"built with Python {py or '?'}, torch {tv or '?'}"
+    problems = []
+    if image_py and py and str(py) != image_py:
+        problems.append(f"Python {py}, the image runs {image_py}")
+    if p.stack.torch and tv:
+        try:
+            if not SpecifierSet(p.stack.torch).contains(Version(str(tv)), prereleases=True):
+                problems.append(f"torch {tv}, the profile pins {p.stack.torch}")
+        except (InvalidSpecifier, InvalidVersion):
+            pass  # the profile's own torch row reports an unreadable pin
+    if problems:
+        rep.add("software", "lna2-abi", "fail", f"{found}: " + "; ".join(problems), want, fix)
+    elif not py or not tv:
+        rep.add("software", "lna2-abi", "warn", f"{found} (its metadata does not say)", want,
+                "rebuild it with `dsv4serve kernel build` so the build records both")
+    else:
+        rep.add("software", "lna2-abi", "ok", found, want)
 
 
 def _cc_of(sm: str) -> str:

@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field
 
 from dsv4serve import home
 from dsv4serve.errors import ProfileError
+from dsv4serve.lna2.build import MODULE as _LNA2_MODULE
+from dsv4serve.lna2.loader import ENV as LNA2_EXT_ENV
 from dsv4serve.lna2.policy import graph_rows
 from dsv4serve.profile import LNA2_ACTIVE_ANY, Profile, VllmSection
 
@@ -27,6 +29,7 @@ PLUGIN_ENV_STRICT = "VLLM_EXL3_MOE_STRICT"
 PLUGIN_ENV_DECODE_ROWS = "DSV4SERVE_DECODE_ROWS"  # rows of the seat's decode calls: the build must take them
 PLUGIN_ENV_TUNING = "DSV4SERVE_LNA2_TUNING"  # moe_dispatch.TUNING_ENV (not imported: it pulls in torch)
 TUNING_COPY = "lna2-tuning.json"
+LNA2_SO = f"{_LNA2_MODULE}.so"  # the name a docker seat's lna2 build has inside the image
 NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
@@ -366,6 +369,10 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
     argv += [f"--cap-add={c}" for c in rt.cap_add]
     bare = _numeric_host(v.host) or v.host.strip("[]")  # the address it spells: docker takes 127.0.0.1, not 127.1
     argv += ["-p", f"{f'[{bare}]' if ':' in bare else bare}:{v.port}:{rt.container_port}"]  # docker's IPv6 form
+    if profile.moe.kernel == "lna2":
+        # the file the mount below puts there, and only it: the loader then reports that file's own
+        # load error (another Python's or torch's build) instead of "not built" for the host's path
+        env = {**env, LNA2_EXT_ENV: f"{rt.site_packages.rstrip('/')}/{LNA2_SO}"}
     for k, val in env.items():
         argv += ["-e", f"{k}={val}"]
     mounts = [(_expand(m.host, ctx, "runtime.mounts.host"), _expand(m.container, ctx, "runtime.mounts.container"),
@@ -411,7 +418,7 @@ def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, boo
            (str(pkg), f"{sp}/dsv4serve", True),
            (str(run_dir / "plugin-dist-info"), f"{sp}/dsv4serve-plugin.dist-info", True)]
     if profile.moe.kernel == "lna2":
-        out.append((lna2_mounted(profile), f"{sp}/dsv4serve_lna2.so", True))
+        out.append((lna2_mounted(profile), f"{sp}/{LNA2_SO}", True))
     exl3 = exl3_extension_path(profile)
     if exl3:  # over the image's own module of the same name: the patched CUDA fixes run only from a rebuild
         out.append((exl3, f"{sp}/{Path(exl3).name}", True))

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -224,8 +225,11 @@ def _build_locked(arch: str, out: Path, build_dir: Path, digest: str, gencode: l
     built = next(build_dir.glob(f"{MODULE}*.so"), None)
     if built is None:
         raise JobFailed(f"lna2 build produced no {MODULE}.so in {build_dir}")
+    # python and torch: a docker seat mounts this file into an image whose interpreter and libtorch
+    # must be the ones it was built against (check-seat's lna2-abi row compares them)
     meta = {"build_id": digest, "arch": arch, "max_rows": max_rows, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "seconds": round(time.time() - t0, 1), "built_at": time.time()}
+            "cuda": torch.version.cuda, "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+            "seconds": round(time.time() - t0, 1), "built_at": time.time()}
     # The new description is written aside first and renamed into place only once the new .so is:
     # a full disk at either write leaves the old .so with its own description, never one with
     # another build's id, arch and ceiling (check-seat and up trust it for a docker seat).

@@ -65,8 +65,11 @@ def load() -> Any:
         mod = importlib.import_module(MODULE)
         _loaded = mod
         return mod
-    except ImportError:
-        pass
+    except ImportError as e:
+        if not (isinstance(e, ModuleNotFoundError) and e.name == MODULE):
+            # there, but it does not load (another Python's or torch's build): that is the reason
+            where = getattr(e, "path", None) or MODULE
+            broken.append(f"{where} on sys.path ({first_line(e)})")
     if broken:
         # a file that is there and does not load (truncated copy, another torch's ABI) is not
         # "not built": saying so would send the user to look for a build that exists
