@@ -328,3 +328,17 @@ def test_a_container_that_exited_is_a_stale_seat_not_a_running_one(fake):
     finally:
         assert fake.run("down", "--profile", fake.profile).returncode == 0
     assert_nothing_left(first["run_id"], first["pgid"], fake.port)
+
+
+def test_an_image_named_like_the_container_does_not_hide_that_the_container_is_gone(fake):
+    """`docker inspect NAME` without --type answers for an image of that name once the container is
+    gone; the container template fails on it, and down reported the seat not clean while every later
+    up refused: "docker could not say" (docker audit). The inspect names the container type now."""
+    fake.env["FAKE_DOCKER_IMAGES"] = fake.name  # e.g. an image tagged like the default container name
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+    d = fake.run("down", "--profile", fake.profile, "--json")
+    assert d.returncode == 0 and json.loads(d.stdout)["clean"], d.stdout + d.stderr
+    assert all(c[:3] == ["inspect", "--type", "container"] for c in fake.calls() if c[0] == "inspect")
+    assert_nothing_left(st["run_id"], st["pgid"], fake.port)

@@ -61,7 +61,9 @@ def container_owner(name: str) -> tuple[bool | None, str | None, str | None, str
     containers (None: not labelled, i.e. not dsv4serve's), and what docker said: its status when
     it exists. Every docker seat defaults to the name "dsv4": the name alone does not say whose
     container it is."""
-    r = _docker(["inspect", "--format", _LABELS, name], timeout=30)
+    # --type container: without it an image (or volume, network) of that name answers once the
+    # container is gone, the template fails on it, and "docker cannot say" kept every later up out
+    r = _docker(["inspect", "--type", "container", "--format", _LABELS, name], timeout=30)
     said = (r.get("error") or r.get("out") or "").strip().splitlines()
     said_last = said[-1] if said else ""
     if r["rc"] is None:
