@@ -20,7 +20,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from dsv4serve import procs, stop, supervisor
+from dsv4serve import leftovers, procs, stop, supervisor
 from dsv4serve.ranklog import PHASE_LABEL, SeatTracker
 from dsv4serve.state import RUN_ID_ENV, SeatState
 from dsv4serve.testing import fake_nvml
@@ -530,3 +530,25 @@ def test_a_live_processs_semaphore_is_never_a_leftover():
     st = sem.stat()
     assert (st.st_dev, st.st_ino) in leftovers.held_shm()[1]
     del lock
+
+
+def test_a_leftover_another_user_owns_is_said_not_a_failed_stop(tmp_path, monkeypatch):
+    """A docker seat with --ipc=host leaves its /dev/shm rendezvous files owned by the container's
+    root; a docker-group user cannot unlink them from the sticky /dev/shm, and down reported NOT
+    clean, kept the state and every later up refused (docker audit). The tests run as root, so this
+    user is made uid 4242 for the ownership test: the files stay, are named, and the stop is clean."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    theirs = shm / "vllm_dist_ab12-tp:0-0-cpushm_0"
+    theirs.write_bytes(b"x")
+    monkeypatch.setattr(leftovers.os, "getuid", lambda: 4242)
+    mine, foreign = leftovers.by_owner([theirs])
+    assert mine == [] and foreign == [f"{theirs} (uid 0)"]
+    monkeypatch.setattr(leftovers, "SHM", shm)
+    monkeypatch.setattr(leftovers, "find", lambda st, ids, paths, shm=shm: [theirs])
+    st = make_state(tp=1, log_path=str(tmp_path / "vllm.log"), run_dir=str(tmp_path))
+    rep = stop.stop_run(st, 0.2)
+    assert rep["leftovers_foreign"] == [f"{theirs} (uid 0)"] and rep["leftovers_failed"] == []
+    assert theirs.exists() and rep["clean"] is True
+    monkeypatch.undo()
+    assert leftovers.by_owner([theirs]) == ([theirs], [])  # root removes anyone's

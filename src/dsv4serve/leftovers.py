@@ -111,6 +111,28 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
     return sorted(found)
 
 
+def by_owner(paths: list[Path]) -> tuple[list[Path], list[str]]:
+    """(this user's, 'path (uid N)' for another's). A docker seat run with --ipc=host writes its
+    rendezvous files into the host's /dev/shm as the container's root: a user in the docker group
+    cannot unlink them from the sticky directory, and counting that as a failed stop kept the state
+    and refused every later up. They are said, with how to remove them, instead (docker audit)."""
+    me = os.getuid()
+    if me == 0:
+        return list(paths), []
+    mine, theirs = [], []
+    for p in paths:
+        try:
+            uid = p.lstat().st_uid
+        except OSError:
+            mine.append(p)  # gone meanwhile: remove() says nothing about it
+            continue
+        if uid == me:
+            mine.append(p)
+        else:
+            theirs.append(f"{p} (uid {uid})")
+    return mine, theirs
+
+
 def _plain_file(p: Path) -> bool:
     """vLLM's leftovers are files: a directory or a link of that name is someone else's."""
     try:

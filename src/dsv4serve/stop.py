@@ -178,6 +178,7 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
         # processes are already stopped, so the cleanup below must still run
         tracker = read_log(st.log_path, st.tp, [], [])
     found = leftovers.find(st, set(st.dist_ids) | tracker.dist_ids, set(st.dist_paths) | tracker.dist_paths)
+    found, report["leftovers_foreign"] = leftovers.by_owner(found)
     removed, failed = leftovers.remove(found)
     # the sockets of a process that outlived the stop stay, for the down that stops it
     rpc_removed, rpc_failed = leftovers.clear_rpc_dir(st) if not report["remaining"] else ([], [])
