@@ -461,3 +461,11 @@ def test_an_api_key_a_header_cannot_carry_is_refused_before_launch(tmp_path, mon
         launch.build(load_profile("cpu-demo", ["vllm.extra_args=[--api-key, 'k\u2019s']"]), run_id="r",
                      run_dir=tmp_path / "run")
     assert launch.build(load_profile("cpu-demo", ["env.VLLM_API_KEY=a key"]), run_id="r", run_dir=tmp_path / "run")
+
+
+def test_a_relative_model_path_of_a_docker_seat_is_named_as_such():
+    """The mount check said "give both sides of runtime.mounts as absolute paths" for a relative
+    model.path, a key the user never wrote (docker audit)."""
+    with pytest.raises(ProfileError, match=r"model.path models/x is relative: a docker seat mounts the pack") as e:
+        build("8x16gb-380k", "model.path=models/x")
+    assert "runtime.mounts" not in e.value.message and "model.path as an absolute path" in (e.value.hint or "")

@@ -356,6 +356,10 @@ def _build(profile: Profile, run_id: str, run_dir: Path, python: str | None = No
 def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, str], ctx: dict[str, str],
                   model_path: str) -> LaunchSpec:
     rt, v = profile.runtime, profile.vllm
+    if not model_path.startswith("/"):  # else the mount check below blames runtime.mounts for it
+        raise ProfileError(f"profile {profile.name}: model.path {model_path} is relative: a docker seat mounts the "
+                           "pack at the same path inside the image",
+                           hint="give model.path as an absolute path (or start it with {home} or {cache})")
     argv = ["docker", "run", "--name", rt.container_name, "--label", f"dsv4serve.run_id={run_id}",
             "--label", f"dsv4serve.profile={profile.name}"]
     if profile.gpus.ids:
