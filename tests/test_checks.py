@@ -1125,3 +1125,20 @@ def test_a_docker_seats_lna2_build_must_match_the_images_python_and_torch(tmp_pa
     assert r.status == "warn" and "Python ?" in r.found
     native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
     assert not any(x.check == "lna2-abi" for x in _software(native).rows)  # the build loads here or not at all
+
+
+def test_the_docker_data_root_row_reads_the_path_not_a_cli_warning(tmp_path, monkeypatch):
+    """stdout and stderr are read together: a docker CLI warning on stderr (after the path) was taken
+    as the data-root (docker audit). The docker here is a script on PATH: no engine runs in CI."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    root = tmp_path / "docker-root"
+    root.mkdir()
+    docker = bin_dir / "docker"
+    docker.write_text(f"#!/bin/sh\necho '{root}'\necho 'WARNING: Error loading config file: ~/.docker/config.json' >&2\n")
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    rep = checks.Report("x")
+    checks._disk_home(rep, checks.Ctx(profile=load_profile("8x16gb-380k")))
+    r = _st(rep, "disk-docker-root")
+    assert r.found.endswith(f"free at {root}"), r.found

@@ -483,8 +483,10 @@ def _disk_home(rep: Report, ctx: Ctx) -> None:
     _disk_row(rep, "disk-home", home.home(), "logs, run dirs and caches ($DSV4SERVE_HOME)")
     if ctx.profile.runtime.kind == "docker":
         code, out = _run(["docker", "info", "--format", "{{.DockerRootDir}}"])
-        if code == 0 and out.startswith("/"):
-            _disk_row(rep, "disk-docker-root", Path(out.splitlines()[-1]), "the container layer", 30.0)
+        # _run merges stderr after stdout: a CLI warning there is no path (the line that is one is)
+        root = next((ln.strip() for ln in out.splitlines() if ln.strip().startswith("/")), None)
+        if code == 0 and root:
+            _disk_row(rep, "disk-docker-root", Path(root), "the container layer", 30.0)
         else:
             rep.add("machine", "disk-docker-root", "warn", f"docker data-root unknown ({out[:120]})",
                     "free space where docker keeps container layers", "check `docker info` as the seat's user")
