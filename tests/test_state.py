@@ -828,3 +828,18 @@ def test_a_launching_state_without_a_pid_whose_up_is_gone_is_stale(home):
     assert seat._running_refusal(st) is None
     alive = make(pid=None, phase="launching", supervisor_pid=os.getpid())
     assert "is already running" in seat._running_refusal(alive).message
+
+
+def test_logs_follow_of_a_docker_seat_ends_when_its_client_is_gone(home, tmp_path):
+    """A docker seat's log is its attached client's output: with the client dead nothing writes it,
+    but `logs -f` waited only for native runs' processes, so it followed such a seat for ever (docker
+    audit). No docker is called: the client's pid alone says the log is over."""
+    log = tmp_path / "vllm.log"
+    log.write_bytes(b"(APIServer pid=1) INFO started\n")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state.save(make(log_path=str(log), run_dir=str(tmp_path), pid=gone.pid, start_time=time.time() - 60,
+                    runtime="docker", container_name="dsv4-logs-test"))
+    r = cli("logs", "-f", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 0 and "INFO started" in r.stdout
+    assert "has ended; its docker client is gone" in r.stderr and "`dsv4serve status`" in r.stderr, r.stderr

@@ -1042,15 +1042,18 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
                 cur = state.load(name)
             except state.UnreadableState:
                 cur = None
-            # a native run whose main process died keeps its state until `down`: nothing will
-            # write this log again
-            dead = (cur is not None and cur.run_id == run_id and cur.runtime == "native"
-                    and state.liveness(cur) in ("gone", "reused"))
+            # a run whose main process died keeps its state until `down`: nothing will write this
+            # log again (a docker seat's log is its attached client's output: with the client gone,
+            # the container may run on, unheard)
+            dead = (cur is not None and cur.run_id == run_id and state.liveness(cur) in ("gone", "reused"))
             if (cur is None or cur.run_id != run_id or dead) and time.time() - quiet_since > 1.0:
                 if pending.strip() and keep(text(pending)):
                     out(text(pending))
-                sys.stderr.write(f"(seat {name}: run {run_id} has ended"
-                                 + ("; its processes are gone, `dsv4serve down` clears its state)\n" if dead else ")\n"))
+                gone = ("; its docker client is gone, so nothing writes this log: `dsv4serve status` says whether "
+                        "the container runs, `dsv4serve down` stops it and clears the state)\n"
+                        if dead and cur is not None and cur.runtime == "docker" else
+                        "; its processes are gone, `dsv4serve down` clears its state)\n" if dead else ")\n")
+                sys.stderr.write(f"(seat {name}: run {run_id} has ended{gone}")
                 return
             time.sleep(0.3)
     except KeyboardInterrupt:
