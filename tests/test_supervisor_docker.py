@@ -342,3 +342,14 @@ def test_an_image_named_like_the_container_does_not_hide_that_the_container_is_g
     assert d.returncode == 0 and json.loads(d.stdout)["clean"], d.stdout + d.stderr
     assert all(c[:3] == ["inspect", "--type", "container"] for c in fake.calls() if c[0] == "inspect")
     assert_nothing_left(st["run_id"], st["pgid"], fake.port)
+
+
+def test_a_missing_mount_source_is_refused_before_docker_would_create_it(fake, tmp_path):
+    """`docker run -v` makes a missing source an empty root-owned directory: an empty pack for vLLM,
+    or a directory where the lna2 build goes that blocks every later `kernel build` (docker audit).
+    up refuses it, --skip-checks or not, before anything starts."""
+    gone = tmp_path / "not-downloaded"
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate", "--set",
+                 f'runtime.mounts=[{{"host": "{gone}", "container": "/data/pack", "read_only": true}}]')
+    assert r.returncode == 2 and f"docker mount source {gone} does not exist" in r.stderr, r.stdout + r.stderr
+    assert not [c for c in fake.calls() if c[0] == "run"] and not gone.exists()

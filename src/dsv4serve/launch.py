@@ -413,6 +413,12 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
                       container_name=rt.container_name, run_id=run_id, run_dir=str(run_dir))
 
 
+def docker_mount_sources(argv: list[str]) -> list[str]:
+    """The host side of every `-v HOST:CONTAINER[:ro]` of a docker argv (no ':' in either side:
+    _build_docker refuses it)."""
+    return [argv[i + 1].split(":", 1)[0] for i, a in enumerate(argv[:-1]) if a == "-v"]
+
+
 def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, bool]]:
     """What dsv4serve itself puts into the image: its plugin (package + entry-point metadata), the
     run dir (counters), and the lna2 extension when the seat uses it."""

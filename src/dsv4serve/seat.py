@@ -350,6 +350,19 @@ def docker_parser_skip(profile: Profile) -> str | None:
     return f"vLLM {host} here is not the image's stack.vllm {pin}"
 
 
+def _refuse_missing_mounts(spec: launch.LaunchSpec, run_dir: Path) -> None:
+    """`docker run -v` creates a missing source as an empty directory owned by root: the pack would
+    look empty to vLLM, and a directory where the lna2 build goes blocks every later `kernel build`
+    (docker audit). The run dir's own files are made just before the start."""
+    from dsv4serve.errors import BadInput
+
+    for src in launch.docker_mount_sources(spec.argv[:len(spec.argv) - len(spec.vllm_args)]):  # not vLLM's own
+        if Path(src) != run_dir and run_dir not in Path(src).parents and not os.path.exists(src):
+            raise BadInput(f"docker mount source {src} does not exist: docker would create it as an empty directory "
+                           "owned by root", hint="create or build it first (the pack's download, `dsv4serve kernel "
+                           "build` for lna2, the rebuilt exllamav3 extension), or correct the path in the profile")
+
+
 def check_vllm_argv(profile: Profile, spec: launch.LaunchSpec, validate: bool, json_events: bool) -> None:
     """Run vLLM's own parser on the argv `up` is about to start, as the dry run does, so a flag
     vLLM rejects is a one-line BadInput (exit 2) now, not a dead seat minutes into bring-up."""
@@ -402,6 +415,8 @@ def up(profile: Profile, json_events: bool = False, foreground: bool = False, ap
         run_dir = home.runs_dir() / run_id
         spec = launch.build(profile, run_id=run_id, run_dir=run_dir)
         check_vllm_argv(profile, spec, validate, json_events)  # a rejected flag: exit 2, nothing started
+        if spec.runtime == "docker":
+            _refuse_missing_mounts(spec, run_dir)  # even under --skip-checks: docker would make them
         _stop_if_cancelled(name)
         home.ensure(run_dir)
         launch.write_tuning(profile, run_dir)
