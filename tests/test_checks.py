@@ -1142,3 +1142,38 @@ def test_the_docker_data_root_row_reads_the_path_not_a_cli_warning(tmp_path, mon
     checks._disk_home(rep, checks.Ctx(profile=load_profile("8x16gb-380k")))
     r = _st(rep, "disk-docker-root")
     assert r.found.endswith(f"free at {root}"), r.found
+
+
+def test_the_parity_row_says_whether_lna2_computed_the_incumbents_moe_on_every_rank(tmp_path):
+    """The counters row says lna2 ran; the dispatch also checks each layer's first call outside graph
+    capture against the incumbent and records it (audit: nothing said the kernel was right)."""
+    p = load_profile("8x16gb-380k")
+
+    def write(parity, declines=None):
+        for r in range(8):
+            state.counters_path(tmp_path, r).write_text(json.dumps(
+                {"rank": r, "tp": 8, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3},
+                 "declines": (declines or {}).get(r, {}), "final": False, "parity": parity(r)}))
+        ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8))
+        rep = checks.Report(p.name)
+        old, checks.COUNTERS_WAIT_S = checks.COUNTERS_WAIT_S, 0.0
+        try:
+            checks._counters(rep, ctx, state.read_counters(tmp_path, 8), 0.0)
+        finally:
+            checks.COUNTERS_WAIT_S = old
+        return _st(rep, "lna2-parity", "live")
+
+    r = write(lambda r: {"layers": 44, "of": 44, "worst": 1.5e-3 if r == 2 else 9e-4})
+    assert r.status == "ok" and "r0 44/44" in r.found and "worst row 1.5e-03" in r.found
+    r = write(lambda r: {"layers": 40 if r == 5 else 44, "of": 44, "worst": 1e-3})
+    assert r.status == "warn" and "rank 5" in r.fix and "r5 40/44" in r.found
+    r = write(lambda r: {"layers": 0, "of": 44, "worst": 0.0},
+              declines={6: {"parity mismatch against the incumbent": 1}})
+    assert r.status == "fail" and "rank 6 found a mismatch" in r.found
+    state.counters_path(tmp_path, 0).write_text(json.dumps(
+        {"rank": 0, "tp": 1, "kernel": "incumbent", "calls": {"lna2": 0, "incumbent": 3}, "declines": {},
+         "final": False}))
+    rep = checks.Report("inc")
+    ctx = checks.Ctx(profile=load_profile("8x16gb-380k-incumbent"), seat=SimpleNamespace(run_dir=str(tmp_path), tp=1))
+    checks._counters(rep, ctx, {0: None}, 0.0)
+    assert not any(x.check == "lna2-parity" for x in rep.rows)  # an incumbent seat has nothing to verify

@@ -227,8 +227,11 @@ def test_lna2_serves_decode_rows_with_the_incumbents_result(rows, tmp_path):
     out, want = h.call(0, rows)
     torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
     assert h.ext.seen == [{"rows": rows, "variant": variant_for(rows, I, 2, H), "ids_shape": (rows, TOP_K)}]
-    assert h.layers[0][1].quant_method.calls == 0  # the incumbent did not run
+    # the incumbent ran once, beside lna2, to check the layer's first call; what returned is lna2's
+    assert h.layers[0][1].quant_method.calls == 1
     assert h.counters.calls == {"lna2": 1, "incumbent": 0}
+    h.call(0, rows, seed=1)  # layer and build verified: the incumbent no longer runs
+    assert h.layers[0][1].quant_method.calls == 1 and h.counters.calls == {"lna2": 2, "incumbent": 0}
 
 
 def test_variant_follows_the_policy():

@@ -82,8 +82,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         rows = x.shape[0]
         if rows == 0:
             return torch.zeros_like(x)
-        return ref.moe_reference(x, layer.as_expert_layer(), topk_ids.reshape(rows, -1).long(),
-                                 topk_weights.reshape(rows, -1), self.moe.swiglu_limit or 10.0).to(x.dtype)
+        ids, w = topk_ids.reshape(rows, -1).long(), topk_weights.reshape(rows, -1)
+        emap = getattr(layer, "expert_map", None)
+        if isinstance(emap, torch.Tensor):  # expert parallelism: global ids to local, other ranks' add nothing
+            ids = emap.long()[ids.clamp(0, emap.numel() - 1)].where(ids >= 0, torch.full_like(ids, -1))
+            w = w.where(ids >= 0, torch.zeros_like(w))
+            ids = ids.clamp(min=0)
+        return ref.moe_reference(x, layer.as_expert_layer(), ids, w, self.moe.swiglu_limit or 10.0).to(x.dtype)
 
 
 class OtherMethod(FusedMoEMethodBase):
@@ -448,13 +453,18 @@ def test_decode_goes_to_lna2_and_computes_the_incumbents_moe():
     rt, lines, layer, el, fake = ready()
     x, ids, w = routes(3)
     out = call(layer, x, w, ids)
-    assert len(fake.calls) == 1 and layer.quant_method.calls == 0
+    # the incumbent ran once beside it: the layer's first lna2 call is checked against it
+    assert len(fake.calls) == 1 and layer.quant_method.calls == 1
     want = ref.moe_reference(x, el, ids.long(), w).to(x.dtype)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert torch.equal(out, want)
     # and the incumbent (the stand-in's own, unwrapped apply) agrees
     assert torch.equal(out, Exl3MoEMethod.apply(layer.quant_method, layer, x, w, ids, None, None))
     assert rt.counters.calls == {"lna2": 1, "incumbent": 0}
+    assert any(ln.startswith("LNA2 parity verified rank=1/2 layers=1 builds=v") for ln in lines), lines
+    layer.quant_method.calls = 0
+    call(layer, x, w, ids)  # verified: lna2 alone from now on
+    assert len(fake.calls) == 2 and layer.quant_method.calls == 0
 
 
 @pytest.mark.parametrize("limit", [None, 0.0])
@@ -784,7 +794,8 @@ def test_counters_file(tmp_path):
     run(layer, 6)
     rt.counters.start(handle_signals=False)  # not in the test process
     data = json.loads(counters_path(tmp_path, 1).read_text())
-    assert set(data) == {"rank", "tp", "pid", "kernel", "layers", "calls", "declines", "updated", "final"}
+    assert set(data) == {"rank", "tp", "pid", "kernel", "layers", "calls", "declines", "parity", "updated", "final"}
+    assert data["parity"]["layers"] == 1 and 0 <= data["parity"]["worst"] <= md.PARITY_TOL
     assert (data["rank"], data["tp"], data["kernel"], data["layers"]) == (1, 2, "lna2", 1)
     assert data["calls"] == {"lna2": 1, "incumbent": 1} and data["declines"] == {"rows above the ceiling 4": 1}
     assert data["final"] is False
@@ -829,3 +840,52 @@ def test_a_non_exl3_mtp_draft_is_exempt_not_a_failure():
     rt2, _ = runtime(strict=1)
     with pytest.raises(md.Lna2NotReadyError, match="quant method OtherMethod is not vllm-exl3's Exl3MoEMethod"):
         rt2.prepare([(draft.layer_name, make_layer(method=OtherMethod())[0])], draft=False)
+
+
+@pytest.mark.parametrize("strict", [0, 1])
+def test_an_lna2_output_that_is_not_the_incumbents_is_caught_on_the_layers_first_call(strict):
+    """ACTIVE and the counters say the kernel ran, not that it computed the seat's MoE: a wiring
+    fault (here the gate and up tables swapped) passed every gate (audit; the founding trap). The
+    layer's first eager call is checked against the incumbent: strict 1 raises, strict 0 serves the
+    incumbent's answer and hands the layer back to it."""
+    rt, lines, layer, el, fake = ready(strict=strict)
+    st = rt.states[0]
+    t = list(st.tables)
+    t[0:3], t[3:6] = t[3:6], t[0:3]
+    st.tables = tuple(t)
+    x, ids, w = routes(3)
+    if strict:
+        with pytest.raises(md.Lna2DispatchError,
+                           match=r"^lna2 parity failed: rank=1/2 layer=\S+ v\d+ rows=3: worst row relative L2 \S+ "
+                                 r"against the incumbent \(tolerance 0.02\)$"):
+            call(layer, x, w, ids)
+        assert rt.counters.calls == {"lna2": 0, "incumbent": 0}
+        return
+    out = call(layer, x, w, ids)
+    assert torch.equal(out, Exl3MoEMethod.apply(layer.quant_method, layer, x, w, ids, None, None))
+    assert rt.counters.calls == {"lna2": 0, "incumbent": 1}
+    assert rt.counters.declines == {"parity mismatch against the incumbent": 1}
+    assert lines.matching("LNA2 declined: rank=1/2 layer=") and not lines.matching("ACTIVE")
+    n = len(fake.calls)
+    call(layer, x, w, ids)  # the incumbent's layer from now on
+    assert len(fake.calls) == n and rt.counters.calls == {"lna2": 0, "incumbent": 2}
+    assert not lines.matching("parity verified") and rt.counters.parity_layers == 0
+
+
+def test_a_call_under_graph_capture_is_checked_at_the_next_eager_one():
+    """Capture runs no comparison (the incumbent's apply would be captured too, and the check needs
+    the host): the layer stays unverified until a call outside capture."""
+    capturing = {"on": False}
+    fake = FakeLna2(max_rows=4)
+    layer, el = make_layer()
+    fake.register(layer)
+    rt, lines = runtime(fake=fake, capturing=lambda: capturing["on"])
+    rt.prepare([(layer.layer_name, layer)], draft=False)
+    x, ids, w = routes(2)
+    capturing["on"] = True
+    call(layer, x, w, ids)
+    assert layer.quant_method.calls == 0 and not rt.states[0].verified and lines.matching("ACTIVE")
+    capturing["on"] = False
+    call(layer, x, w, ids)
+    assert layer.quant_method.calls == 1 and rt.states[0].verified
+    assert lines.matching("LNA2 parity verified rank=1/2 layers=1")

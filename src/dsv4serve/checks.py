@@ -1483,6 +1483,37 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
                 "run check-seat again, and read `dsv4serve logs` if it stays so", data={"counters": now})
     else:
         rep.add("live", "counters", "ok", found, exp, data={"counters": now})
+    if p.moe.kernel == "lna2":
+        _parity(rep, now)
+
+
+def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
+    """Whether lna2's output matched the incumbent's on every rank's layers (the dispatch checks each
+    layer's first call outside graph capture): ran is the counters row, right is this one."""
+    from dsv4serve.plugin_counters import PARITY_DECLINE, PARITY_TOL
+
+    per, short, wrong, worst = [], [], [], 0.0
+    for r, c in sorted(now.items()):
+        par = (c or {}).get("parity") or {}
+        done, of = int(par.get("layers", 0) or 0), int(par.get("of", 0) or 0)
+        worst = max(worst, float(par.get("worst", 0.0) or 0.0))
+        per.append(f"r{r} {done}/{of}")
+        if ((c or {}).get("declines") or {}).get(PARITY_DECLINE):
+            wrong.append(r)
+        elif done < of or of == 0:
+            short.append(r)
+    found = "layers verified " + ", ".join(per) + (f"; worst row {worst:.1e}" if worst else "")
+    exp = f"every rank's lna2 layers match the incumbent (relative L2 ≤ {PARITY_TOL:g} a row)"
+    if wrong:
+        rep.add("live", "lna2-parity", "fail", found + f"; rank {','.join(map(str, wrong))} found a mismatch", exp,
+                "lna2 computed something else than the incumbent on the seat's own layers (`dsv4serve logs` has the "
+                "layer and build): run with VLLM_EXL3_MOE_STRICT=1, and `dsv4serve kernel check` on this card")
+    elif short:
+        rep.add("live", "lna2-parity", "warn", found, exp,
+                f"rank {','.join(map(str, short))}: some layers have had no lna2 call outside CUDA-graph capture yet; "
+                "a short prompt (decode-sized prefill) checks them: run check-seat again")
+    else:
+        rep.add("live", "lna2-parity", "ok", found, exp)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from dsv4serve.errors import first_line
 from dsv4serve.lna2 import policy, tuning
 from dsv4serve.lna2.policy import variant_for
 from dsv4serve.lna2.reference import MCG_MARKER, MUL1_MARKER
-from dsv4serve.plugin_counters import Counters
+from dsv4serve.plugin_counters import PARITY_DECLINE, PARITY_TOL, Counters
 
 KERNELS = ("lna2", "incumbent", "none")
 STRICT_LEVELS = (0, 1, 2)
@@ -63,6 +63,7 @@ EXT_API = ("lna2_moe_decode", "lna2_moe_max_rows", "lna2_moe_scratch_bytes", "ln
 # 0 limit is 10, not "no clamp". lna2 wants a finite positive clamp; for an infinite one, a clamp at
 # 3e38 changes no finite fp32 value, so it is the same function.
 SWIGLU_LIMIT_DEFAULT = 10.0
+PARITY_FLOOR = 1e-3  # a row whose norm is below this on both sides is judged on that floor
 NO_CLAMP = 3.0e38
 KERNEL_MAX_TOP_K = 8  # lna2_api.h MAX_TOPK; the build's lna2_moe_info(...)["max_top_k"] wins
 KERNEL_MAX_EXPERTS = 256
@@ -358,6 +359,7 @@ class LayerState:
     not_ready: str | None = None  # why lna2 does not serve it (kernel lna2, strict 0)
     fit: dict[int, int] | None = None  # per build the policy may pick: the most rows that fit the device
     tuned: dict[int, int] | None = None  # rows -> build from this card's tuning table, where it holds the layer
+    verified: bool = False  # lna2's output matched the incumbent's on one of this layer's own calls
 
 
 @dataclass
@@ -400,6 +402,9 @@ class Runtime:
         self._rows_refusal: str | None = None  # strict: the build's row ceiling is below the seat's decode
         self.require_cuda = require_cuda
         self.scratch = ScratchPool(capturing)
+        self._capturing = capturing
+        self.verified_variants: set[int] = set()  # builds whose output matched the incumbent's once
+        self._verified_logged = False
         self.states: list[LayerState] = []
         self.ceiling = 0
         self.build_id = "?"
@@ -500,7 +505,7 @@ class Runtime:
         for st in fresh:
             self._wrap(st)
         self.states.extend(fresh)
-        self.counters.set_layers(len(self.states))
+        self.counters.set_layers(len(self.states), self.lna2_layers)
         self.counters.kernel = self.effective_kernel
         for reason, names in summary.not_ready.items():
             if not self._once(f"not ready: {reason}"):
@@ -716,7 +721,8 @@ class Runtime:
             self.counters.call("incumbent")
             return st.orig_apply(*args, **kwargs)
         try:
-            out = self._launch(st, x, _pick(args, kwargs, 2, "topk_weights"), _pick(args, kwargs, 3, "topk_ids"), rows)
+            out, variant = self._launch(st, x, _pick(args, kwargs, 2, "topk_weights"), _pick(args, kwargs, 3, "topk_ids"),
+                                        rows)
         except ContractError as e:
             if self.env.strict >= 1:
                 raise Lna2DispatchError(f"lna2 dispatch failed: {self.who} layer={st.name}: {e}") from None
@@ -725,6 +731,11 @@ class Runtime:
             return st.orig_apply(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - strict decides; never swallowed silently
             return self._dispatch_failed(st, e, args, kwargs)
+        if (not st.verified or variant not in self.verified_variants) and not self._capturing():
+            mismatch = self._parity(st, out, variant, rows, args, kwargs)
+            if mismatch is not None:  # strict 0: this layer is the incumbent's from now on
+                self.counters.call("incumbent")
+                return mismatch
         self.counters.call("lna2")
         if not self._active_logged:
             self._active_logged = True
@@ -735,7 +746,8 @@ class Runtime:
         return out
 
     def _launch(self, st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                rows: int) -> torch.Tensor:
+                rows: int) -> tuple[torch.Tensor, int]:
+        """lna2's output for this call, and the build that computed it."""
         g = st.geometry
         assert g is not None
         if x.shape[-1] != g.hidden:
@@ -784,7 +796,42 @@ class Runtime:
                                 key="rows past the shared memory this device has for the build")
         self._ext.lna2_moe_decode(x2, out, *st.tables, ids, weights, g.bits, g.swiglu_limit, scratch,
                                   g.inter, g.codebook, variant)
-        return out.view(x.shape)
+        return out.view(x.shape), variant
+
+    def _parity(self, st: LayerState, out: torch.Tensor, variant: int, rows: int, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """lna2's output against the incumbent's on the same call: once per layer and once per build,
+        outside graph capture (one host sync each). The ACTIVE line and the counters say the kernel
+        ran; this says it computed the seat's MoE (the founding trap: a kernel that passed every
+        gate). A mismatch raises at strict >= 1; at strict 0 the layer goes back to the incumbent,
+        whose output this call returns, with the reason logged and counted."""
+        ref_out = st.orig_apply(*args, **kwargs)
+        a = out.reshape(rows, -1).float()
+        b = ref_out.reshape(rows, -1).float()
+        denom = torch.maximum(torch.maximum(a.norm(dim=1), b.norm(dim=1)), torch.full((rows,), PARITY_FLOOR,
+                                                                                       device=a.device))
+        rel = (a - b).norm(dim=1) / denom
+        worst = float(rel.max()) if rel.numel() else 0.0
+        if math.isfinite(worst) and worst <= PARITY_TOL and bool(torch.isfinite(a).all()):
+            with self._lock:
+                st.verified = True
+                self.verified_variants.add(variant)
+                self.counters.verified(sum(1 for s in self.states if s.verified), worst)
+                done = not self._verified_logged and all(s.verified for s in self.states if s.geometry is not None)
+                if done:
+                    self._verified_logged = True
+            if done:
+                self.emit(f"LNA2 parity verified {self.who} layers={self.lna2_layers} builds="
+                          f"{','.join(f'v{v}' for v in sorted(self.verified_variants))} worst={self.counters.parity_worst:.1e} "
+                          f"(tolerance {PARITY_TOL:g} against the incumbent)")
+            return None
+        detail = (f"{self.who} layer={st.name} v{variant} rows={rows}: worst row relative L2 "
+                  f"{worst:.3g} against the incumbent (tolerance {PARITY_TOL:g})")
+        if self.env.strict >= 1:
+            raise Lna2DispatchError(f"lna2 parity failed: {detail}")
+        self._decline(st, PARITY_DECLINE, detail)
+        st.geometry, st.not_ready = None, f"parity mismatch v{variant}"
+        return ref_out
 
     def _dispatch_failed(self, st: LayerState, e: BaseException, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:

@@ -40,6 +40,14 @@ MAX_DECLINE_KEYS = 64  # a runaway reason text must not grow the file without bo
 OTHER_DECLINES = "other reasons (past the reason limit)"
 
 
+# lna2 against the incumbent on the seat's own layers, per row (relative L2, each side within its
+# ~1e-3 of the fp64 reference, plus an fp16 / bf16 output's rounding): a wiring fault (gate and up
+# swapped, another permutation, a scale applied twice) is off by O(1), far past this. The dispatch
+# checks against it; check-seat reads the result from the counters.
+PARITY_TOL = 2e-2
+PARITY_DECLINE = "parity mismatch against the incumbent"  # the decline a strict-0 mismatch is counted as
+
+
 class Counters:
     """Thread-safe counters for one worker process (one TP rank)."""
 
@@ -50,6 +58,10 @@ class Counters:
         self.layers = 0
         self.calls: dict[str, int] = {"lna2": 0, "incumbent": 0}
         self.declines: dict[str, int] = {}
+        # lna2 layers whose output matched the incumbent's on a call of their own, and the worst row
+        self.parity_layers = 0
+        self.parity_of = 0  # the lna2 layers there are to verify
+        self.parity_worst = 0.0
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._dirty = True
@@ -73,9 +85,15 @@ class Counters:
             self.declines[reason] = self.declines.get(reason, 0) + 1
             self._dirty = True
 
-    def set_layers(self, n: int) -> None:
+    def verified(self, layers: int, worst: float) -> None:
         with self._lock:
-            self.layers = n
+            self.parity_layers = layers
+            self.parity_worst = max(self.parity_worst, worst)
+            self._dirty = True
+
+    def set_layers(self, n: int, lna2: int = 0) -> None:
+        with self._lock:
+            self.layers, self.parity_of = n, lna2
             self._dirty = True
 
     # -- the file ------------------------------------------------------------------------------
@@ -86,6 +104,7 @@ class Counters:
     def _snap(self, final: bool) -> dict[str, Any]:
         return {"rank": self.rank, "tp": self.tp, "pid": os.getpid(), "kernel": self.kernel,
                 "layers": self.layers, "calls": dict(self.calls), "declines": dict(self.declines),
+                "parity": {"layers": self.parity_layers, "of": self.parity_of, "worst": self.parity_worst},
                 "updated": time.time(), "final": final}
 
     def write(self, final: bool = False, *, from_signal: bool = False) -> bool:
