@@ -889,3 +889,19 @@ def test_a_call_under_graph_capture_is_checked_at_the_next_eager_one():
     call(layer, x, w, ids)
     assert layer.quant_method.calls == 1 and rt.states[0].verified
     assert lines.matching("LNA2 parity verified rank=1/2 layers=1")
+
+
+@pytest.mark.parametrize("strict", [0, 1])
+def test_routing_of_another_2d_shape_is_refused_not_reshaped(strict):
+    """Only the element count was checked: a [top_k, rows] ids tensor was reshaped to [rows, top_k]
+    and lna2 served every row with other rows' experts (audit; the flat-id trap's cousin)."""
+    rt, lines, layer, el, fake = ready(strict=strict)
+    x, ids, w = routes(3)
+    if strict:
+        with pytest.raises(md.Lna2DispatchError, match=r"topk_ids is \(2, 3\), not \[rows=3, top_k=2\] or flat"):
+            call(layer, x, w, ids.t().contiguous())
+        return
+    call(layer, x, w, ids.t().contiguous())
+    assert not fake.calls and rt.counters.declines == {"routing of another shape": 1}
+    call(layer, x, w.reshape(-1), ids.reshape(-1))  # flat stays vLLM's other spelling
+    assert len(fake.calls) == 1

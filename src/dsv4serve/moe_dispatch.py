@@ -765,6 +765,12 @@ class Runtime:
         if topk_ids.numel() != rows * g.top_k or topk_weights.numel() != rows * g.top_k:
             raise ContractError(f"routing carries {topk_ids.numel()} ids / {topk_weights.numel()} weights for "
                                 f"rows={rows} x top_k={g.top_k}")
+        for what, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            # flat is vLLM's other spelling (trap 14); a 2-D [top_k, rows] has the right count and
+            # would route every row by another row's experts
+            if t.dim() != 1 and tuple(t.shape) != (rows, g.top_k):
+                raise ContractError(f"{what} is {tuple(t.shape)}, not [rows={rows}, top_k={g.top_k}] or flat",
+                                    key="routing of another shape")
         x2 = x.reshape(rows, g.hidden)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
