@@ -469,3 +469,6 @@ def test_a_relative_model_path_of_a_docker_seat_is_named_as_such():
     with pytest.raises(ProfileError, match=r"model.path models/x is relative: a docker seat mounts the pack") as e:
         build("8x16gb-380k", "model.path=models/x")
     assert "runtime.mounts" not in e.value.message and "model.path as an absolute path" in (e.value.hint or "")
+    # a profile that does not mount it may name a hub repo: vLLM resolves that itself (review)
+    spec = build("8x16gb-380k", "model.path=org/some-repo", "runtime.mounts=[]")
+    assert spec.vllm_args[0] == "org/some-repo"

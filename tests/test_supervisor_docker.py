@@ -353,3 +353,17 @@ def test_a_missing_mount_source_is_refused_before_docker_would_create_it(fake, t
                  f'runtime.mounts=[{{"host": "{gone}", "container": "/data/pack", "read_only": true}}]')
     assert r.returncode == 2 and f"docker mount source {gone} does not exist" in r.stderr, r.stdout + r.stderr
     assert not [c for c in fake.calls() if c[0] == "run"] and not gone.exists()
+
+
+def test_a_missing_writable_mount_source_is_made_as_this_user(fake, tmp_path):
+    """The canon profile mounts caches under {cache} that nothing makes before the first up: refusing
+    them (review) would keep the seat from ever starting; they are made as this user, as docker would
+    have made them (as root)."""
+    cache = tmp_path / "fresh-cache" / "exl3-tune-cache"
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate", "--set",
+                 f'runtime.mounts=[{{"host": "{cache}", "container": "/lab/exl3-tune-cache"}}]')
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert cache.is_dir() and cache.stat().st_uid == os.getuid()
+    finally:
+        assert fake.run("down", "--profile", fake.profile).returncode == 0

@@ -356,7 +356,9 @@ def _build(profile: Profile, run_id: str, run_dir: Path, python: str | None = No
 def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, str], ctx: dict[str, str],
                   model_path: str) -> LaunchSpec:
     rt, v = profile.runtime, profile.vllm
-    if not model_path.startswith("/"):  # else the mount check below blames runtime.mounts for it
+    if not model_path.startswith("/") and any("{model_path}" in m.host for m in rt.mounts):
+        # mounted at the same path: else the mount check below blames runtime.mounts for it (a
+        # profile that does not mount it may name a hub repo, which vLLM fetches itself)
         raise ProfileError(f"profile {profile.name}: model.path {model_path} is relative: a docker seat mounts the "
                            "pack at the same path inside the image",
                            hint="give model.path as an absolute path (or start it with {home} or {cache})")
@@ -413,10 +415,10 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
                       container_name=rt.container_name, run_id=run_id, run_dir=str(run_dir))
 
 
-def docker_mount_sources(argv: list[str]) -> list[str]:
-    """The host side of every `-v HOST:CONTAINER[:ro]` of a docker argv (no ':' in either side:
-    _build_docker refuses it)."""
-    return [argv[i + 1].split(":", 1)[0] for i, a in enumerate(argv[:-1]) if a == "-v"]
+def docker_mount_sources(argv: list[str]) -> list[tuple[str, bool]]:
+    """(host side, read-only) of every `-v HOST:CONTAINER[:ro]` of a docker argv (no ':' in either
+    side: _build_docker refuses it)."""
+    return [(argv[i + 1].split(":", 1)[0], argv[i + 1].endswith(":ro")) for i, a in enumerate(argv[:-1]) if a == "-v"]
 
 
 def _overlay_mounts(profile: Profile, run_dir: Path) -> list[tuple[str, str, bool]]:

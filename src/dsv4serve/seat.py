@@ -353,14 +353,31 @@ def docker_parser_skip(profile: Profile) -> str | None:
 def _refuse_missing_mounts(spec: launch.LaunchSpec, run_dir: Path) -> None:
     """`docker run -v` creates a missing source as an empty directory owned by root: the pack would
     look empty to vLLM, and a directory where the lna2 build goes blocks every later `kernel build`
-    (docker audit). The run dir's own files are made just before the start."""
+    (docker audit). A missing read-only source (the pack, a build) is refused; a writable one (the
+    profile's caches) is made here, as this user, as docker would have made it. The run dir's own
+    files are made just before the start."""
     from dsv4serve.errors import BadInput
 
-    for src in launch.docker_mount_sources(spec.argv[:len(spec.argv) - len(spec.vllm_args)]):  # not vLLM's own
-        if Path(src) != run_dir and run_dir not in Path(src).parents and not os.path.exists(src):
-            raise BadInput(f"docker mount source {src} does not exist: docker would create it as an empty directory "
-                           "owned by root", hint="create or build it first (the pack's download, `dsv4serve kernel "
-                           "build` for lna2, the rebuilt exllamav3 extension), or correct the path in the profile")
+    for src, read_only in launch.docker_mount_sources(spec.argv[:len(spec.argv) - len(spec.vllm_args)]):
+        if Path(src) == run_dir or run_dir in Path(src).parents:
+            continue
+        try:
+            os.stat(src)
+            continue
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue  # not searchable by this user (a root-only pack dir): docker's daemon may still see it
+        if not read_only:
+            try:
+                os.makedirs(src, exist_ok=True)
+                continue
+            except OSError as e:
+                raise BadInput(f"docker mount source {src} does not exist and cannot be made: {e.strerror or e}",
+                               hint="create it (or correct the path in the profile), then up again") from None
+        raise BadInput(f"docker mount source {src} does not exist: docker would create it as an empty directory "
+                       "owned by root", hint="create or build it first (the pack's download, `dsv4serve kernel "
+                       "build` for lna2, the rebuilt exllamav3 extension), or correct the path in the profile")
 
 
 def check_vllm_argv(profile: Profile, spec: launch.LaunchSpec, validate: bool, json_events: bool) -> None:
