@@ -1170,6 +1170,8 @@ def test_the_parity_row_says_whether_lna2_computed_the_incumbents_moe_on_every_r
     r = write(lambda r: {"layers": 0, "of": 44, "worst": 0.0},
               declines={6: {"parity mismatch against the incumbent": 1}})
     assert r.status == "fail" and "rank 6 found a mismatch" in r.found
+    r = write(lambda r: {"layers": 44, "of": 44, "worst": 1e-3} if r else None)  # rank 0: an older plugin
+    assert r.status == "warn" and "rank 0 records no parity" in r.fix and "r0 -" in r.found
     state.counters_path(tmp_path, 0).write_text(json.dumps(
         {"rank": 0, "tp": 1, "kernel": "incumbent", "calls": {"lna2": 0, "incumbent": 3}, "declines": {},
          "final": False}))

@@ -230,8 +230,12 @@ def test_lna2_serves_decode_rows_with_the_incumbents_result(rows, tmp_path):
     # the incumbent ran once, beside lna2, to check the layer's first call; what returned is lna2's
     assert h.layers[0][1].quant_method.calls == 1
     assert h.counters.calls == {"lna2": 1, "incumbent": 0}
-    h.call(0, rows, seed=1)  # layer and build verified: the incumbent no longer runs
-    assert h.layers[0][1].quant_method.calls == 1 and h.counters.calls == {"lna2": 2, "incumbent": 0}
+    h.call(0, rows, seed=1)
+    if rows == 1:  # one row cannot show a fault that mixes rows: checked again until rows that differ
+        assert h.layers[0][1].quant_method.calls == 2 and not h.rt.states[0].verified
+    else:  # layer and build verified: the incumbent no longer runs
+        assert h.layers[0][1].quant_method.calls == 1 and h.rt.states[0].verified
+    assert h.counters.calls == {"lna2": 2, "incumbent": 0}
 
 
 def test_variant_follows_the_policy():

@@ -905,3 +905,47 @@ def test_routing_of_another_2d_shape_is_refused_not_reshaped(strict):
     assert not fake.calls and rt.counters.declines == {"routing of another shape": 1}
     call(layer, x, w.reshape(-1), ids.reshape(-1))  # flat stays vLLM's other spelling
     assert len(fake.calls) == 1
+
+
+
+def test_parity_waits_for_rows_that_differ_and_checks_each_build_at_each_width():
+    """vLLM's warm-up runs identical dummy rows: a kernel that mixed rows matched there and was never
+    checked again; and a build checked on a K3 layer was trusted on a K2 one (review)."""
+    rt, lines, layer, el, fake = ready()
+    x, ids, w = routes(3)
+    same = x[:1].expand(3, -1).contiguous()
+    call(layer, same, w, ids[:1].expand(3, -1).contiguous())
+    assert layer.quant_method.calls == 1 and not rt.states[0].verified  # matched, but proves no row order
+    call(layer, x, w, ids)
+    assert layer.quant_method.calls == 2 and rt.states[0].verified
+    call(layer, x, w, ids)
+    assert layer.quant_method.calls == 2
+    assert {(k[1], k[2]) for k in rt.verified_builds} == {(2, 1)}
+
+
+def test_an_incumbent_that_fails_during_the_check_is_not_lna2s_mismatch():
+    """The check's incumbent call raising killed a strict-0 worker that would have served lna2's
+    output (review): strict 0 serves it, unverified, and counts why; strict 1 raises naming it."""
+    for strict in (0, 1):
+        rt, lines, layer, el, fake = ready(strict=strict)
+
+        def broken(*a, **k):
+            raise RuntimeError("incumbent scratch exhausted")
+
+        rt.states[0].orig_apply = broken
+        x, ids, w = routes(3)
+        if strict:
+            with pytest.raises(md.Lna2DispatchError, match="lna2 parity not checked: .*incumbent scratch exhausted"):
+                call(layer, x, w, ids)
+            continue
+        out = call(layer, x, w, ids)
+        assert torch.equal(out, ref.moe_reference(x, el, ids.long(), w).to(x.dtype))
+        assert rt.counters.declines == {"parity not checked: the incumbent failed": 1} and not rt.states[0].verified
+
+
+def test_rows_that_overflow_on_both_sides_are_not_a_mismatch():
+    """inf on both sides made NaN in the difference and failed the check (review)."""
+    a = torch.tensor([[1.0, float("inf")], [2.0, 3.0]])
+    assert md._worst_row(a, a.clone()) == 0.0
+    assert md._worst_row(a, torch.tensor([[1.0, 5.0], [2.0, 3.0]])) == float("inf")
+    assert md._worst_row(a, torch.tensor([[1.0, float("-inf")], [2.0, 3.0]])) == float("inf")

@@ -1492,15 +1492,21 @@ def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
     layer's first call outside graph capture): ran is the counters row, right is this one."""
     from dsv4serve.plugin_counters import PARITY_DECLINE, PARITY_TOL
 
-    per, short, wrong, worst = [], [], [], 0.0
+    per, short, wrong, unknown, worst = [], [], [], [], 0.0
     for r, c in sorted(now.items()):
-        par = (c or {}).get("parity") or {}
+        par = (c or {}).get("parity")
+        if not isinstance(par, dict) or par.get("of", 0) == 0:
+            # a worker of a dsv4serve before the check, or one with no lna2 layer (the counters row
+            # says why): nothing to judge here
+            unknown.append(r)
+            per.append(f"r{r} -")
+            continue
         done, of = int(par.get("layers", 0) or 0), int(par.get("of", 0) or 0)
         worst = max(worst, float(par.get("worst", 0.0) or 0.0))
         per.append(f"r{r} {done}/{of}")
         if ((c or {}).get("declines") or {}).get(PARITY_DECLINE):
             wrong.append(r)
-        elif done < of or of == 0:
+        elif done < of:
             short.append(r)
     found = "layers verified " + ", ".join(per) + (f"; worst row {worst:.1e}" if worst else "")
     exp = f"every rank's lna2 layers match the incumbent (relative L2 ≤ {PARITY_TOL:g} a row)"
@@ -1510,8 +1516,13 @@ def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
                 "layer and build): run with VLLM_EXL3_MOE_STRICT=1, and `dsv4serve kernel check` on this card")
     elif short:
         rep.add("live", "lna2-parity", "warn", found, exp,
-                f"rank {','.join(map(str, short))}: some layers have had no lna2 call outside CUDA-graph capture yet; "
-                "a short prompt (decode-sized prefill) checks them: run check-seat again")
+                f"rank {','.join(map(str, short))}: some layers have had no lna2 call of differing rows outside "
+                "CUDA-graph capture yet; a short prompt (a prefill within the row ceiling) checks them: run "
+                "check-seat again")
+    elif unknown:
+        rep.add("live", "lna2-parity", "warn", found, exp,
+                f"rank {','.join(map(str, unknown))} records no parity: a worker of an older dsv4serve (restart the "
+                "seat), or one with no lna2 layer (see the counters row)")
     else:
         rep.add("live", "lna2-parity", "ok", found, exp)
 

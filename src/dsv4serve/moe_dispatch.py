@@ -359,7 +359,8 @@ class LayerState:
     not_ready: str | None = None  # why lna2 does not serve it (kernel lna2, strict 0)
     fit: dict[int, int] | None = None  # per build the policy may pick: the most rows that fit the device
     tuned: dict[int, int] | None = None  # rows -> build from this card's tuning table, where it holds the layer
-    verified: bool = False  # lna2's output matched the incumbent's on one of this layer's own calls
+    verified: bool = False  # lna2's output matched the incumbent's on a multi-row call of this layer's own
+    captured: bool = False  # a CUDA graph holds an lna2 launch of this layer (replays never come back here)
 
 
 @dataclass
@@ -373,6 +374,28 @@ class LoadSummary:
     @property
     def method_names(self) -> str:
         return ",".join(sorted(set(self.methods))) or "none"
+
+
+def _build_key(st: LayerState, variant: int) -> tuple[int, int, int, int, int]:
+    g = st.geometry
+    assert g is not None
+    return (variant, g.bits, g.codebook, g.hidden, g.inter)
+
+
+def _worst_row(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest per-row relative L2 between two [rows, n] fp32 outputs; inf where they disagree on
+    which entries are not finite (an input that overflows both is not lna2's fault)."""
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb):
+        return math.inf
+    if not bool(fa.all()):
+        same = torch.equal(a[~fa].nan_to_num(), b[~fb].nan_to_num())
+        if not same:
+            return math.inf
+        a, b = a.where(fa, torch.zeros_like(a)), b.where(fb, torch.zeros_like(b))
+    floor = torch.full((a.shape[0],), PARITY_FLOOR, device=a.device)
+    rel = (a - b).norm(dim=1) / torch.maximum(torch.maximum(a.norm(dim=1), b.norm(dim=1)), floor)
+    return float(rel.max()) if rel.numel() else 0.0
 
 
 def _pick(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
@@ -403,7 +426,9 @@ class Runtime:
         self.require_cuda = require_cuda
         self.scratch = ScratchPool(capturing)
         self._capturing = capturing
-        self.verified_variants: set[int] = set()  # builds whose output matched the incumbent's once
+        # (build, bits, codebook, hidden, inter) whose output matched the incumbent's once: a build is
+        # checked at each geometry it serves (a K2-only fault is not seen on a K3 layer)
+        self.verified_builds: set[tuple[int, int, int, int, int]] = set()
         self._verified_logged = False
         self.states: list[LayerState] = []
         self.ceiling = 0
@@ -731,7 +756,9 @@ class Runtime:
             return st.orig_apply(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - strict decides; never swallowed silently
             return self._dispatch_failed(st, e, args, kwargs)
-        if (not st.verified or variant not in self.verified_variants) and not self._capturing():
+        if self._capturing():
+            st.captured = True
+        elif not st.verified or _build_key(st, variant) not in self.verified_builds:
             mismatch = self._parity(st, out, variant, rows, args, kwargs)
             if mismatch is not None:  # strict 0: this layer is the incumbent's from now on
                 self.counters.call("incumbent")
@@ -806,35 +833,45 @@ class Runtime:
 
     def _parity(self, st: LayerState, out: torch.Tensor, variant: int, rows: int, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> torch.Tensor | None:
-        """lna2's output against the incumbent's on the same call: once per layer and once per build,
-        outside graph capture (one host sync each). The ACTIVE line and the counters say the kernel
-        ran; this says it computed the seat's MoE (the founding trap: a kernel that passed every
-        gate). A mismatch raises at strict >= 1; at strict 0 the layer goes back to the incumbent,
-        whose output this call returns, with the reason logged and counted."""
-        ref_out = st.orig_apply(*args, **kwargs)
-        a = out.reshape(rows, -1).float()
-        b = ref_out.reshape(rows, -1).float()
-        denom = torch.maximum(torch.maximum(a.norm(dim=1), b.norm(dim=1)), torch.full((rows,), PARITY_FLOOR,
-                                                                                       device=a.device))
-        rel = (a - b).norm(dim=1) / denom
-        worst = float(rel.max()) if rel.numel() else 0.0
-        if math.isfinite(worst) and worst <= PARITY_TOL and bool(torch.isfinite(a).all()):
+        """lna2's output against the incumbent's on the same call, outside graph capture (one host
+        sync each), until the layer has matched on a call whose rows differ (vLLM's warm-up runs
+        identical dummy rows, which would hide a fault that mixes rows) and each build has matched at
+        each geometry it serves. The ACTIVE line and the counters say the kernel ran; this says it
+        computed the seat's MoE (the founding trap: a kernel that passed every gate). A mismatch
+        raises at strict >= 1; at strict 0 the layer goes back to the incumbent, whose output this
+        call returns, with the reason logged and counted."""
+        try:
+            ref_out = st.orig_apply(*args, **kwargs)
+            a = out.reshape(rows, -1).float()
+            b = ref_out.reshape(rows, -1).float()
+            x = _pick(args, kwargs, 1, "x").reshape(rows, -1)
+            varied = rows > 1 and bool((x != x[:1]).any())
+        except Exception as e:  # noqa: BLE001 - the incumbent's own failure is not lna2's mismatch
+            detail = f"{self.who} layer={st.name}: the incumbent's apply failed: {type(e).__name__}: {e}"
+            if self.env.strict >= 1:
+                raise Lna2DispatchError(f"lna2 parity not checked: {detail}"[:400]) from e
+            self._decline(st, "parity not checked: the incumbent failed", detail[:300])
+            return None
+        worst = _worst_row(a, b)
+        if worst <= PARITY_TOL:
             with self._lock:
-                st.verified = True
-                self.verified_variants.add(variant)
+                self.verified_builds.add(_build_key(st, variant))
+                st.verified = st.verified or varied  # identical rows (or one) prove nothing about mixing
                 self.counters.verified(sum(1 for s in self.states if s.verified), worst)
                 done = not self._verified_logged and all(s.verified for s in self.states if s.geometry is not None)
                 if done:
                     self._verified_logged = True
             if done:
                 self.emit(f"LNA2 parity verified {self.who} layers={self.lna2_layers} builds="
-                          f"{','.join(f'v{v}' for v in sorted(self.verified_variants))} worst={self.counters.parity_worst:.1e} "
-                          f"(tolerance {PARITY_TOL:g} against the incumbent)")
+                          f"{','.join(sorted({f'v{k[0]}' for k in self.verified_builds}))} "
+                          f"worst={self.counters.parity_worst:.1e} (tolerance {PARITY_TOL:g} against the incumbent)")
             return None
         detail = (f"{self.who} layer={st.name} v{variant} rows={rows}: worst row relative L2 "
                   f"{worst:.3g} against the incumbent (tolerance {PARITY_TOL:g})")
         if self.env.strict >= 1:
             raise Lna2DispatchError(f"lna2 parity failed: {detail}")
+        if st.captured:  # graphs replay lna2 whatever this layer's state says from now on
+            detail += "; CUDA graphs captured before this keep replaying lna2: restart the seat with STRICT=1"
         self._decline(st, PARITY_DECLINE, detail)
         st.geometry, st.not_ready = None, f"parity mismatch v{variant}"
         return ref_out
