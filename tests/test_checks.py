@@ -1120,9 +1120,15 @@ def test_a_docker_seats_lna2_build_must_match_the_images_python_and_torch(tmp_pa
     r = meta(python="3.12", torch="2.11.0+cu130")
     assert r.status == "fail" and "torch 2.11.0+cu130, the profile pins >=2.13,<2.14" in r.found
     assert "kernel build --out DIR" in r.fix
-    assert meta(python="3.12", torch="2.13.0+cu130").status == "ok"
+    assert meta(python="3.12", torch="2.13.0+cu130", cuda="13.0").status == "ok"
+    r = meta(python="3.12", torch="2.13.0+cu128", cuda="12.8")  # another CUDA major: another libcudart (review)
+    assert r.status == "fail" and "CUDA 12.8, the image's torch is built for 13.0" in r.found
     r = meta(torch="2.13.0+cu130")  # a build by an older dsv4serve
     assert r.status == "warn" and "Python ?" in r.found
+    unpinned = load_profile("8x16gb-380k", [f"moe.extension={so}", "stack.torch=null"])
+    meta(python="3.12", torch="2.13.0+cu130", cuda="13.0")
+    r = _st(_software(unpinned), "lna2-abi")
+    assert r.status == "warn" and "pin stack.torch" in r.fix  # nothing to compare the torch with (review)
     native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
     assert not any(x.check == "lna2-abi" for x in _software(native).rows)  # the build loads here or not at all
 

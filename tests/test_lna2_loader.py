@@ -194,6 +194,15 @@ def test_the_build_dsv4serve_lna2_ext_names_is_the_only_one_loaded(monkeypatch, 
         assert text.startswith(f"DSV4SERVE_LNA2_EXT names {target} {words}") and "unset it" in text, text
         assert str(default) not in text
     assert build.MODULE not in tried
+    # a module there that does not load: a docker seat's launcher set the variable to its mount, so
+    # "unset it" is no advice; the build is for another Python or torch (review)
+    broken = tmp_path / "other-python.so"
+    broken.write_bytes(b"\x7fELF too short")
+    monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(broken))
+    with pytest.raises(RuntimeError) as e:
+        loader.load()
+    text = str(e.value)
+    assert "which does not load here: rebuild it with this interpreter and torch" in text and "unset" not in text
 
 
 def test_a_build_without_a_function_these_sources_call_is_not_loadable(monkeypatch):

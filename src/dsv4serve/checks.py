@@ -936,11 +936,15 @@ def _lna2_abi(rep: Report, p: Profile, info: dict[str, Any]) -> None:
     want = f"Python {image_py or '? (runtime.site_packages names none)'}, torch {p.stack.torch or '(not pinned)'}"
     fix = (f"build it with the image's interpreter and torch: `dsv4serve kernel build --out DIR` run inside "
            f"{p.runtime.image or 'the image'} (or a host venv that matches it), then moe.extension=DIR/dsv4serve_lna2.so")
-    py, tv = built.get("python"), built.get("torch")
-    found = f"built with Python {py or '?'}, torch {tv or '?'}"
+    py, tv, cu = built.get("python"), built.get("torch"), built.get("cuda")
+    found = f"built with Python {py or '?'}, torch {tv or '?'} (CUDA {cu or '?'})"
+    want += f" (CUDA {p.runtime.image_cuda})" if p.runtime.image_cuda else ""
     problems = []
     if image_py and py and str(py) != image_py:
         problems.append(f"Python {py}, the image runs {image_py}")
+    if cu and p.runtime.image_cuda and str(cu).split(".")[0] != str(p.runtime.image_cuda).split(".")[0]:
+        # another CUDA major links another libcudart: the module does not load beside the image's torch
+        problems.append(f"CUDA {cu}, the image's torch is built for {p.runtime.image_cuda}")
     if p.stack.torch and tv:
         try:
             if not SpecifierSet(p.stack.torch).contains(Version(str(tv)), prereleases=True):
@@ -952,6 +956,9 @@ def _lna2_abi(rep: Report, p: Profile, info: dict[str, Any]) -> None:
     elif not py or not tv:
         rep.add("software", "lna2-abi", "warn", f"{found} (its metadata does not say)", want,
                 "rebuild it with `dsv4serve kernel build` so the build records both")
+    elif not p.stack.torch or not image_py:
+        rep.add("software", "lna2-abi", "warn", found, want, "pin stack.torch (and runtime.site_packages' pythonX.Y) "
+                "to the image's, so the build can be compared with it")
     else:
         rep.add("software", "lna2-abi", "ok", found, want)
 

@@ -765,9 +765,10 @@ def render_down(report: dict) -> None:
         for f in rep.get("leftovers_failed", []):
             console.print(f"  [red]could not remove[/] {f}", highlight=False, markup=False, soft_wrap=True)
         if rep.get("leftovers_foreign"):
-            console.print(f"  left, owned by another user (the container's root, with --ipc=host): "
-                          f"{', '.join(rep['leftovers_foreign'])}; they block no later run: remove them as root "
-                          "(`sudo rm -f PATH`)", highlight=False, markup=False, soft_wrap=True)
+            why = " (a docker seat's container writes them as root)" if rep.get("runtime") == "docker" else ""
+            console.print(f"  left, owned by another user{why}: {', '.join(rep['leftovers_foreign'])}; they block "
+                          "no later run: remove them as root (`sudo rm -f PATH`)", highlight=False, markup=False,
+                          soft_wrap=True)
         gpu = rep.get("gpu") or {}
         if gpu.get("ours"):
             console.print(f"  [red]still holding GPU memory[/]: {gpu['ours']}", highlight=False, soft_wrap=True)

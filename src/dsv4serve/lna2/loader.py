@@ -36,6 +36,7 @@ def load() -> Any:
     import torch  # noqa: F401 - the extension links against libtorch; load it first
 
     tried, broken = [], []
+    unloadable = False  # a file that is a module but fails to load (another Python's or torch's build)
     for path in candidates():
         if not path.is_file():
             tried.append(f"{path} ({'not a file' if path.exists() else 'missing'})")
@@ -53,13 +54,21 @@ def load() -> Any:
         except ImportError as e:
             tried.append(f"{path} ({first_line(e)})")
             broken.append(tried[-1])
+            unloadable = True
             continue
         sys.modules.setdefault(MODULE, mod)
         _loaded = mod
         return mod
     if os.environ.get(ENV):
-        _error = (f"{ENV} names {'; '.join(tried)}: point it at a build (`dsv4serve kernel build --out DIR`), "
-                  f"or unset it to use the default build")
+        if unloadable:
+            # there and not loading: built for another Python or torch (a docker seat's launcher sets
+            # the variable to its mount, which the user neither set nor can unset)
+            _error = (f"{ENV} names {'; '.join(tried)}, which does not load here: rebuild it with this "
+                      f"interpreter and torch (`dsv4serve kernel build`; for a docker seat, with the image's, "
+                      f"then moe.extension)")
+        else:
+            _error = (f"{ENV} names {'; '.join(tried)}: point it at a build (`dsv4serve kernel build --out DIR`), "
+                      f"or unset it to use the default build")
         raise RuntimeError(_error)
     try:  # e.g. mounted into a container's site-packages
         mod = importlib.import_module(MODULE)
