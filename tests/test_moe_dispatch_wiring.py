@@ -921,6 +921,11 @@ def test_parity_waits_for_rows_that_differ_and_checks_each_build_at_each_width()
     call(layer, x, w, ids)
     assert layer.quant_method.calls == 2
     assert {(k[1], k[2]) for k in rt.verified_builds} == {(2, 1)}
+    # a layer whose eager calls are all one row checks its build once, not every call (review)
+    rt2, _, layer2, _, _ = ready()
+    for seed in range(5):
+        run(layer2, 1, seed=seed)
+    assert layer2.quant_method.calls == 1 and not rt2.states[0].verified
 
 
 def test_an_incumbent_that_fails_during_the_check_is_not_lna2s_mismatch():
