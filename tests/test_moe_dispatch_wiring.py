@@ -916,6 +916,7 @@ def test_parity_waits_for_rows_that_differ_and_checks_each_build_at_each_width()
     same = x[:1].expand(3, -1).contiguous()
     call(layer, same, w, ids[:1].expand(3, -1).contiguous())
     assert layer.quant_method.calls == 1 and not rt.states[0].verified  # matched, but proves no row order
+    assert not rt.verified_builds  # nor for the build: a warm-up must not excuse it later (review)
     call(layer, x, w, ids)
     assert layer.quant_method.calls == 2 and rt.states[0].verified
     call(layer, x, w, ids)
@@ -946,6 +947,8 @@ def test_an_incumbent_that_fails_during_the_check_is_not_lna2s_mismatch():
         out = call(layer, x, w, ids)
         assert torch.equal(out, ref.moe_reference(x, el, ids.long(), w).to(x.dtype))
         assert rt.counters.declines == {"parity not checked: the incumbent failed": 1} and not rt.states[0].verified
+        call(layer, x, w, ids)  # tried once, not on every call (review)
+        assert rt.counters.declines == {"parity not checked: the incumbent failed": 1}
 
 
 def test_rows_that_overflow_on_both_sides_are_not_a_mismatch():

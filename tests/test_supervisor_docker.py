@@ -359,9 +359,14 @@ def test_a_missing_writable_mount_source_is_made_as_this_user(fake, tmp_path):
     """The canon profile mounts caches under {cache} that nothing makes before the first up: refusing
     them (review) would keep the seat from ever starting; they are made as this user, as docker would
     have made them (as root)."""
-    cache = tmp_path / "fresh-cache" / "exl3-tune-cache"
+    cache = fake.home / "cache" / "exl3-tune-cache"  # {cache}/exl3-tune-cache, as the canon profile has it
+    elsewhere = tmp_path / "conf" / "app.json"  # writable but not dsv4serve's: a file the user meant to make
     r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate", "--set",
-                 f'runtime.mounts=[{{"host": "{cache}", "container": "/lab/exl3-tune-cache"}}]')
+                 f'runtime.mounts=[{{"host": "{elsewhere}", "container": "/etc/app.json"}}]')
+    assert r.returncode == 2 and f"docker mount source {elsewhere} does not exist" in r.stderr, r.stderr
+    assert not elsewhere.exists() and not elsewhere.parent.exists()
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--no-validate", "--set",
+                 'runtime.mounts=[{"host": "{cache}/exl3-tune-cache", "container": "/lab/exl3-tune-cache"}]')
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert cache.is_dir() and cache.stat().st_uid == os.getuid()

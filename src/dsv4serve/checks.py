@@ -956,9 +956,10 @@ def _lna2_abi(rep: Report, p: Profile, info: dict[str, Any]) -> None:
     elif not py or not tv:
         rep.add("software", "lna2-abi", "warn", f"{found} (its metadata does not say)", want,
                 "rebuild it with `dsv4serve kernel build` so the build records both")
-    elif not p.stack.torch or not image_py:
-        rep.add("software", "lna2-abi", "warn", found, want, "pin stack.torch (and runtime.site_packages' pythonX.Y) "
-                "to the image's, so the build can be compared with it")
+    elif not p.stack.torch or not image_py or not cu or not p.runtime.image_cuda:
+        rep.add("software", "lna2-abi", "warn", found, want, "pin stack.torch, runtime.image_cuda (and "
+                "runtime.site_packages' pythonX.Y) to the image's, and rebuild with `dsv4serve kernel build` if the "
+                "build does not record its CUDA, so the two can be compared")
     else:
         rep.add("software", "lna2-abi", "ok", found, want)
 

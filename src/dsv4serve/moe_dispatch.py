@@ -361,6 +361,7 @@ class LayerState:
     tuned: dict[int, int] | None = None  # rows -> build from this card's tuning table, where it holds the layer
     verified: bool = False  # lna2's output matched the incumbent's on a multi-row call of this layer's own
     captured: bool = False  # a CUDA graph holds an lna2 launch of this layer (replays never come back here)
+    unchecked: str | None = None  # strict 0: why the incumbent cannot check this layer (no further tries)
 
 
 @dataclass
@@ -767,7 +768,8 @@ class Runtime:
             return self._dispatch_failed(st, e, args, kwargs)
         if self._capturing():
             st.captured = True
-        elif _build_key(st, variant) not in self.verified_builds or (not st.verified and _varied(x, rows)):
+        elif st.unchecked is None and (_build_key(st, variant) not in self.verified_builds
+                                       or (not st.verified and _varied(x, rows))):
             # a build once at each geometry, a layer once on rows that differ: a seat whose eager lna2
             # calls are all one row (long prompts above the ceiling, decode one row at a time) checks
             # each build once, not every call
@@ -854,20 +856,22 @@ class Runtime:
         call returns, with the reason logged and counted."""
         try:
             ref_out = st.orig_apply(*args, **kwargs)
-            a = out.reshape(rows, -1).float()
-            b = ref_out.reshape(rows, -1).float()
-            varied = _varied(_pick(args, kwargs, 1, "x"), rows)
         except Exception as e:  # noqa: BLE001 - the incumbent's own failure is not lna2's mismatch
             detail = f"{self.who} layer={st.name}: the incumbent's apply failed: {type(e).__name__}: {e}"
             if self.env.strict >= 1:
                 raise Lna2DispatchError(f"lna2 parity not checked: {detail}"[:400]) from e
+            st.unchecked = detail[:300]  # tried once: not again on every call
             self._decline(st, "parity not checked: the incumbent failed", detail[:300])
             return None
+        a = out.reshape(rows, -1).float()
+        b = ref_out.reshape(rows, -1).float()
+        varied = _varied(_pick(args, kwargs, 1, "x"), rows)
         worst = _worst_row(a, b)
         if worst <= PARITY_TOL:
             with self._lock:
-                self.verified_builds.add(_build_key(st, variant))
-                st.verified = st.verified or varied  # identical rows (or one) prove nothing about mixing
+                if varied or rows == 1:  # identical rows prove nothing about a build that mixes them
+                    self.verified_builds.add(_build_key(st, variant))
+                st.verified = st.verified or varied
                 self.counters.verified(sum(1 for s in self.states if s.verified), worst)
                 done = not self._verified_logged and all(s.verified for s in self.states if s.geometry is not None)
                 if done:

@@ -353,22 +353,24 @@ def docker_parser_skip(profile: Profile) -> str | None:
 def _refuse_missing_mounts(spec: launch.LaunchSpec, run_dir: Path) -> None:
     """`docker run -v` creates a missing source as an empty directory owned by root: the pack would
     look empty to vLLM, and a directory where the lna2 build goes blocks every later `kernel build`
-    (docker audit). A missing read-only source (the pack, a build) is refused; a writable one (the
-    profile's caches) is made here, as this user, as docker would have made it. The run dir's own
-    files are made just before the start."""
+    (docker audit). A missing writable source in dsv4serve's own home (the profile's caches under
+    {cache}) is made here, as this user, as docker would have made it; any other missing source is
+    refused. The run dir's own files are made just before the start."""
+    from dsv4serve import home
     from dsv4serve.errors import BadInput
 
+    mine = home.home().resolve()
     for src, read_only in launch.docker_mount_sources(spec.argv[:len(spec.argv) - len(spec.vllm_args)]):
         if Path(src) == run_dir or run_dir in Path(src).parents:
             continue
         try:
             os.stat(src)
             continue
-        except FileNotFoundError:
-            pass
-        except OSError:
+        except PermissionError:
             continue  # not searchable by this user (a root-only pack dir): docker's daemon may still see it
-        if not read_only:
+        except OSError:
+            pass  # missing, or a file where a directory of the path should be
+        if not read_only and mine in Path(os.path.abspath(src)).parents:
             try:
                 os.makedirs(src, exist_ok=True)
                 continue
