@@ -1496,8 +1496,9 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
 
 
 def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
-    """Whether lna2's output matched the incumbent's on every rank's layers (the dispatch checks each
-    layer's first call outside graph capture): ran is the counters row, right is this one."""
+    """Whether lna2's output matched the incumbent's on every rank's layers (the dispatch compares a
+    layer's calls outside graph capture until one of differing rows matches): the counters row says
+    lna2 ran, this one that it computed the seat's MoE."""
     from dsv4serve.plugin_counters import PARITY_DECLINE, PARITY_TOL
 
     per, short, wrong, unknown, worst = [], [], [], [], 0.0

@@ -63,8 +63,8 @@ EXT_API = ("lna2_moe_decode", "lna2_moe_max_rows", "lna2_moe_scratch_bytes", "ln
 # 0 limit is 10, not "no clamp". lna2 wants a finite positive clamp; for an infinite one, a clamp at
 # 3e38 changes no finite fp32 value, so it is the same function.
 SWIGLU_LIMIT_DEFAULT = 10.0
-PARITY_FLOOR = 1e-3  # a row whose norm is below this on both sides is judged on that floor
 NO_CLAMP = 3.0e38
+PARITY_FLOOR = 1e-3  # the parity check: a row whose norm is below this on both sides is judged on that floor
 KERNEL_MAX_TOP_K = 8  # lna2_api.h MAX_TOPK; the build's lna2_moe_info(...)["max_top_k"] wins
 KERNEL_MAX_EXPERTS = 256
 MAX_LOGGED_REASONS = 32

@@ -370,7 +370,7 @@ def _refuse_missing_mounts(spec: launch.LaunchSpec, run_dir: Path) -> None:
             continue  # not searchable by this user (a root-only pack dir): docker's daemon may still see it
         except OSError:
             pass  # missing, or a file where a directory of the path should be
-        if not read_only and mine in Path(os.path.abspath(src)).parents:
+        if not read_only and mine in Path(src).resolve().parents:  # as home's, through any link
             try:
                 os.makedirs(src, exist_ok=True)
                 continue
