@@ -452,9 +452,9 @@ def lna2_extension_path(profile: Profile) -> str | None:
 
 def lna2_mounted(profile: Profile) -> str:
     """The lna2 build a docker seat mounts: moe.extension, else the default build."""
-    from dsv4serve.lna2.build import MODULE, default_out
+    from dsv4serve.lna2.build import default_out
 
-    return lna2_extension_path(profile) or str(default_out() / f"{MODULE}.so")
+    return lna2_extension_path(profile) or str(default_out() / LNA2_SO)
 
 
 def lna2_launched(profile: Profile) -> dict[str, str | None] | None:
