@@ -1185,3 +1185,46 @@ def test_the_parity_row_says_whether_lna2_computed_the_incumbents_moe_on_every_r
     ctx = checks.Ctx(profile=load_profile("8x16gb-380k-incumbent"), seat=SimpleNamespace(run_dir=str(tmp_path), tp=1))
     checks._counters(rep, ctx, {0: None}, 0.0)
     assert not any(x.check == "lna2-parity" for x in rep.rows)  # an incumbent seat has nothing to verify
+
+
+def test_the_graphs_row_fails_a_decode_size_whose_graph_was_captured_with_the_incumbent(tmp_path):
+    """A CUDA-graph replay never re-enters Python: a size captured while lna2 declined replays the
+    incumbent on every decode step of that size, and the counters showed one decline (dispatch
+    audit). The row judges every size a decode step of 1..decode-rows rows replays, on every rank."""
+    p = load_profile("8x16gb-380k")  # 4 streams x (1 + 3): decode steps of up to 16 rows
+    assert p.decode_rows() == 16
+
+    def row(graphs, prof=p):
+        for r in range(8):
+            state.counters_path(tmp_path, r).write_text(json.dumps(
+                {"rank": r, "tp": 8, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3}, "declines": {},
+                 "final": False, "parity": {"layers": 44, "of": 44, "worst": 1e-3}, "graphs": graphs(r)}))
+        ctx = checks.Ctx(profile=prof, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8))
+        rep = checks.Report(prof.name)
+        old, checks.COUNTERS_WAIT_S = checks.COUNTERS_WAIT_S, 0.0
+        try:
+            checks._counters(rep, ctx, state.read_counters(tmp_path, 8), 0.0)
+        finally:
+            checks.COUNTERS_WAIT_S = old
+        return _st(rep, "lna2-graphs", "live")
+
+    def sizes(lna2=(), declined=()):
+        g = {str(n): {"lna2": 44, "declined": 0, "incumbent": 0} for n in lna2}
+        g.update({str(n): {"lna2": 0, "declined": 44, "incumbent": 0} for n in declined})
+        return g
+
+    r = row(lambda r: sizes(lna2=(4, 8, 16), declined=(32, 512)))  # above the largest decode step: prefill's
+    assert r.status == "ok" and "r0,1,2,3,4,5,6,7: lna2 at 4, 8, 16, the incumbent at 32, 512" in r.found
+    r = row(lambda r: sizes(lna2=(4, 8), declined=(16,) if r == 3 else ()) if r == 3 else sizes(lna2=(4, 8, 16)))
+    assert r.status == "fail" and "rank 3: 16 rows" in r.fix and "r3: lna2 at 4, 8, the incumbent at 16" in r.found
+    # a 16-row step pads to the smallest size that holds it: the 20-row graph is decode's too
+    assert row(lambda r: sizes(lna2=(4, 8), declined=(20,) if r == 0 else ())).status == "fail"
+    r = row(lambda r: sizes(lna2=(4, 8)))  # no captured size holds 16 rows: those steps run eagerly
+    assert r.status == "ok"
+    r = row(lambda r: sizes(lna2=(4, 8)) if r else None)  # rank 0: a worker of an older plugin
+    assert r.status == "warn" and "rank 0 records no graphs" in r.fix
+    r = row(lambda r: {})
+    assert r.status == "warn" and "none captured" in r.found
+    eager = load_profile("8x16gb-380k", ["vllm.enforce_eager=true"])
+    r = row(lambda r: {}, eager)
+    assert r.status == "ok" and r.found == "eager seat: no CUDA graphs"

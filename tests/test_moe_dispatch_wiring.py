@@ -794,7 +794,8 @@ def test_counters_file(tmp_path):
     run(layer, 6)
     rt.counters.start(handle_signals=False)  # not in the test process
     data = json.loads(counters_path(tmp_path, 1).read_text())
-    assert set(data) == {"rank", "tp", "pid", "kernel", "layers", "calls", "declines", "parity", "updated", "final"}
+    assert set(data) == {"rank", "tp", "pid", "kernel", "layers", "calls", "declines", "parity", "graphs", "updated",
+                         "final"}
     assert data["parity"]["layers"] == 1 and 0 <= data["parity"]["worst"] <= md.PARITY_TOL
     assert (data["rank"], data["tp"], data["kernel"], data["layers"]) == (1, 2, "lna2", 1)
     assert data["calls"] == {"lna2": 1, "incumbent": 1} and data["declines"] == {"rows above the ceiling 4": 1}
@@ -957,3 +958,33 @@ def test_rows_that_overflow_on_both_sides_are_not_a_mismatch():
     assert md._worst_row(a, a.clone()) == 0.0
     assert md._worst_row(a, torch.tensor([[1.0, 5.0], [2.0, 3.0]])) == float("inf")
     assert md._worst_row(a, torch.tensor([[1.0, float("-inf")], [2.0, 3.0]])) == float("inf")
+
+
+def test_each_captured_graph_size_records_which_kernel_it_holds(tmp_path):
+    """A replay never comes back to Python: a graph whose capture declined replayed the incumbent on
+    every decode step of its size while the counters showed a single decline (dispatch audit). The
+    calls made during capture are kept per row count, by kind, in the counters file."""
+    capturing = {"on": False}
+    fake = FakeLna2(max_rows=4)
+    layer, _ = make_layer()
+    fake.register(layer)
+    other = make_layer(seed=3)[0]
+    other.quant_method = OtherMethod()  # a draft's experts that are not EXL3: the incumbent's by design
+    rt, _ = runtime(fake=fake, capturing=lambda: capturing["on"], run_dir=tmp_path)
+    rt.prepare([(layer.layer_name, layer)], draft=False)
+    rt.prepare([("mtp.experts", other)], draft=True)
+    run(layer, 2)  # eager: not a graph
+    capturing["on"] = True
+    for rows in (1, 2, 8):  # 8 is above the build's ceiling: declined, captured with the incumbent
+        run(layer, rows)
+        run(other, rows)
+    x, ids, w = routes(4)
+    call(layer, x.float(), w, ids)  # a contract decline (fp32 x) during capture
+    capturing["on"] = False
+    assert rt.counters.graphs == {1: {"lna2": 1, "declined": 0, "incumbent": 1},
+                                  2: {"lna2": 1, "declined": 0, "incumbent": 1},
+                                  4: {"lna2": 0, "declined": 1, "incumbent": 0},
+                                  8: {"lna2": 0, "declined": 1, "incumbent": 1}}
+    rt.counters.write()
+    snap = json.loads(counters_path(tmp_path, 1).read_text())
+    assert snap["graphs"]["8"] == {"lna2": 0, "declined": 1, "incumbent": 1} and set(snap["graphs"]) == {"1", "2", "4", "8"}

@@ -1493,6 +1493,7 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
         rep.add("live", "counters", "ok", found, exp, data={"counters": now})
     if p.moe.kernel == "lna2":
         _parity(rep, now)
+        _graphs(rep, p, now)
 
 
 def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
@@ -1534,6 +1535,66 @@ def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
                 "seat), or one with no lna2 layer (see the counters row)")
     else:
         rep.add("live", "lna2-parity", "ok", found, exp)
+
+
+def _sizes(graphs: Any) -> dict[int, dict[str, int]] | None:
+    """A counters file's `graphs` as {rows: counts}; None when the rank recorded none (an older plugin)."""
+    if not isinstance(graphs, dict):
+        return None
+    out: dict[int, dict[str, int]] = {}
+    for k, v in graphs.items():
+        if str(k).isdigit() and isinstance(v, dict):
+            out[int(k)] = {kind: int(n) for kind, n in v.items() if isinstance(n, (int, float))}
+    return out
+
+
+def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
+    """Which kernel each CUDA graph a decode step replays holds, per rank. A replay never re-enters
+    Python, so a graph whose capture declined runs the incumbent on every decode step of its size
+    while the counters show one decline: the founding trap, one level down."""
+    decode = p.decode_rows()
+    per: dict[str, list[int]] = {}  # rank summary -> ranks
+    wrong, unknown, captured = [], [], 0
+    for r, c in sorted(now.items()):
+        sizes = _sizes((c or {}).get("graphs"))
+        if sizes is None:
+            unknown.append(r)
+            continue
+        captured += len(sizes)
+        # a decode step of n <= decode rows replays the smallest captured size that holds n: every
+        # size up to the one that holds the seat's largest step
+        top = min((n for n in sizes if n >= decode), default=None)
+        reach = sorted(n for n in sizes if top is None or n <= top)
+        held = [n for n in reach if sizes[n].get("declined", 0) > 0]
+        if held:
+            wrong.append(f"rank {r}: {', '.join(map(str, held))} rows")
+        lna2 = [n for n in sorted(sizes) if sizes[n].get("lna2", 0) > 0]
+        declined = [n for n in sorted(sizes) if sizes[n].get("declined", 0) > 0]
+        text = (f"lna2 at {_list(lna2)}" if lna2 else "no lna2 capture") + (
+            f", the incumbent at {_list(declined)}" if declined else "")
+        per.setdefault(text, []).append(r)
+    found = "; ".join(f"r{','.join(map(str, ranks))}: {text}" for text, ranks in per.items()) or "no rank records graphs"
+    if unknown:
+        found += f"; r{','.join(map(str, unknown))}: -"
+    exp = f"every captured size a decode step of 1..{decode} rows replays holds lna2 on every rank"
+    if wrong:
+        rep.add("live", "lna2-graphs", "fail", "CUDA graphs: " + found, exp,
+                f"captured with the incumbent ({'; '.join(wrong)}): every decode step of those sizes replays the "
+                "incumbent and is counted nowhere; read the decline in `dsv4serve logs`, and run with "
+                "VLLM_EXL3_MOE_STRICT=1 so a decline at capture stops the seat at load")
+    elif unknown:
+        rep.add("live", "lna2-graphs", "warn", "CUDA graphs: " + found, exp,
+                f"rank {','.join(map(str, unknown))} records no graphs: a worker of an older dsv4serve (restart the seat)")
+    elif not captured and not p.vllm.enforce_eager:
+        rep.add("live", "lna2-graphs", "warn", "CUDA graphs: none captured through the dispatch", exp,
+                "vLLM captured no graph that called the MoE apply (a graph mode that runs the MoE outside, or none "
+                "at all): what decode replays holds is unknown; `dsv4serve logs` shows vLLM's capture lines")
+    else:
+        rep.add("live", "lna2-graphs", "ok", "CUDA graphs: " + found if captured else "eager seat: no CUDA graphs", exp)
+
+
+def _list(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes[:12])) + (f" (+{len(sizes) - 12} more)" if len(sizes) > 12 else "")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -408,6 +408,18 @@ def _worst_row(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(rel.max()) if rel.numel() else 0.0
 
 
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] else 0
+
+
+def _rows_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The call's row count, 0 when its x cannot be found (the incumbent is called all the same)."""
+    try:
+        return _rows(_pick(args, kwargs, 1, "x"))
+    except Exception:  # noqa: BLE001 - counting must never fail a call lna2 does not serve
+        return 0
+
+
 def _pick(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
     if name in kwargs:
         return kwargs[name]
@@ -736,16 +748,16 @@ class Runtime:
         if st.geometry is None:
             if st.not_ready is not None:
                 self.counters.decline(f"not ready: {st.not_ready}")
-            self.counters.call("incumbent")
+            self._count("incumbent", _rows_of(args, kwargs), declined=st.not_ready is not None)
             return st.orig_apply(*args, **kwargs)
         try:
             x = _pick(args, kwargs, 1, "x")
-            rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] else 0
+            rows = _rows(x)
         except Exception as e:  # noqa: BLE001
             return self._dispatch_failed(st, e, args, kwargs)
         if rows == 0:
             # Nothing to compute (an empty step); not a decline.
-            self.counters.call("incumbent")
+            self._count("incumbent", 0)
             return st.orig_apply(*args, **kwargs)
         if rows > self.ceiling:
             reason = f"rows={rows} above the ceiling {self.ceiling}"
@@ -753,7 +765,7 @@ class Runtime:
                 raise Lna2DispatchError(f"lna2 dispatch refused: {self.who} layer={st.name}: {reason} "
                                         "(VLLM_EXL3_MOE_STRICT=2 raises on shape declines)")
             self._decline(st, f"rows above the ceiling {self.ceiling}", reason)
-            self.counters.call("incumbent")
+            self._count("incumbent", rows, declined=True)
             return st.orig_apply(*args, **kwargs)
         try:
             out, variant = self._launch(st, x, _pick(args, kwargs, 2, "topk_weights"), _pick(args, kwargs, 3, "topk_ids"),
@@ -762,10 +774,10 @@ class Runtime:
             if self.env.strict >= 1:
                 raise Lna2DispatchError(f"lna2 dispatch failed: {self.who} layer={st.name}: {e}") from None
             self._decline(st, e.key, str(e))
-            self.counters.call("incumbent")
+            self._count("incumbent", rows, declined=True)
             return st.orig_apply(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - strict decides; never swallowed silently
-            return self._dispatch_failed(st, e, args, kwargs)
+            return self._dispatch_failed(st, e, args, kwargs, rows)
         if self._capturing():
             st.captured = True
         elif st.unchecked is None and (_build_key(st, variant) not in self.verified_builds
@@ -777,7 +789,7 @@ class Runtime:
             if mismatch is not None:  # strict 0: this layer is the incumbent's from now on
                 self.counters.call("incumbent")
                 return mismatch
-        self.counters.call("lna2")
+        self._count("lna2", rows)
         if not self._active_logged:
             self._active_logged = True
             bits = ",".join(map(str, self.bits))
@@ -892,7 +904,7 @@ class Runtime:
         return ref_out
 
     def _dispatch_failed(self, st: LayerState, e: BaseException, args: tuple[Any, ...],
-                         kwargs: dict[str, Any]) -> Any:
+                         kwargs: dict[str, Any], rows: int = 0) -> Any:
         detail = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if self.env.strict >= 1:
             raise Lna2DispatchError(f"lna2 dispatch failed: {self.who} layer={st.name}: {detail}") from e
@@ -900,8 +912,15 @@ class Runtime:
         self.counters.decline(key)
         if self._once(f"error:{key}"):
             self.emit(f"LNA2 dispatch failed; falling back: {self.who} layer={st.name}: {detail}")
-        self.counters.call("incumbent")
+        self._count("incumbent", rows, declined=True)
         return st.orig_apply(*args, **kwargs)
+
+    def _count(self, kind: str, rows: int, *, declined: bool = False) -> None:
+        """One call served by `kind`; under CUDA-graph capture also recorded for its row count, since
+        every replay of that graph runs the same kernel without coming back here."""
+        self.counters.call(kind)
+        if rows > 0 and self._capturing():
+            self.counters.captured(rows, "declined" if declined else kind)
 
     def _decline(self, st: LayerState, key: str, text: str) -> None:
         self.counters.decline(key)

@@ -11,13 +11,22 @@ and a worker that loses that race keeps its last periodic file (`"final": false`
 What the numbers mean: CUDA-graph replays do not re-enter Python, so a counter counts eager
 calls plus captured calls (each capture of a graph counts once, however often it is replayed).
 On a fully graphed decode the lna2 count therefore stops growing after warmup; it proves the
-kernel was wired and captured, and prefill (eager) keeps the incumbent count moving.
+kernel was wired and captured, and prefill (eager) keeps the incumbent count moving. Because a
+replay is invisible here, the calls made while a CUDA graph was being captured are also kept per
+captured row count (`graphs`): a graph whose capture declined replays the incumbent on every decode
+step of that size while the counts above show a single decline.
 
 File schema (one object per rank, written atomically)::
 
     {"rank": int, "tp": int, "pid": int, "kernel": "lna2"|"incumbent"|"none", "layers": int,
      "calls": {"lna2": int, "incumbent": int}, "declines": {reason: int},
+     "parity": {"layers": int, "of": int, "worst": float},
+     "graphs": {rows: {"lna2": int, "declined": int, "incumbent": int}},
      "updated": float (epoch s), "final": bool}
+
+In `graphs`, "declined" counts captured calls of layers lna2 was meant to serve that went to the
+incumbent; "incumbent" those of layers that are the incumbent's by design (kernel incumbent, a
+draft whose experts are not EXL3).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from dsv4serve.state import atomic_write, counters_path
 FLUSH_INTERVAL_S = 2.0  # check-seat waits 5 s for the counters to move: stay well inside that
 SIGNAL_WRITE_WAIT_S = 1.0  # a signal handler waits at most this long for a flusher write in flight
 MAX_DECLINE_KEYS = 64  # a runaway reason text must not grow the file without bound
+MAX_GRAPH_SIZES = 1024  # vLLM captures a few dozen sizes; a bound keeps a runaway from growing the file
+GRAPH_KINDS = ("lna2", "declined", "incumbent")
 OTHER_DECLINES = "other reasons (past the reason limit)"
 
 
@@ -62,6 +73,7 @@ class Counters:
         self.parity_layers = 0
         self.parity_of = 0  # the lna2 layers there are to verify
         self.parity_worst = 0.0
+        self.graphs: dict[int, dict[str, int]] = {}  # captured row count -> calls by kind (module docstring)
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._dirty = True
@@ -85,6 +97,17 @@ class Counters:
             self.declines[reason] = self.declines.get(reason, 0) + 1
             self._dirty = True
 
+    def captured(self, rows: int, kind: str) -> None:
+        """One call made while a CUDA graph of `rows` rows was being captured, by kind (GRAPH_KINDS)."""
+        with self._lock:
+            per = self.graphs.get(rows)
+            if per is None:
+                if len(self.graphs) >= MAX_GRAPH_SIZES:
+                    return
+                per = self.graphs[rows] = dict.fromkeys(GRAPH_KINDS, 0)
+            per[kind] = per.get(kind, 0) + 1
+            self._dirty = True
+
     def verified(self, layers: int, worst: float) -> None:
         with self._lock:
             self.parity_layers = layers
@@ -105,6 +128,7 @@ class Counters:
         return {"rank": self.rank, "tp": self.tp, "pid": os.getpid(), "kernel": self.kernel,
                 "layers": self.layers, "calls": dict(self.calls), "declines": dict(self.declines),
                 "parity": {"layers": self.parity_layers, "of": self.parity_of, "worst": self.parity_worst},
+                "graphs": {str(rows): dict(per) for rows, per in sorted(self.graphs.items())},
                 "updated": time.time(), "final": final}
 
     def write(self, final: bool = False, *, from_signal: bool = False) -> bool:
