@@ -309,6 +309,21 @@ def test_an_lna2_seat_must_say_its_speculative_tokens_and_not_replay_a_graph_abo
     check_plan(load_profile("8x16gb-380k-incumbent", ["vllm.compilation_config={cudagraph_capture_sizes: [4, 64]}"]))
 
 
+
+def test_an_lna2_seat_refuses_vllm_micro_batching_before_a_launch():
+    """Dual batch overlap runs two micro-batches' MoE calls at once and every lna2 launch on a device
+    shares one scratch (dispatch audit); the worker refuses it at load, `up` before launching."""
+    from dsv4serve.launch import check_plan
+
+    for extra in ('["--enable-dbo"]', '["--enable-dbo=true"]', '["--ubatch-size", "2"]', '["--ubatch-size=4"]'):
+        with pytest.raises(ProfileError) as e:
+            check_plan(load_profile("8x16gb-380k", [f"vllm.extra_args={extra}"]))
+        assert "runs two micro-batches' MoE calls at once" in e.value.line()
+        assert e.value.line().endswith("drop it from vllm.extra_args, or set moe.kernel=incumbent")
+    for extra in ('["--ubatch-size", "1"]', '["--enable-dbo=false"]'):
+        check_plan(load_profile("8x16gb-380k", [f"vllm.extra_args={extra}"]))
+    check_plan(load_profile("8x16gb-380k-incumbent", ['vllm.extra_args=["--enable-dbo"]']))
+
 @pytest.mark.parametrize("host", ["::0", "0:0:0:0:0:0:0:0", '"0"', "0x0", "000.000.000.000", '"[::]"', "::ffff:0.0.0.0"])
 def test_every_spelling_of_the_wildcard_address_needs_the_opt_in(host):
     """The opt-in compared text against 0.0.0.0 / :: / [::]: "::0" or "0x0" listened on every

@@ -715,3 +715,30 @@ def test_strict_refuses_at_load_a_device_that_cannot_launch_the_seats_decode_row
         Harness(fit={55: 8}, strict=1, decode_rows=8).prepare()
     assert Harness(fit={55: CEILING}, strict=1, decode_rows=8).prepare().lna2_layers == 2
     assert Harness(fit={55: 4}, strict=0, decode_rows=8).prepare().lna2_layers == 2  # declined per call there
+
+
+def test_vllm_micro_batching_is_refused_at_load_since_both_micro_batches_would_share_one_scratch():
+    """Dual batch overlap runs two micro-batches' MoE calls at once on separate streams; every lna2
+    launch on a device uses one scratch, so their partials and arrival counters would mix (dispatch
+    audit). The worker reads it from the config vLLM resolved and refuses at load."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import ParallelConfig
+
+    from dsv4serve.vllm_plugin import with_vllm_ubatches
+
+    env = md.PluginEnv(run_id="t1", run_dir=None, kernel="lna2", strict=1)
+    assert with_vllm_ubatches(env, NS(parallel_config=ParallelConfig())) is env
+    assert with_vllm_ubatches(env, None) is env
+    assert with_vllm_ubatches(env, NS(parallel_config=NS(enable_dbo=True, ubatch_size=0))).ubatches == 2
+    assert with_vllm_ubatches(env, NS(parallel_config=NS(enable_dbo=False, ubatch_size=3))).ubatches == 3
+    h = Harness(strict=1)
+    h.rt.env = with_vllm_ubatches(h.env, NS(parallel_config=NS(enable_dbo=True, ubatch_size=0)))
+    with pytest.raises(md.Lna2NotReadyError, match=r"vLLM runs 2 micro-batches at once \(--enable-dbo / --ubatch-size\)"):
+        h.prepare()
+    h = Harness(strict=0)
+    h.rt.env = with_vllm_ubatches(h.env, NS(parallel_config=NS(enable_dbo=True, ubatch_size=0)))
+    assert h.prepare().lna2_layers == 0  # strict 0: the incumbent serves, said once
+    assert [ln for ln in h.lines if "micro-batches" in ln][0].startswith("LNA2 declined: lna2 not ready: rank=0/1")
+    out, want = h.call(0, 2)
+    assert torch.equal(out, want) and not h.ext.seen

@@ -33,6 +33,20 @@ LNA2_SO = f"{_LNA2_MODULE}.so"  # the name a docker seat's lna2 build has inside
 NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
+def ubatching_flag(extra_args: list[str]) -> str | None:
+    """The vLLM flag in extra_args that turns on micro-batching (dual batch overlap, or a ubatch size
+    above one), as written, or None."""
+    for i, a in enumerate(extra_args):
+        name, eq, val = a.partition("=")
+        if name == "--enable-dbo" and val.lower() not in ("false", "0"):
+            return a
+        if name == "--ubatch-size":
+            val = val if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
+            if val.isdigit() and int(val) > 1:
+                return f"{name} {val}"
+    return None
+
+
 def _numeric_host(host: str) -> str | None:
     """The address a numeric host spells ("0x0", "000.000.000.000" and "::0" included), or None for a name."""
     try:
@@ -156,6 +170,12 @@ def check_plan(profile: Profile) -> None:
             raise ProfileError(f"profile {p.name}: vllm.speculative_config gives no num_speculative_tokens, so vLLM "
                                "chooses it and the decode rows the lna2 row ceiling must hold are unknown",
                                hint="set vllm.speculative_config.num_speculative_tokens (the canon seat's is 3)")
+        ub = ubatching_flag(v.extra_args)
+        if ub:
+            # the worker refuses it at load as well (from vLLM's resolved config); said here before a launch
+            raise ProfileError(f"profile {p.name}: vllm.extra_args {ub} runs two micro-batches' MoE calls at once, "
+                               "and every lna2 launch on a device shares one scratch",
+                               hint="drop it from vllm.extra_args, or set moe.kernel=incumbent")
         rows = p.decode_rows()
         cc = v.compilation_config or {}
         graphs = not v.enforce_eager and str(cc.get("cudagraph_mode", "")).upper() not in ("NONE", "0")

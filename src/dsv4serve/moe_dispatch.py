@@ -105,6 +105,9 @@ class PluginEnv:
     # how decode_rows was counted; the plugin recounts from vLLM's resolved config (vllm_plugin)
     decode_rows_why: str = "max_num_seqs x (1 + speculative tokens)"
     tuning: str | None = None  # this card's lna2 tuning table (lna2/tuning.py), when the profile names one
+    # micro-batches vLLM runs at once (dual batch overlap, ubatch_size), from its resolved config:
+    # their MoE calls overlap on separate streams, and every lna2 launch on a device shares one scratch
+    ubatches: int = 0
 
 
 def read_env(environ: Mapping[str, str]) -> PluginEnv | None:
@@ -594,6 +597,10 @@ class Runtime:
                                 "(no EXL3 routed experts for lna2 to serve)")
         if self.require_cuda and not torch.cuda.is_available():
             raise ContractError("no CUDA device in this process")
+        if self.env.ubatches > 1:
+            raise ContractError(f"vLLM runs {self.env.ubatches} micro-batches at once (--enable-dbo / --ubatch-size): "
+                                "their MoE calls overlap on separate streams, and every lna2 launch on a device "
+                                "shares one scratch; drop the micro-batching flag, or set moe.kernel=incumbent")
         ext = self._ext_or_reason()
         g = validate_layer(st.layer, st.method, require_cuda=self.require_cuda)
         key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}"

@@ -151,6 +151,17 @@ def with_vllm_decode_rows(env: Any, vllm_config: Any) -> Any:
     return dataclasses.replace(env, decode_rows=rows, decode_rows_why=why)
 
 
+def with_vllm_ubatches(env: Any, vllm_config: Any) -> Any:
+    """env with the micro-batches vLLM's resolved config runs at once (dual batch overlap or
+    ubatch_size): lna2 refuses them at load, since their MoE calls would share one scratch."""
+    import dataclasses
+
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = getattr(pc, "ubatch_size", 0)
+    n = 2 if getattr(pc, "enable_dbo", False) is True else (size if isinstance(size, int) and size > 1 else 0)
+    return dataclasses.replace(env, ubatches=n) if n else env
+
+
 def moe_layers(model: Any) -> list[tuple[str, Any]]:
     """Every module whose quant method is a FusedMoE method (RoutedExperts in 0.32), once each."""
     try:
@@ -181,7 +192,8 @@ def _after_load(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
     draft = _is_draft(args, kwargs)
     if _runtime is None:
         if env.kernel == "lna2":
-            env = with_vllm_decode_rows(env, kwargs.get("vllm_config", args[0] if args else None))
+            vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+            env = with_vllm_ubatches(with_vllm_decode_rows(env, vllm_config), vllm_config)
         rank, tp = _rank()
         counters = Counters(env.run_dir, rank, tp, env.kernel)
         _runtime = moe_dispatch.Runtime(env, rank, tp, emit=_say, counters=counters, ext_loader=loader.load)
