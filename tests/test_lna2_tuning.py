@@ -235,7 +235,10 @@ def test_the_dispatch_serves_the_cards_table_and_says_so(tmp_path):
     # 53 is no build the policy serves: it is served because the table names it and it fits
     assert [s["variant"] for s in h.ext.seen] == [53, policy.variant_for(2, I, 2, H), 46]
     assert (53, 2, 1, H, I, TOP_K, E) in h.ext.fit_queries
-    assert h.grep("ACTIVE") == [f"LNA2 MoE kernel ACTIVE rank=0/1 layers=2 bits=2 ext=fake-0 policy=tuned:{digest}"]
+    # the line says which row counts the table decides: the others are the built-in policy's (audit)
+    assert h.grep("ACTIVE") == [f"LNA2 MoE kernel ACTIVE rank=0/1 layers=2 bits=2 ext=fake-0 policy=tuned:{digest} "
+                                "tuned_rows=1,3 tuned_layers=2/2"]
+    assert md._spans([1, 2, 3, 4, 8, 12, 13]) == "1-4,8,12-13" and md._spans([]) == "-"
 
 
 def test_a_tuned_build_that_does_not_fit_leaves_those_rows_to_the_policy(tmp_path):

@@ -411,6 +411,17 @@ def _worst_row(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(rel.max()) if rel.numel() else 0.0
 
 
+def _spans(values: list[int]) -> str:
+    """Sorted whole numbers as runs: [1, 2, 3, 4, 8, 12, 13] -> "1-4,8,12-13"."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
+
+
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] else 0
 
@@ -679,6 +690,14 @@ class Runtime:
             return None
         return dict(picks)
 
+    def _tuned_reach(self) -> str:
+        """What the table decides, for the ACTIVE line: its row counts hold the card's own picks, every
+        other row count (and a layer of another shape) the built-in policy's."""
+        lna2 = [s for s in self.states if s.geometry is not None]
+        rows = sorted({r for s in lna2 for r in (s.tuned or {})})
+        held = sum(1 for s in lna2 if s.tuned)
+        return f" tuned_rows={_spans(rows)} tuned_layers={held}/{len(lna2)}"
+
     def _tuning_refused(self, why: str) -> None:
         if self.env.strict >= 1:
             raise ContractError(f"{why}; re-run `dsv4serve kernel check --bench --save-tuning FILE` on this card, "
@@ -800,7 +819,7 @@ class Runtime:
         if not self._active_logged:
             self._active_logged = True
             bits = ",".join(map(str, self.bits))
-            policy_in_force = f"tuned:{self.tuned_digest}" if self.tuned_digest else "builtin"
+            policy_in_force = f"tuned:{self.tuned_digest}{self._tuned_reach()}" if self.tuned_digest else "builtin"
             self.emit(f"LNA2 MoE kernel ACTIVE {self.who} layers={self.lna2_layers} bits={bits} ext={self.build_id} "
                       f"policy={policy_in_force}")
         return out

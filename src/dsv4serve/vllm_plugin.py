@@ -17,7 +17,8 @@ prefix, e.g. `(Worker_TP1 pid=N) WARNING ... [vllm_plugin.py:NN] dsv4serve plugi
   dsv4serve plugin loaded proc=<name> run=<id> kernel=<k> strict=<s> pid=<pid>   (once per process)
   dsv4serve plugin ready rank=<r>/<tp> moe_layers=<n> moe_method=<class> kernel=<lna2|incumbent|none>
   dsv4serve plugin draft rank=<r>/<tp> moe_layers=<n> moe_method=<class> kernel=<...>
-  LNA2 MoE kernel ACTIVE rank=<r>/<tp> layers=<n> bits=<K,...> ext=<build id> policy=<builtin|tuned:<digest>>
+  LNA2 MoE kernel ACTIVE rank=<r>/<tp> layers=<n> bits=<K,...> ext=<build id> policy=<builtin|tuned:<digest>
+      tuned_rows=<row counts the table picks for> tuned_layers=<n>/<lna2 layers>>   (other rows: built-in)
   dsv4serve plugin lna2 tuning ...   (a tuning table ignored, or holding none of a layer's shapes)
   LNA2 declined: <reason> (...)
   dsv4serve plugin FAILED lna2 not ready: rank=<r>/<tp> layer=<name>: <reason> (VLLM_EXL3_MOE_STRICT=<s>)
