@@ -487,3 +487,16 @@ def test_a_relative_model_path_of_a_docker_seat_is_named_as_such():
     # a profile that does not mount it may name a hub repo: vLLM resolves that itself (review)
     spec = build("8x16gb-380k", "model.path=org/some-repo", "runtime.mounts=[]")
     assert spec.vllm_args[0] == "org/some-repo"
+
+
+def test_a_relative_local_model_path_of_a_docker_seat_without_its_mount_is_refused(tmp_path, monkeypatch):
+    """The host checks read a relative pack from here and passed; inside the image the name resolved
+    against the container's working directory, or was fetched as a hub repo (review)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "packs" / "dsv4").mkdir(parents=True)
+    with pytest.raises(ProfileError) as e:
+        build("8x16gb-380k", "model.path=packs/dsv4", "runtime.mounts=[]")
+    assert e.value.message == (f"profile 8x16gb-380k: model.path packs/dsv4 is a directory relative to {tmp_path}, "
+                               "which the container does not see")
+    assert "runtime.mounts" in (e.value.hint or "")
+    assert build("8x16gb-380k", "model.path=org/some-repo", "runtime.mounts=[]").vllm_args[0] == "org/some-repo"

@@ -382,6 +382,13 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
         raise ProfileError(f"profile {profile.name}: model.path {model_path} is relative: a docker seat mounts the "
                            "pack at the same path inside the image",
                            hint="give model.path as an absolute path (or start it with {home} or {cache})")
+    if not model_path.startswith("/") and Path(model_path).is_dir():
+        # the host checks read the pack here, relative to this directory; inside the image the same
+        # name resolves against the container's working directory (or is taken for a hub repo id)
+        raise ProfileError(f"profile {profile.name}: model.path {model_path} is a directory relative to "
+                           f"{Path.cwd()}, which the container does not see",
+                           hint="give model.path as an absolute path and mount it with runtime.mounts "
+                                "({host: '{model_path}', container: '{model_path}'})")
     argv = ["docker", "run", "--name", rt.container_name, "--label", f"dsv4serve.run_id={run_id}",
             "--label", f"dsv4serve.profile={profile.name}"]
     if profile.gpus.ids:
