@@ -258,7 +258,7 @@ if has dispatch; then
   step "moe_dispatch.Runtime on this GPU vs exllamav3 $DI"
   PYTHONPATH=/tmp/site$DI:$PYTHONPATH timeout 240 python3 scripts/lna2_device.py dispatch > "$OUT/dispatch.log" 2>&1
   echo "exit $?" >> "$OUT/dispatch.log"
-  grep -E "prepared|calls, worst|graph:|timing|dispatch:|FAIL|FAULT|Error|exit|ACTIVE" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
+  grep -E "prepared|calls, worst|graph:|graph record|timing|dispatch:|FAIL|FAULT|Error|exit|ACTIVE|parity" "$OUT/dispatch.log" | tail -30 | tee -a "$LOG"
 fi
 
 if has kcheck && [ "$(left)" -gt 60 ]; then
