@@ -125,7 +125,7 @@ for tag, extra in (("local", local), ("canon", [])):
     print(tag, "exit", r.returncode)
     try:
         for row in json.loads(r.stdout)["rows"]:
-            if row.get("section") == "machine" or row.get("check") in ("lna2", "plugin-entry-point", "torch-cuda-arch"):
+            if row.get("section") == "machine" or row.get("check") in ("lna2", "lna2-abi", "plugin-entry-point", "torch-cuda-arch"):
                 print(" ", row.get("section"), row.get("check"), row.get("status"), row.get("found"))
     except Exception as e:
         print("unparsable:", e, r.stdout[-400:], r.stderr[-800:])
