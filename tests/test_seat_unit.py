@@ -229,6 +229,28 @@ def test_plain_status_prints_each_ranks_counters(home, tmp_path, capsys):
     assert "rank 1 MoE calls: no counters file" in out
 
 
+def test_plain_status_says_what_each_captured_graph_holds_and_the_parity_count(home, tmp_path, capsys):
+    """Graph replays are not counted: a size captured with the incumbent was invisible in status
+    (dispatch audit); the counters now record each captured size's kernel, and status shows them."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    state.save(_ready_state(run_dir))
+    c = Counters(run_dir, rank=0, tp=2, kernel="lna2")
+    c.set_layers(3, 2)
+    c.verified(1, 1e-3)
+    for rows, kind in ((1, "lna2"), (2, "lna2"), (4, "lna2"), (32, "declined"), (1, "incumbent")):
+        c.call("lna2" if kind == "lna2" else "incumbent")
+        c.captured(rows, kind)
+    assert c.write()
+    rows = seat.status("cpu-demo")
+    calls = rows[0]["ranks"][0]["moe_calls"]
+    assert calls["graphs"] == {"lna2": [1, 2, 4], "declined": [32]} and calls["parity"] == {"layers": 1, "of": 2}
+    seat.render_status(rows)
+    out = capsys.readouterr().out
+    assert ("rank 0 MoE calls (lna2): lna2 3, incumbent 2, declines 0; parity 1/2 layers; graphs lna2 at 1, 2, 4, "
+            "the incumbent at 32") in out
+
+
 def test_a_rank_whose_pid_is_not_known_yet_is_not_called_dead(home, tmp_path, capsys):
     """While a seat loads, the log has not named its workers' pids: alive is unknown (-), not NO."""
     st = _ready_state(tmp_path)

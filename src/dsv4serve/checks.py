@@ -1537,26 +1537,17 @@ def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
         rep.add("live", "lna2-parity", "ok", found, exp)
 
 
-def _sizes(graphs: Any) -> dict[int, dict[str, int]] | None:
-    """A counters file's `graphs` as {rows: counts}; None when the rank recorded none (an older plugin)."""
-    if not isinstance(graphs, dict):
-        return None
-    out: dict[int, dict[str, int]] = {}
-    for k, v in graphs.items():
-        if str(k).isdigit() and isinstance(v, dict):
-            out[int(k)] = {kind: int(n) for kind, n in v.items() if isinstance(n, (int, float))}
-    return out
-
-
 def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
     """Which kernel each CUDA graph a decode step replays holds, per rank. A replay never re-enters
     Python, so a graph whose capture declined runs the incumbent on every decode step of its size
     while the counters show one decline: the founding trap, one level down."""
+    from dsv4serve.plugin_counters import graph_sizes, sizes_text
+
     decode = p.decode_rows()
     per: dict[str, list[int]] = {}  # rank summary -> ranks
     wrong, unknown, captured = [], [], 0
     for r, c in sorted(now.items()):
-        sizes = _sizes((c or {}).get("graphs"))
+        sizes = graph_sizes((c or {}).get("graphs"))
         if sizes is None:
             unknown.append(r)
             continue
@@ -1570,8 +1561,8 @@ def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
             wrong.append(f"rank {r}: {', '.join(map(str, held))} rows")
         lna2 = [n for n in sorted(sizes) if sizes[n].get("lna2", 0) > 0]
         declined = [n for n in sorted(sizes) if sizes[n].get("declined", 0) > 0]
-        text = (f"lna2 at {_list(lna2)}" if lna2 else "no lna2 capture") + (
-            f", the incumbent at {_list(declined)}" if declined else "")
+        text = (f"lna2 at {sizes_text(lna2)}" if lna2 else "no lna2 capture") + (
+            f", the incumbent at {sizes_text(declined)}" if declined else "")
         per.setdefault(text, []).append(r)
     found = "; ".join(f"r{','.join(map(str, ranks))}: {text}" for text, ranks in per.items()) or "no rank records graphs"
     if unknown:
@@ -1591,10 +1582,6 @@ def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
                 "at all): what decode replays holds is unknown; `dsv4serve logs` shows vLLM's capture lines")
     else:
         rep.add("live", "lna2-graphs", "ok", "CUDA graphs: " + found if captured else "eager seat: no CUDA graphs", exp)
-
-
-def _list(sizes: list[int]) -> str:
-    return ", ".join(map(str, sizes[:12])) + (f" (+{len(sizes) - 12} more)" if len(sizes) > 12 else "")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,6 +59,23 @@ PARITY_TOL = 2e-2
 PARITY_DECLINE = "parity mismatch against the incumbent"  # the decline a strict-0 mismatch is counted as
 
 
+def graph_sizes(graphs: Any) -> dict[int, dict[str, int]] | None:
+    """A counters file's `graphs` as {rows: calls by kind}; None when the rank recorded none (a
+    plugin from before the record)."""
+    if not isinstance(graphs, dict):
+        return None
+    out: dict[int, dict[str, int]] = {}
+    for k, v in graphs.items():
+        if str(k).isdigit() and isinstance(v, dict):
+            out[int(k)] = {kind: int(n) for kind, n in v.items() if isinstance(n, (int, float))}
+    return out
+
+
+def sizes_text(sizes: list[int], most: int = 12) -> str:
+    """Row counts for a line of text: the first `most`, then how many more."""
+    return ", ".join(map(str, sizes[:most])) + (f" (+{len(sizes) - most} more)" if len(sizes) > most else "")
+
+
 class Counters:
     """Thread-safe counters for one worker process (one TP rank)."""
 

@@ -793,11 +793,19 @@ def _moe_calls(c: dict[str, Any] | None) -> dict[str, Any] | None:
     """One rank's counters file (plugin_counters schema) as status shows it; None when absent."""
     if not isinstance(c, dict):
         return None
+    from dsv4serve.plugin_counters import graph_sizes
+
     try:
         calls, declines = c.get("calls") or {}, c.get("declines") or {}
+        sizes = graph_sizes(c.get("graphs"))
+        par = c.get("parity") if isinstance(c.get("parity"), dict) else None
         return {"kernel": c.get("kernel"), "lna2": int(calls.get("lna2", 0)),
                 "incumbent": int(calls.get("incumbent", 0)), "declines": sum(int(n) for n in declines.values()),
-                "decline_reasons": dict(declines), "updated": c.get("updated"), "final": bool(c.get("final"))}
+                "decline_reasons": dict(declines), "updated": c.get("updated"), "final": bool(c.get("final")),
+                # which kernel each captured CUDA graph holds (replays are not counted above)
+                "graphs": None if sizes is None else {
+                    kind: sorted(n for n, k in sizes.items() if k.get(kind, 0) > 0) for kind in ("lna2", "declined")},
+                "parity": None if par is None else {"layers": int(par.get("layers", 0)), "of": int(par.get("of", 0))}}
     except (AttributeError, TypeError, ValueError):  # a file of another schema: shown as absent, not a crash
         return None
 
@@ -893,6 +901,8 @@ def status(profile_name: str | None) -> list[dict]:
 def _render_moe_calls(ranks: list[dict]) -> None:
     """Per-rank proof of which MoE kernel served the calls (the plugin's counters files); one
     line per rank so it never wraps inside a narrow table."""
+    from dsv4serve.plugin_counters import sizes_text
+
     if not any(k.get("moe_calls") for k in ranks):
         console.print("  MoE call counters: no file yet (the plugin writes one per rank once the model is loaded)",
                       highlight=False, markup=False, soft_wrap=True)
@@ -903,9 +913,16 @@ def _render_moe_calls(ranks: list[dict]) -> None:
             console.print(f"  rank {k['rank']} MoE calls: [red]no counters file[/]", highlight=False)
             continue
         top = max(c["decline_reasons"].items(), key=lambda kv: kv[1])[0] if c["decline_reasons"] else None
+        g, par = c.get("graphs"), c.get("parity")
+        more = ""  # what the counts cannot show: whether lna2 matched, and what graph replays run
+        if par and par["of"]:
+            more += f"; parity {par['layers']}/{par['of']} layers"
+        if g and (g["lna2"] or g["declined"]):
+            more += f"; graphs lna2 at {sizes_text(g['lna2']) or 'none'}" + (
+                f", the incumbent at {sizes_text(g['declined'])}" if g["declined"] else "")
         console.print(f"  rank {k['rank']} MoE calls ({c['kernel']}): lna2 {c['lna2']:,}, "
-                      f"incumbent {c['incumbent']:,}, declines {c['declines']:,}" + (f" (most: {top})" if top else ""),
-                      highlight=False, markup=False, soft_wrap=True)
+                      f"incumbent {c['incumbent']:,}, declines {c['declines']:,}" + (f" (most: {top})" if top else "")
+                      + more, highlight=False, markup=False, soft_wrap=True)
 
 
 def render_status(rows: list[dict]) -> None:
