@@ -500,3 +500,25 @@ def test_wo_a_slices_are_compared_with_the_seats_tensor_parallel_size(clean):
     assert pack.validate(clean.path, tp=8, **args).get("wo-a-slices").status == "ok"
     f = pack.validate(clean.path, tp=4, **args).get("wo-a-slices")
     assert f.status == "fail" and f.found.endswith("x 8 slices, the seat runs TP 4"), f
+
+
+def test_bf16_shards_on_a_layer_split_across_ranks_fails_at_tp_above_one(tmp_path):
+    """vllm-exl3 refuses `bf16_shards` where a dense layer's effective TP is above one (seat-reference
+    §2.2): a pack baked for one GPU passed every row and died at load on the TP 8 seat (check-seat
+    audit). Replicated layers (fused_wqa_wkv, the compressors) are whole on every rank: allowed."""
+    sp = write_pack(tmp_path / "p", SynthSpec())
+    cfg_path = sp.path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    entries = cfg["quantization_config"]["non_routed_exl3"]["layers"]
+    wqa = next(k for k in entries if k.endswith("layers.0.attn.fused_wqa_wkv"))
+    entries[wqa]["bf16_shards"] = [1]
+    cfg_path.write_text(json.dumps(cfg))
+    assert _validate(sp, tp=8).get("bf16-shards").status == "ok"
+    wo_b = next(k for k in entries if k.endswith("layers.1.attn.wo_b"))
+    entries[wo_b]["bf16_shards"] = [0]
+    cfg_path.write_text(json.dumps(cfg))
+    f = _validate(sp, tp=8).get("bf16-shards")
+    assert f.status == "fail" and f.found == f"1 entries split across the 8 ranks set bf16_shards: {wo_b}", f.found
+    assert "a pack baked for TP 8" in f.fix
+    assert _validate(sp, tp=1).get("bf16-shards").status == "ok"
+    assert _validate(write_pack(tmp_path / "q", SynthSpec()), tp=8).get("bf16-shards") is None  # none set: no row

@@ -671,6 +671,33 @@ def _exl3_rules(rep: PackReport, model_class: str | None, wo_a_slices: int | Non
     _routed_bits(rep, cfg, qc, mods, routed_ks)
     _mtp(rep, qc, mods)
     _wo_a(rep, cfg, mods, wo_a_slices, tp)
+    _bf16_shards(rep, entries, tp)
+
+
+# Dense kinds vLLM 0.28's DeepSeek-V4 splits across tensor-parallel ranks (column / row parallel
+# without disable_tp); the others (fused_wqa_wkv, the compressors, the indexer's wq_b) are
+# replicated, so each rank holds them whole.
+TP_SPLIT_KINDS = ("attn.wq_b", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.gate_up_proj",
+                  "ffn.shared_experts.down_proj")
+
+
+def _bf16_shards(rep: PackReport, entries: list[tuple[str, dict[str, Any]]], tp: int | None) -> None:
+    """vllm-exl3 refuses `bf16_shards` on a dense EXL3 layer whose effective TP is above one (seat-
+    reference §2.2): a pack made for one GPU dies at load on the seat, one rank after another."""
+    marked = [p for p, spec in entries if spec.get("bf16_shards")]
+    if not marked:
+        return  # the usual case: no row
+    m = [(p, _ENTRY.match(p)) for p in marked]
+    split = [p for p, e in m if e and _kind_of(e.group("rest")) in TP_SPLIT_KINDS]
+    if tp is None or tp <= 1 or not split:
+        rep.add("bf16-shards", "ok", f"{len(marked)} entries set bf16_shards"
+                + (f", none on a layer split across the {tp} ranks" if tp and tp > 1 else f" (TP {tp or '?'})"),
+                "no bf16_shards where a layer is split across ranks")
+        return
+    rep.add("bf16-shards", "fail", f"{len(split)} entries split across the {tp} ranks set bf16_shards: "
+            f"{_few(split, 2)}", "no bf16_shards where a layer is split across ranks",
+            f"vllm-exl3 refuses them at TP > 1 (a bf16 shard is not split across ranks): use a pack baked for "
+            f"TP {tp}, or serve this one at TP 1")
 
 
 def _shapes(rep: PackReport, cfg: dict[str, Any], mods: _Modules) -> None:
