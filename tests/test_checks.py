@@ -1225,6 +1225,7 @@ def test_the_graphs_row_fails_a_decode_size_whose_graph_was_captured_with_the_in
     assert r.status == "warn" and "rank 0 records no graphs" in r.fix
     r = row(lambda r: {})
     assert r.status == "warn" and "none captured" in r.found
-    eager = load_profile("8x16gb-380k", ["vllm.enforce_eager=true"])
-    r = row(lambda r: {}, eager)
-    assert r.status == "ok" and r.found == "eager seat: no CUDA graphs"
+    for eager in (load_profile("8x16gb-380k", ["vllm.enforce_eager=true"]),
+                  load_profile("8x16gb-380k", ['vllm.compilation_config={cudagraph_mode: "NONE"}'])):
+        r = row(lambda r: {}, eager)
+        assert r.status == "ok" and r.found == "eager seat: no CUDA graphs"

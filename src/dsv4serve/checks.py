@@ -1576,7 +1576,7 @@ def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
     elif unknown:
         rep.add("live", "lna2-graphs", "warn", "CUDA graphs: " + found, exp,
                 f"rank {','.join(map(str, unknown))} records no graphs: a worker of an older dsv4serve (restart the seat)")
-    elif not captured and not p.vllm.enforce_eager:
+    elif not captured and p.cuda_graphs():
         rep.add("live", "lna2-graphs", "warn", "CUDA graphs: none captured through the dispatch", exp,
                 "vLLM captured no graph that called the MoE apply (a graph mode that runs the MoE outside, or none "
                 "at all): what decode replays holds is unknown; `dsv4serve logs` shows vLLM's capture lines")

@@ -178,9 +178,8 @@ def check_plan(profile: Profile) -> None:
                                hint="drop it from vllm.extra_args, or set moe.kernel=incumbent")
         rows = p.decode_rows()
         cc = v.compilation_config or {}
-        graphs = not v.enforce_eager and str(cc.get("cudagraph_mode", "")).upper() not in ("NONE", "0")
         padded = graph_rows(rows, cc.get("cudagraph_capture_sizes"), p.spec_tokens(),
-                            v.max_num_batched_tokens) if graphs else rows
+                            v.max_num_batched_tokens) if p.cuda_graphs() else rows
         if rows <= p.moe.row_ceiling < padded:
             # the captured graph of that size holds the incumbent (captured above the ceiling), and a
             # replay enters no Python: no decline line, no counter, every decode step on the wrong kernel

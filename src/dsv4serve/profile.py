@@ -589,6 +589,11 @@ class Profile(_Strict):
         n = sc.get("num_speculative_tokens", 0)
         return int(n) if isinstance(n, (int, float)) else 0
 
+    def cuda_graphs(self) -> bool:
+        """Whether vLLM captures CUDA graphs on this seat (not eager, and a graph mode other than NONE)."""
+        mode = str((self.vllm.compilation_config or {}).get("cudagraph_mode", "")).upper()
+        return not self.vllm.enforce_eager and mode not in ("NONE", "0")
+
     def decode_rows(self) -> int:
         """Rows per decode-shaped MoE call: sequences × (1 + speculative tokens)."""
         return (self.vllm.max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS) * (1 + self.spec_tokens())
