@@ -7,6 +7,7 @@ per chunk, missing /metrics or /tokenize, two served models.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -40,6 +41,7 @@ class Script:
     tokenize_reply: Any = None        # when set, /tokenize answers this JSON instead of vLLM's
     chunk_delay_s: float = 0.01
     api_key: str | None = None        # when set, /v1 paths answer 401 without "Bearer <it>", as vLLM's do
+    basic: str | None = None          # "user:password": /v1 paths answer 401 without it (a proxy's basic auth)
     answer_suffix: str = ""           # appended to the needle's code in the answer (a wrong recollection)
     finish: str = "length"            # the last chunk's finish_reason
     # filled in by the server
@@ -72,6 +74,11 @@ class _Handler(BaseHTTPRequestHandler):
         return json.loads(self.rfile.read(n) or b"{}")
 
     def _refused(self) -> bool:
+        basic = self.script.basic
+        if basic is not None and self.path.startswith("/v1") and \
+                self.headers.get("Authorization") != "Basic " + base64.b64encode(basic.encode()).decode():
+            self._json(401, {"error": "Unauthorized"})
+            return True
         key = self.script.api_key
         if key is None or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {key}":
             return False
@@ -271,6 +278,24 @@ def test_bench_json_counts_from_usage_and_acceptance_from_metrics(fake):
     assert res256.exit_code == 0, res256.stderr
     c256 = json.loads(res256.stdout)["cells"][0]
     assert c256["ratio"]["tok_s"] == pytest.approx(c256["aggregate_tok_s"]["mean"] / 78.6)
+
+
+def test_a_password_in_the_base_url_is_sent_but_never_written(fake, tmp_path):
+    """A base URL with user:password (a seat behind a proxy's basic auth) went verbatim into the
+    JSON, bench.json and bench.md (bench audit): the credentials now go to the client alone."""
+    fake.basic = "admin:s3cret"
+    secret_url = fake.url.replace("http://", "http://admin:s3cret@")
+    out = tmp_path / "report"
+    res = run("--base-url", secret_url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup", "--json",
+              "--out", str(out))
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["endpoint"]["base_url"] == fake.url
+    for text in (res.stdout, res.stderr, (out / "bench.json").read_text(), (out / "bench.md").read_text()):
+        assert "s3cret" not in text
+    fake.basic = "admin:other"  # the same run against a server that wants another password: refused, no leak
+    res = run("--base-url", secret_url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup")
+    assert res.exit_code != 0 and "s3cret" not in res.stderr + res.stdout
 
 
 def test_thinking_flag_keeps_reasoning_on(fake):

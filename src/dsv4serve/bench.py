@@ -29,6 +29,7 @@ from dsv4serve.bench_client import (
     StreamResult,
     chat_body,
     check_base_url,
+    split_userinfo,
     resolve_endpoint,
     scrape_spec,
     spec_delta,
@@ -135,6 +136,7 @@ class Target:
     max_num_seqs: int | None         # the measured seat's, when known
     notes: list[str] = field(default_factory=list)
     api_key: str | None = None       # what the server's /v1 paths demand (--api-key / VLLM_API_KEY), if any
+    basic: httpx.BasicAuth | None = None  # the --base-url's own user:password, kept out of every report
 
 
 def _running_seat(seat: str | None, profile: str | None) -> tuple[state.SeatState, bool]:
@@ -177,8 +179,11 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     seat_name: str | None = None
     picked_by_profile = False
     st = None
+    basic = None
     if base_url is not None:
-        base_url = check_base_url(base_url)
+        base_url, basic = split_userinfo(check_base_url(base_url))
+        if basic is not None:  # sent as httpx would have sent the URL's own, never written anywhere
+            client.auth = basic
     else:
         st, picked_by_profile = _running_seat(seat, profile)
         base_url, seat_name = st.base_url, st.seat
@@ -207,7 +212,7 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
         notes.append("no reference figures: pass --profile NAME (e.g. 8x16gb-380k) to compare with that "
                      "profile's reference figures")
     return Target(endpoint=endpoint, profile=ref_profile, seat=seat_name, max_num_seqs=seqs, notes=notes,
-                  api_key=key)
+                  api_key=key, basic=basic)
 
 
 def _header_safe(key: str | None, source: str) -> None:
@@ -216,12 +221,13 @@ def _header_safe(key: str | None, source: str) -> None:
                        hint="type the key again (a pasted one may carry a non-breaking space or a curly quote)")
 
 
-def make_client(api_key: str | None = None, *, local: bool = False) -> httpx.Client:
+def make_client(api_key: str | None = None, *, local: bool = False, basic: httpx.BasicAuth | None = None) -> httpx.Client:
     # Per-call timeouts are always passed explicitly; this default only guards a forgotten one.
     # `local`: a seat on this machine, which an http_proxy of the shell must not carry away (a
     # --base-url may be reached through one on purpose).
     try:
-        return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key), trust_env=not local)
+        return httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth(api_key), trust_env=not local,
+                            auth=basic)
     except (ImportError, ValueError, httpx.InvalidURL) as e:  # the shell's proxy variables, read by httpx here
         raise BadInput(f"the shell's proxy settings cannot be used: {first_line(e, e.__class__.__name__)}",
                        hint="fix or unset ALL_PROXY / HTTP_PROXY / HTTPS_PROXY (a socks5:// proxy needs "
@@ -448,7 +454,8 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
               client_factory: Callable[[], httpx.Client] | None = None) -> dict[str, Any]:
     ep = target.endpoint
     if client_factory is None:  # one client per stream, each with the target's key
-        client_factory = functools.partial(make_client, target.api_key, local=target.seat is not None)
+        client_factory = functools.partial(make_client, target.api_key, local=target.seat is not None,
+                                           basic=target.basic)
     settings.validate(ep)
     notes = list(target.notes)
     if target.profile is not None and not target.profile.reference.tok_s:

@@ -73,6 +73,15 @@ def check_base_url(url: str) -> str:
     return text.rstrip("/")
 
 
+def split_userinfo(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """`url` without a user:password, and those credentials for the client: every result file and
+    message names the base URL, and a password must not ride along into them."""
+    u = httpx.URL(url)
+    if not u.userinfo:
+        return url, None
+    return str(u.copy_with(userinfo=b"")).rstrip("/"), httpx.BasicAuth(u.username, u.password)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     base_url: str
