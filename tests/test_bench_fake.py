@@ -34,7 +34,7 @@ TOKENS_PER_CHUNK = 3
 class Script:
     models: list[str] = field(default_factory=lambda: ["fake-model"])
     max_model_len: int | None = 4096
-    chat: str = "ok"                  # ok | error_chunk | no_choices | http_500 | json_200
+    chat: str = "ok"                  # ok | error_chunk | no_choices | http_500 | json_200 | reasoning_only
     content_chunks: int = 4
     metrics: bool = True
     tokenize: bool = True
@@ -171,6 +171,11 @@ class _Handler(BaseHTTPRequestHandler):
                            {"error": {"message": "KV cache exhausted at 166000 tokens", "code": 500}}]
             elif s.chat == "no_choices":
                 events += [{"choices": [{"index": 0, "delta": {"content": "abc"}}]}, {"object": "oops"}]
+            elif s.chat == "reasoning_only":  # every answer token went to reasoning (trap 6)
+                events += [{"choices": [{"index": 0, "delta": {"reasoning_content": "let me think"},
+                                         "finish_reason": "length"}]},
+                           {"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 32,
+                                                     "total_tokens": 52}}]
             else:
                 words = [m.group(1) + s.answer_suffix] if m else [f" w{i}" for i in range(s.content_chunks)]
                 for i, w in enumerate(words):
@@ -853,8 +858,22 @@ def test_a_longer_wrong_code_is_not_the_needle(fake):
     args = ("needle", "--base-url", fake.url, "--tokens", "2000", "--seed", "1", "--json")
     assert json.loads(run(*args).stdout)["found"] is True
     fake.answer_suffix = "7"
-    doc = json.loads(run(*args).stdout)
+    res = run(*args)
+    doc = json.loads(res.stdout)
     assert doc["found"] is False
+    assert res.exit_code == 1  # a missed retrieval is a failed check (README's exit codes), the result printed
+
+
+def test_a_needle_whose_answer_budget_went_to_reasoning_says_so(fake):
+    """With --thinking the 32 answer tokens went to reasoning: found: no, exit 0, no word of why, so a
+    budget problem read as a long-context retrieval failure (bench audit; trap 6)."""
+    fake.chat = "reasoning_only"
+    res = run("needle", "--base-url", fake.url, "--tokens", "900", "--thinking", "--json")
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    assert doc["found"] is False and doc["finish_reason"] == "length"
+    assert ("the answer budget (--max-tokens 32) ran out before any answer (the reasoning used it): raise "
+            "--max-tokens, or leave --thinking off") in doc["notes"]
 
 
 @pytest.mark.parametrize("env, words", [

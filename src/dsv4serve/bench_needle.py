@@ -229,6 +229,11 @@ def run_needle(client: httpx.Client, target: Target, settings: NeedleSettings,
     in_reasoning = _says(res.reasoning, code)
     if not found and in_reasoning:
         notes.append("the code appeared only in the reasoning, not in the answer: counted as not found")
+    elif not found and not res.content.strip() and res.finish_reason == "length":
+        # the budget, not the retrieval: reasoning (or a long preamble) used every answer token
+        notes.append(f"the answer budget (--max-tokens {settings.max_tokens}) ran out before any answer"
+                     + (" (the reasoning used it): raise --max-tokens, or leave --thinking off" if settings.thinking
+                        else ": raise --max-tokens"))
     ref = target.profile.reference.needle if target.profile else None
     comparable = bool(ref and prompt_tokens and abs(prompt_tokens - ref.tokens) <= 0.02 * ref.tokens
                       and abs(settings.depth - ref.depth) < 1e-6)

@@ -250,6 +250,8 @@ def needle(ctx: typer.Context,
             with _progress(not sh.json_out, None) as step:
                 result = run_needle(client, target, settings, progress=step)
         _finish(sh, result, "needle", lambda r: console.print(needle_table(r)))
+    if not result["found"]:  # a retrieval that failed is a failed check (README, exit codes): 1
+        raise typer.Exit(1)
 
 
 @app.command("ppl")
