@@ -501,11 +501,15 @@ def chat_body(endpoint: Endpoint, prompt: str, max_tokens: int, thinking: bool) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if not thinking:
-        # With reasoning on, thinking eats the budget and the answer can come back empty
-        # (seat-reference §7 trap 6); off unless the user asks for it.
-        body["chat_template_kwargs"] = {"thinking": False}
+    body["chat_template_kwargs"] = template_kwargs(thinking)
     return body
+
+
+def template_kwargs(thinking: bool) -> dict[str, Any]:
+    """The chat template's switch, said both ways: with reasoning on, thinking eats the budget and
+    the answer can come back empty (seat-reference §7 trap 6), so it is off unless asked for; and
+    asked for, it is sent, not left to a template whose default may be off."""
+    return {"thinking": thinking}
 
 
 def stream_chat(client: httpx.Client, endpoint: Endpoint, body: dict[str, Any], read_timeout_s: float,
@@ -692,9 +696,7 @@ class Tokenizer:
     def chat_count(self, prompt: str, thinking: bool) -> int | None:
         """Tokens of the whole chat-templated prompt, exactly as the server will see it."""
         body: dict[str, Any] = {"model": self.endpoint.model, "messages": [{"role": "user", "content": prompt}],
-                                "add_generation_prompt": True}
-        if not thinking:
-            body["chat_template_kwargs"] = {"thinking": False}
+                                "add_generation_prompt": True, "chat_template_kwargs": template_kwargs(thinking)}
         out = self._post(body)
         if out is None:
             return None
