@@ -840,13 +840,18 @@ def test_zero_tokens_generated_is_no_figure(fake):
     assert "run 1: stream 1/1: the server generated 0 tokens (finish_reason " in one_line_error(res)
 
 
-def test_thinking_gives_no_acceptance_ratio_against_the_references(fake):
+def test_thinking_or_another_budget_gives_no_acceptance_ratio_against_the_references(fake):
     """With --thinking the drafts run over reasoning text; the references were measured with
-    thinking off: the tok/s ratio stood aside, the acceptance ratio did not (helper audit)."""
-    base = ("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup",
-            "--max-tokens", "12", "--json", "--profile", "8x16gb-380k")
-    doc = json.loads(run(*base).stdout)
+    thinking off: the tok/s ratio stood aside, the acceptance ratio did not (helper audit). Nor did
+    it at another --max-tokens, where the acceptance averages over another stretch of the answer than
+    the references' 256 tokens (bench audit): the same rule as tok/s now."""
+    base = ("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup", "--json",
+            "--profile", "8x16gb-380k")
+    doc = json.loads(run(*base).stdout)  # the references' budget (256) and thinking off
     assert doc["cells"][0]["ratio"]["acceptance_length"] is not None
+    doc = json.loads(run(*base, "--max-tokens", "12").stdout)
+    assert doc["cells"][0]["ratio"]["acceptance_length"] is None
+    assert "no acceptance ratio against the reference: --max-tokens 12 (the references used 256)" in doc["notes"]
     res = run(*base, "--thinking")
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
