@@ -105,6 +105,17 @@ def test_dead_ranks_and_find_running(home):
         state.find_running("cpu-demo")
     state.save(st.model_copy(update={"rank_pids": {0: me.pid}}))
     assert state.find_running().run_id == st.run_id
+    # another seat's truncated state file stopped bench and check-seat from finding this one (bench audit)
+    state.seat_dir("old-seat").mkdir(parents=True, exist_ok=True)
+    state.state_path("old-seat").write_text('{"seat": "old-se')
+    assert state.find_running().run_id == st.run_id
+    with pytest.raises(state.UnreadableState):
+        state.find_running("old-seat")  # named: its own problem is the answer
+    state.save(st.model_copy(update={"rank_pids": {0: me.pid, 1: p.pid}}))
+    with pytest.raises(BadInput) as e:
+        state.find_running()
+    assert e.value.message == ("no seat is running (the state of old-seat is unreadable: `dsv4serve status` "
+                               "says why)")
 
 
 def test_stale_state_with_a_reused_pid_status_says_so_and_down_touches_nothing(home):

@@ -472,13 +472,21 @@ def dead_ranks(st: SeatState) -> list[int]:
 def find_running(seat: str | None = None) -> SeatState:
     """The seat a client command (bench, check-seat live) should talk to."""
     names = [seat] if seat else all_seats()
-    live = []
+    live, unreadable = [], []
     for n in names:
-        st = load(n)
+        try:
+            st = load(n)
+        except UnreadableState:
+            if seat:
+                raise
+            unreadable.append(n)  # a leftover of another seat must not hide the one that runs
+            continue
         if st is not None and st.phase in ("ready", "starting") and liveness(st) == "alive" and not dead_ranks(st):
             live.append(st)
     if not live:
         what = f"seat {seat} is not running" if seat else "no seat is running"
+        if unreadable:
+            what += f" (the state of {', '.join(unreadable)} is unreadable: `dsv4serve status` says why)"
         raise BadInput(what, hint="start one with `dsv4serve up`, or pass --base-url and --model")
     if len(live) > 1:
         raise BadInput(f"{len(live)} seats are running ({', '.join(s.seat for s in live)})",
