@@ -719,6 +719,28 @@ def test_an_out_that_fails_midway_keeps_the_result_and_leaves_no_part(fake, tmp_
     assert sorted(p.name for p in out.iterdir()) == ["bench.md"]  # no bench.json / .png, no temp files
 
 
+def test_a_full_disk_at_out_is_a_failed_job_and_json_keeps_the_measurement(fake, tmp_path, isolated_home, monkeypatch):
+    """A disk full when --out was written came out as bad input (exit 2), and --json's stdout held
+    only the error: a script lost an hour's result to a message (bench audit). Exit 1 now, and the
+    one document on stdout is the measurement with the error beside it."""
+    import errno
+
+    from dsv4serve import bench_report
+
+    def full(result, out_dir, stem, temps):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / f"{stem}.json"))
+
+    monkeypatch.setattr(bench_report, "_write_outputs", full)
+    out = tmp_path / "o"
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json", "--out", str(out))
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    assert doc["cells"][0]["suite"] == "en" and doc["error"]["exit_code"] == 1
+    assert doc["error"]["message"].startswith(f"cannot write to --out {out}: No space left on device")
+    assert "free space or fix the disk" in doc["error"]["hint"] and "the result is kept in" in doc["error"]["hint"]
+    assert res.stderr.startswith("error: cannot write to --out") and res.stderr.count("\n") == 1
+
+
 def test_a_run_that_fails_creates_no_out_dir(closed_port, tmp_path):
     out = tmp_path / "new" / "a" / "b"
     res = run("--base-url", f"http://127.0.0.1:{closed_port}", "--runs", "1", "--out", str(out))

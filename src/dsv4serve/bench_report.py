@@ -17,7 +17,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from dsv4serve.errors import BadInput, first_line
+from dsv4serve.errors import BadInput, JobFailed, first_line
 from dsv4serve.jsonout import strict_json
 
 NA = "n/a"
@@ -285,12 +285,22 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
     except OSError as e:
         kept = _keep_result(result, stem)
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise BadInput(f"cannot write to --out {out_dir}: {e.strerror or e}{where}",
-                       hint=(f"the result is kept in {kept}; " if kept else "") + "pass a writable directory") from None
+        kept_hint = f"the result is kept in {kept}; " if kept else ""
+        if e.errno in _PATH_ERRNOS:  # the directory the user named: bad input
+            raise BadInput(f"cannot write to --out {out_dir}: {e.strerror or e}{where}",
+                           hint=kept_hint + "pass a writable directory") from None
+        # the machine failed the job (a full disk, an I/O error): exit 1, as every command says it
+        raise JobFailed(f"cannot write to --out {out_dir}: {e.strerror or e}{where}",
+                        hint=kept_hint + "free space or fix the disk, then write it again from that copy") from None
     finally:
         for tmp, _ in temps:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+# what is wrong with the path given as --out, not with the machine
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EROFS, errno.ENAMETOOLONG,
+                errno.ENOENT, errno.ELOOP}
 
 
 def _keep_result(result: dict[str, Any], stem: str) -> Path | None:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 import typer
 from rich.text import Text
 
-from dsv4serve.cli_common import console, dir_path, emit_json, err_console, handled
-from dsv4serve.errors import BadInput
+from dsv4serve.cli_common import console, dir_path, emit_json, err_console, error_doc, handled, report_error
+from dsv4serve.errors import BadInput, DsvError
 
 if TYPE_CHECKING:  # the bench modules load lazily, so `--help` stays fast
     from dsv4serve.bench import BenchSettings
@@ -135,7 +135,15 @@ def _finish(sh: Shared, result: dict, stem: str, render: Callable[[dict], None])
     file_notes: list[str] = []
     written: list[Path] = []
     if sh.out is not None:
-        written, file_notes = write_outputs(result, sh.out, stem)
+        try:
+            written, file_notes = write_outputs(result, sh.out, stem)
+        except DsvError as e:
+            if not sh.json_out:
+                raise
+            # one document still: the measurement, with why --out holds none of it beside it
+            report_error(type(e).__name__, e.message, e.hint, e.exit_code)
+            emit_json({**result, **error_doc(type(e).__name__, e.message, e.hint, e.exit_code)})
+            raise typer.Exit(e.exit_code) from None
     if sh.json_out:
         # the notes and files of --out too, as the human output prints them
         emit_json({**result, "notes": [*result.get("notes", []), *file_notes],
