@@ -625,7 +625,8 @@ def cmd_dispatch(args):
     rec = {str(k): v for k, v in counters.graphs.items()}
     gok = all(rec.get(str(r), {}).get("lna2", 0) >= 1 and rec.get(str(r), {}).get("declined", 0) == 0
               for r in (1, 4, 16))
-    gok = gok and (over_note is not None or rec.get(str(over), {}).get("declined", 0) >= 1)
+    # recorded before the incumbent's apply runs, so even a failed incumbent capture leaves it
+    gok = gok and rec.get(str(over), {}).get("declined", 0) >= 1
     res["graphs_recorded"] = {"record": rec, "over_ceiling_capture_error": over_note, "ok": gok}
     if not gok:
         res["fail"] += 1

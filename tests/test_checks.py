@@ -1223,6 +1223,25 @@ def test_the_graphs_row_fails_a_decode_size_whose_graph_was_captured_with_the_in
     assert r.status == "ok"
     r = row(lambda r: sizes(lna2=(4, 8)) if r else None)  # rank 0: a worker of an older plugin
     assert r.status == "warn" and "rank 0 records no graphs" in r.fix
+    r = row(lambda r: sizes(lna2=(4, 8), declined=(0,) if r == 1 else ()))  # a capture whose rows were unreadable
+    assert r.status == "fail" and "rank 1: unknown rows" in r.fix
+    # a rank without a counters file fails the counters row; the others' graphs and parity still show
+    for rank in range(8):
+        state.counters_path(tmp_path, rank).write_text(json.dumps(
+            {"rank": rank, "tp": 8, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3}, "declines": {},
+             "final": False, "parity": {"layers": 44, "of": 44, "worst": 1e-3},
+             "graphs": sizes(lna2=(4,), declined=(8,) if rank == 2 else ())}))
+    state.counters_path(tmp_path, 5).unlink()
+    rep = checks.Report(p.name)
+    old, checks.COUNTERS_WAIT_S = checks.COUNTERS_WAIT_S, 0.0
+    try:
+        checks._counters(rep, checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8)),
+                         state.read_counters(tmp_path, 8), 0.0)
+    finally:
+        checks.COUNTERS_WAIT_S = old
+    assert _st(rep, "counters", "live").status == "fail"
+    assert _st(rep, "lna2-graphs", "live").status == "fail" and "rank 2: 8 rows" in _st(rep, "lna2-graphs", "live").fix
+    assert _st(rep, "lna2-parity", "live").status == "ok"
     r = row(lambda r: {})
     assert r.status == "warn" and "none captured" in r.found
     for eager in (load_profile("8x16gb-380k", ["vllm.enforce_eager=true"]),

@@ -311,18 +311,27 @@ def test_an_lna2_seat_must_say_its_speculative_tokens_and_not_replay_a_graph_abo
 
 
 def test_an_lna2_seat_refuses_vllm_micro_batching_before_a_launch():
-    """Dual batch overlap runs two micro-batches' MoE calls at once and every lna2 launch on a device
-    shares one scratch (dispatch audit); the worker refuses it at load, `up` before launching."""
-    from dsv4serve.launch import check_plan
+    """vLLM's micro-batching runs each micro-batch's MoE calls from a thread of its own with a slice of
+    the batch, which lna2's dispatch was not built for (dispatch audit); the worker refuses it at
+    load, `up` before launching, in every spelling vLLM's parser takes (review: `_`, abbreviations,
+    the last of --enable-dbo / --no-enable-dbo)."""
+    from dsv4serve.launch import check_plan, ubatching_flag
 
-    for extra in ('["--enable-dbo"]', '["--enable-dbo=true"]', '["--ubatch-size", "2"]', '["--ubatch-size=4"]'):
+    for extra, said in ((["--enable-dbo"], ("--enable-dbo", 2)), (["--enable_dbo"], ("--enable_dbo", 2)),
+                        (["--enable-d"], ("--enable-d", 2)), (["--ubatch-size", "2"], ("--ubatch-size 2", 2)),
+                        (["--ubatch_size=3"], ("--ubatch_size 3", 3)), (["--ub", "4"], ("--ub 4", 4)),
+                        (["--no-enable-dbo", "--enable-dbo"], ("--enable-dbo", 2))):
+        assert ubatching_flag(extra) == said, extra
         with pytest.raises(ProfileError) as e:
-            check_plan(load_profile("8x16gb-380k", [f"vllm.extra_args={extra}"]))
-        assert "runs two micro-batches' MoE calls at once" in e.value.line()
+            check_plan(load_profile("8x16gb-380k", [f"vllm.extra_args={json.dumps(extra)}"]))
+        assert f"vllm.extra_args {said[0]} splits each step into {said[1]} micro-batches" in e.value.line()
         assert e.value.line().endswith("drop it from vllm.extra_args, or set moe.kernel=incumbent")
-    for extra in ('["--ubatch-size", "1"]', '["--enable-dbo=false"]'):
-        check_plan(load_profile("8x16gb-380k", [f"vllm.extra_args={extra}"]))
+    for extra in (["--ubatch-size", "1"], ["--enable-dbo", "--no-enable-dbo"]):
+        assert ubatching_flag(extra) is None, extra
+        check_plan(load_profile("8x16gb-380k", [f"vllm.extra_args={json.dumps(extra)}"]))
+    assert ubatching_flag(["--enable-", "x"]) is None and ubatching_flag(["--u", "2"]) is None  # ambiguous to vLLM
     check_plan(load_profile("8x16gb-380k-incumbent", ['vllm.extra_args=["--enable-dbo"]']))
+
 
 @pytest.mark.parametrize("host", ["::0", "0:0:0:0:0:0:0:0", '"0"', "0x0", "000.000.000.000", '"[::]"', "::ffff:0.0.0.0"])
 def test_every_spelling_of_the_wildcard_address_needs_the_opt_in(host):
@@ -496,7 +505,8 @@ def test_a_relative_local_model_path_of_a_docker_seat_without_its_mount_is_refus
     (tmp_path / "packs" / "dsv4").mkdir(parents=True)
     with pytest.raises(ProfileError) as e:
         build("8x16gb-380k", "model.path=packs/dsv4", "runtime.mounts=[]")
-    assert e.value.message == (f"profile 8x16gb-380k: model.path packs/dsv4 is a directory relative to {tmp_path}, "
-                               "which the container does not see")
+    assert e.value.message == (f"profile 8x16gb-380k: model.path packs/dsv4 is a directory relative to {tmp_path} "
+                               "here, and inside the container a relative path resolves against the container's "
+                               "working directory")
     assert "runtime.mounts" in (e.value.hint or "")
     assert build("8x16gb-380k", "model.path=org/some-repo", "runtime.mounts=[]").vllm_args[0] == "org/some-repo"

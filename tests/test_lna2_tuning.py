@@ -248,6 +248,13 @@ def test_a_tuned_build_that_does_not_fit_leaves_those_rows_to_the_policy(tmp_pat
     h.call(0, 1)
     h.call(0, 2)
     assert [s["variant"] for s in h.ext.seen] == [53, 55]
+    # the ACTIVE line names only the row counts the table's picks serve: 2 rows went to v55 (review)
+    assert h.grep("ACTIVE")[0].endswith(" tuned_rows=1 tuned_layers=2/2")
+    path, _ = _table(tmp_path, {"K2/mcg": {2: 53}})  # a pick that serves nothing here: no row, no layer
+    h = Harness(tuning=path, fit={55: CEILING, 53: 1})
+    h.prepare()
+    h.call(0, 1)
+    assert h.grep("ACTIVE")[0].endswith(" tuned_rows=- tuned_layers=0/2")
 
 
 @pytest.mark.parametrize("over, phrase", [

@@ -718,9 +718,10 @@ def test_strict_refuses_at_load_a_device_that_cannot_launch_the_seats_decode_row
 
 
 def test_vllm_micro_batching_is_refused_at_load_since_both_micro_batches_would_share_one_scratch():
-    """Dual batch overlap runs two micro-batches' MoE calls at once on separate streams; every lna2
-    launch on a device uses one scratch, so their partials and arrival counters would mix (dispatch
-    audit). The worker reads it from the config vLLM resolved and refuses at load."""
+    """vLLM's micro-batching runs each micro-batch's MoE calls from a thread of its own with a slice of
+    the batch, which the dispatch's parity check and per-size graph record do not model (dispatch
+    audit; vLLM 0.32's ubatching.py). The worker reads it from the config vLLM resolved and refuses
+    at load."""
     from types import SimpleNamespace as NS
 
     from vllm.config import ParallelConfig
@@ -734,7 +735,8 @@ def test_vllm_micro_batching_is_refused_at_load_since_both_micro_batches_would_s
     assert with_vllm_ubatches(env, NS(parallel_config=NS(enable_dbo=False, ubatch_size=3))).ubatches == 3
     h = Harness(strict=1)
     h.rt.env = with_vllm_ubatches(h.env, NS(parallel_config=NS(enable_dbo=True, ubatch_size=0)))
-    with pytest.raises(md.Lna2NotReadyError, match=r"vLLM runs 2 micro-batches at once \(--enable-dbo / --ubatch-size\)"):
+    with pytest.raises(md.Lna2NotReadyError, match=r"vLLM splits each step into 2 micro-batches \(--enable-dbo / "
+                                                   r"--ubatch-size\), whose MoE calls come from threads"):
         h.prepare()
     h = Harness(strict=0)
     h.rt.env = with_vllm_ubatches(h.env, NS(parallel_config=NS(enable_dbo=True, ubatch_size=0)))

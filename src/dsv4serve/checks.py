@@ -1445,6 +1445,11 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
                 f"counters-rank{{0..{st.tp - 1}}}.json in {st.run_dir}",
                 "the dsv4serve plugin did not run in those ranks (entry point, DSV4SERVE_RUN_DIR)",
                 data={"counters": now})
+        if p.moe.kernel == "lna2":  # what the other ranks prove still counts; the missing are named above
+            present = {r: c for r, c in now.items() if c is not None}
+            if present:
+                _parity(rep, present)
+                _graphs(rep, p, present)
         return
     per = []
     bad = []
@@ -1558,7 +1563,8 @@ def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
         reach = sorted(n for n in sizes if top is None or n <= top)
         held = [n for n in reach if sizes[n].get("declined", 0) > 0]
         if held:
-            wrong.append(f"rank {r}: {', '.join(map(str, held))} rows")
+            # 0: a call whose rows the dispatch could not read
+            wrong.append(f"rank {r}: {', '.join(str(n) if n else 'unknown' for n in held)} rows")
         lna2 = [n for n in sorted(sizes) if sizes[n].get("lna2", 0) > 0]
         declined = [n for n in sorted(sizes) if sizes[n].get("declined", 0) > 0]
         text = (f"lna2 at {sizes_text(lna2)}" if lna2 else "no lna2 capture") + (

@@ -19,7 +19,7 @@ from dsv4serve import home
 from dsv4serve.errors import ProfileError
 from dsv4serve.lna2.build import MODULE as _LNA2_MODULE
 from dsv4serve.lna2.loader import ENV as LNA2_EXT_ENV
-from dsv4serve.lna2.policy import graph_rows
+from dsv4serve.lna2.policy import UBATCH_WHY, graph_rows
 from dsv4serve.profile import LNA2_ACTIVE_ANY, Profile, VllmSection
 
 PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
@@ -33,18 +33,35 @@ LNA2_SO = f"{_LNA2_MODULE}.so"  # the name a docker seat's lna2 build has inside
 NATIVE_ENTRYPOINT = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
-def ubatching_flag(extra_args: list[str]) -> str | None:
-    """The vLLM flag in extra_args that turns on micro-batching (dual batch overlap, or a ubatch size
-    above one), as written, or None."""
+# vLLM's micro-batching flags and the shortest prefix its parser completes to each (vLLM 0.32:
+# argparse abbreviations; `--enable-d` is already unique there). A shorter one is ambiguous.
+_DBO, _NO_DBO, _UBATCH = ("--enable-dbo", 10), ("--no-enable-dbo", 13), ("--ubatch-size", 4)
+
+
+def ubatching_flag(extra_args: list[str]) -> tuple[str, int] | None:
+    """(the flag as written, the micro-batches it asks for) when vllm.extra_args leaves vLLM's
+    micro-batching on (dual batch overlap, or a ubatch size above one), else None. Read as vLLM's
+    parser reads it: `_` for `-`, abbreviations, `=` or the next word for a value, the last word wins."""
+    def means(name: str, flag: tuple[str, int]) -> bool:
+        return len(name) >= flag[1] and flag[0].startswith(name)
+
+    dbo: str | None = None
+    size: tuple[str, int] | None = None
     for i, a in enumerate(extra_args):
-        name, eq, val = a.partition("=")
-        if name == "--enable-dbo" and val.lower() not in ("false", "0"):
-            return a
-        if name == "--ubatch-size":
+        if not a.startswith("--"):
+            continue
+        head, eq, val = a.partition("=")
+        name = "--" + head[2:].replace("_", "-")
+        if means(name, _NO_DBO):
+            dbo = None
+        elif means(name, _DBO):
+            dbo = head
+        elif means(name, _UBATCH):
             val = val if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
-            if val.isdigit() and int(val) > 1:
-                return f"{name} {val}"
-    return None
+            size = (f"{head} {val}", int(val)) if val.isascii() and val.isdigit() else None
+    if dbo is not None:
+        return dbo, 2
+    return size if size is not None and size[1] > 1 else None
 
 
 def _numeric_host(host: str) -> str | None:
@@ -173,8 +190,8 @@ def check_plan(profile: Profile) -> None:
         ub = ubatching_flag(v.extra_args)
         if ub:
             # the worker refuses it at load as well (from vLLM's resolved config); said here before a launch
-            raise ProfileError(f"profile {p.name}: vllm.extra_args {ub} runs two micro-batches' MoE calls at once, "
-                               "and every lna2 launch on a device shares one scratch",
+            raise ProfileError(f"profile {p.name}: vllm.extra_args {ub[0]} splits each step into {ub[1]} "
+                               f"micro-batches, {UBATCH_WHY}",
                                hint="drop it from vllm.extra_args, or set moe.kernel=incumbent")
         rows = p.decode_rows()
         cc = v.compilation_config or {}
@@ -385,7 +402,8 @@ def _build_docker(profile: Profile, run_id: str, run_dir: Path, env: dict[str, s
         # the host checks read the pack here, relative to this directory; inside the image the same
         # name resolves against the container's working directory (or is taken for a hub repo id)
         raise ProfileError(f"profile {profile.name}: model.path {model_path} is a directory relative to "
-                           f"{Path.cwd()}, which the container does not see",
+                           f"{Path.cwd()} here, and inside the container a relative path resolves against the "
+                           "container's working directory",
                            hint="give model.path as an absolute path and mount it with runtime.mounts "
                                 "({host: '{model_path}', container: '{model_path}'})")
     argv = ["docker", "run", "--name", rt.container_name, "--label", f"dsv4serve.run_id={run_id}",

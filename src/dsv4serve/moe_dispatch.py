@@ -44,7 +44,7 @@ import torch
 
 from dsv4serve.errors import first_line
 from dsv4serve.lna2 import policy, tuning
-from dsv4serve.lna2.policy import variant_for
+from dsv4serve.lna2.policy import UBATCH_WHY, variant_for
 from dsv4serve.lna2.reference import MCG_MARKER, MUL1_MARKER
 from dsv4serve.plugin_counters import PARITY_DECLINE, PARITY_TOL, Counters
 
@@ -105,8 +105,8 @@ class PluginEnv:
     # how decode_rows was counted; the plugin recounts from vLLM's resolved config (vllm_plugin)
     decode_rows_why: str = "max_num_seqs x (1 + speculative tokens)"
     tuning: str | None = None  # this card's lna2 tuning table (lna2/tuning.py), when the profile names one
-    # micro-batches vLLM runs at once (dual batch overlap, ubatch_size), from its resolved config:
-    # their MoE calls overlap on separate streams, and every lna2 launch on a device shares one scratch
+    # micro-batches vLLM splits each step into (dual batch overlap, ubatch_size), from its resolved
+    # config; lna2 refuses them (policy.UBATCH_WHY)
     ubatches: int = 0
 
 
@@ -609,9 +609,9 @@ class Runtime:
         if self.require_cuda and not torch.cuda.is_available():
             raise ContractError("no CUDA device in this process")
         if self.env.ubatches > 1:
-            raise ContractError(f"vLLM runs {self.env.ubatches} micro-batches at once (--enable-dbo / --ubatch-size): "
-                                "their MoE calls overlap on separate streams, and every lna2 launch on a device "
-                                "shares one scratch; drop the micro-batching flag, or set moe.kernel=incumbent")
+            raise ContractError(f"vLLM splits each step into {self.env.ubatches} micro-batches (--enable-dbo / "
+                                f"--ubatch-size), {UBATCH_WHY}; drop the micro-batching flag, or set "
+                                "moe.kernel=incumbent")
         ext = self._ext_or_reason()
         g = validate_layer(st.layer, st.method, require_cuda=self.require_cuda)
         key = f"{g.device}/{g.bits}/{g.codebook}/{g.hidden}/{g.inter}"
@@ -694,9 +694,17 @@ class Runtime:
         """What the table decides, for the ACTIVE line: its row counts hold the card's own picks, every
         other row count (and a layer of another shape) the built-in policy's."""
         lna2 = [s for s in self.states if s.geometry is not None]
-        rows = sorted({r for s in lna2 for r in (s.tuned or {})})
-        held = sum(1 for s in lna2 if s.tuned)
-        return f" tuned_rows={_spans(rows)} tuned_layers={held}/{len(lna2)}"
+
+        def served(s: LayerState) -> set[int]:
+            # a row count the table names is its pick only where the build fits it and lna2 takes it
+            g = s.geometry
+            assert g is not None
+            return {r for r, v in (s.tuned or {}).items()
+                    if r <= self.ceiling and variant_for(r, g.inter, g.bits, g.hidden, s.fit, s.tuned) == v}
+
+        per = [served(s) for s in lna2]
+        rows = sorted(set().union(*per)) if per else []
+        return f" tuned_rows={_spans(rows)} tuned_layers={sum(1 for p in per if p)}/{len(lna2)}"
 
     def _tuning_refused(self, why: str) -> None:
         if self.env.strict >= 1:
@@ -780,7 +788,7 @@ class Runtime:
             x = _pick(args, kwargs, 1, "x")
             rows = _rows(x)
         except Exception as e:  # noqa: BLE001
-            return self._dispatch_failed(st, e, args, kwargs)
+            return self._dispatch_failed(st, e, args, kwargs, _rows_of(args, kwargs))
         if rows == 0:
             # Nothing to compute (an empty step); not a decline.
             self._count("incumbent", 0)
@@ -942,10 +950,11 @@ class Runtime:
         return st.orig_apply(*args, **kwargs)
 
     def _count(self, kind: str, rows: int, *, declined: bool = False) -> None:
-        """One call served by `kind`; under CUDA-graph capture also recorded for its row count, since
-        every replay of that graph runs the same kernel without coming back here."""
+        """One call served by `kind`; under CUDA-graph capture also recorded for its row count (0: the
+        call's x could not be read), since every replay of that graph runs the same kernel without
+        coming back here."""
         self.counters.call(kind)
-        if rows > 0 and self._capturing():
+        if self._capturing():
             self.counters.captured(rows, "declined" if declined else kind)
 
     def _decline(self, st: LayerState, key: str, text: str) -> None:

@@ -217,6 +217,12 @@ def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,
     return prefs[-1]
 
 
+# Why lna2 refuses vLLM's micro-batching (dual batch overlap, ubatch_size): `up`'s plan and the
+# worker's load say it alike.
+UBATCH_WHY = ("whose MoE calls come from threads of their own with a slice of the batch each, which "
+              "lna2's dispatch (its parity check, its per-size graph record) was not built or proven for")
+
+
 def graph_rows(rows: int, capture_sizes: Any, spec_tokens: int = 0, max_tokens: int | None = None) -> int:
     """The rows a decode step of `rows` runs at under CUDA graphs: vLLM pads a batch up to the
     smallest capture size that holds it, and runs one larger than every size eagerly. It drops the
