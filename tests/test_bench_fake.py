@@ -44,6 +44,7 @@ class Script:
     basic: str | None = None          # "user:password": /v1 paths answer 401 without it (a proxy's basic auth)
     answer_suffix: str = ""           # appended to the needle's code in the answer (a wrong recollection)
     finish: str = "length"            # the last chunk's finish_reason
+    fail_after: int | None = None     # chat requests answered before every later one gets HTTP 500
     # filled in by the server
     chat_bodies: list[dict] = field(default_factory=list)
     completion_bodies: list[dict] = field(default_factory=list)
@@ -152,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
             if s.chat == "json_200":  # a proxy that ignored stream: true
                 self._json(200, {"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1}})
                 return
-            if s.chat == "http_500":
+            if s.chat == "http_500" or (s.fail_after is not None and len(s.chat_bodies) > s.fail_after):
                 # a traceback in the message (what a crashed engine sends) must still be one line
                 self._json(500, {"error": {"message": "EngineCore died\nTraceback (most recent call last):\n"
                                                       + '  File "x.py", line 1, in f\n    y()\n' * 40
@@ -739,6 +740,21 @@ def test_a_full_disk_at_out_is_a_failed_job_and_json_keeps_the_measurement(fake,
     assert doc["error"]["message"].startswith(f"cannot write to --out {out}: No space left on device")
     assert "free space or fix the disk" in doc["error"]["hint"] and "the result is kept in" in doc["error"]["hint"]
     assert res.stderr.startswith("error: cannot write to --out") and res.stderr.count("\n") == 1
+
+
+def test_a_stream_that_fails_late_keeps_the_runs_measured_before_it(fake, isolated_home):
+    """One transient 500 in the last cell of a long table threw every finished cell away (bench
+    audit): they are kept in the state dir, and the error names the file."""
+    fake.fail_after = 3  # warm-up, en, code, then the second run's first request fails
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en,code", "--runs", "2")
+    assert res.exit_code == 1
+    err = one_line_error(res)
+    assert "HTTP 500" in err and "the 2 runs measured before it are kept in " in err
+    kept = Path(err.split("are kept in ")[1].split(";")[0])
+    doc = _strict(kept.read_text())
+    assert kept.parent == isolated_home / "bench" and doc["kind"] == "dsv4serve.bench.partial"
+    assert [(c["suite"], len(c["runs"])) for c in doc["cells"]] == [("en", 1), ("code", 1)]
+    assert any(n.startswith("stopped early: en × 1 stream(s), run 2: stream 1/1") for n in doc["notes"])
 
 
 def test_a_run_that_fails_creates_no_out_dir(closed_port, tmp_path):

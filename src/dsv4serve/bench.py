@@ -479,14 +479,33 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
     cells: dict[tuple[int, str], list[RunResult]] = {}
     # Runs are the outer loop so slow drift (clocks, thermals, other tenants) spreads over
     # all cells instead of biasing whichever cell ran last.
-    for run in range(1, settings.runs + 1):
-        for streams in settings.streams:
-            for suite in settings.suites:
-                if progress:
-                    progress(f"run {run}/{settings.runs}: {suite} × {streams}")
-                r = measure(client, ep, suite, streams, run, settings.max_tokens, settings.thinking,
-                            settings.read_timeout_s, client_factory)
-                cells.setdefault((streams, suite), []).append(r)
+    try:
+        for run in range(1, settings.runs + 1):
+            for streams in settings.streams:
+                for suite in settings.suites:
+                    if progress:
+                        progress(f"run {run}/{settings.runs}: {suite} × {streams}")
+                    r = measure(client, ep, suite, streams, run, settings.max_tokens, settings.thinking,
+                                settings.read_timeout_s, client_factory)
+                    cells.setdefault((streams, suite), []).append(r)
+    except DsvError as e:
+        if cells:  # one failed stream late in a long table must not take the finished runs with it
+            from dsv4serve.bench_report import keep_result
+
+            partial = _table_doc(target, settings, cells, notes + [f"stopped early: {e.message}"])
+            kept = keep_result({**partial, "kind": "dsv4serve.bench.partial"}, "bench-partial")
+            if kept is not None:
+                e.hint = f"the {sum(map(len, cells.values()))} runs measured before it are kept in {kept}" + (
+                    f"; {e.hint}" if e.hint else "")
+        raise
+    return _table_doc(target, settings, cells, notes)
+
+
+def _table_doc(target: Target, settings: "BenchSettings", cells: dict[tuple[int, str], list[RunResult]],
+               notes: list[str]) -> dict[str, Any]:
+    """The table's result document from the runs measured (every cell, or those done before a failure)."""
+    ep = target.endpoint
+    notes = list(notes)
     bursts = sum(s.burst for rs in cells.values() for r in rs for s in r.per_stream)
     if bursts:
         notes.append(f"{bursts} stream(s) received all their tokens in one burst (client or server starved of CPU): "
@@ -512,7 +531,7 @@ def run_bench(client: httpx.Client, target: Target, settings: BenchSettings,
         notes.append(f"no acceptance ratio against the reference: {differs}")
     summaries = [summarize_cell(cells[(s, q)], target.profile, comparable=differs is None,
                                 acceptance_comparable=differs is None)
-                 for s in settings.streams for q in settings.suites]
+                 for s in settings.streams for q in settings.suites if (s, q) in cells]
     if all(c["acceptance_length"] is None for c in summaries):
         notes.append("acceptance length n/a: the server exposes no speculative-decoding counters "
                      "(speculation off, or /metrics absent)")

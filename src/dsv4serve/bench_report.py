@@ -280,10 +280,10 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
         temps.clear()
         return names, notes
     except BadInput as e:
-        kept = _keep_result(result, stem)
+        kept = keep_result(result, stem)
         raise BadInput(e.message, hint=(f"the result is kept in {kept}; " if kept else "") + (e.hint or "")) from None
     except OSError as e:
-        kept = _keep_result(result, stem)
+        kept = keep_result(result, stem)
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         kept_hint = f"the result is kept in {kept}; " if kept else ""
         if e.errno in _PATH_ERRNOS:  # the directory the user named: bad input
@@ -303,7 +303,8 @@ _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EE
                 errno.ENOENT, errno.ELOOP}
 
 
-def _keep_result(result: dict[str, Any], stem: str) -> Path | None:
+def keep_result(result: dict[str, Any], stem: str) -> Path | None:
+    """The result under the state dir's bench/ (a measurement that must not be lost), or None."""
     from dsv4serve import home
     from dsv4serve.state import atomic_write
 
