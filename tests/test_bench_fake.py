@@ -805,6 +805,12 @@ def test_json_with_out_lists_the_files_and_their_notes(fake, tmp_path, monkeypat
     doc = json.loads(res.stdout)
     assert doc["written"] == [str(out / "bench.json"), str(out / "bench.md")]
     assert any("matplotlib is not installed" in n for n in doc["notes"])
+    # an earlier run's chart beside this run's files would read as this run's (bench audit)
+    (out / "bench.png").write_bytes(b"an earlier run's chart")
+    doc = json.loads(run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json",
+                         "--out", str(out)).stdout)
+    assert not (out / "bench.png").exists()
+    assert "removed bench.png of an earlier run: this run has no chart" in doc["notes"]
 
 
 def test_api_key_option_reaches_an_endpoint_that_demands_one(fake, monkeypatch):

@@ -348,7 +348,7 @@ def run_streams(endpoint: Endpoint, body: dict[str, Any], streams: int, read_tim
         if isinstance(e, DsvError):
             e.message = f"stream {i + 1}/{streams}: {e.message}"
             raise e
-        raise JobFailed(f"stream {i + 1}/{streams}: {e.__class__.__name__}: {e}")
+        raise JobFailed(f"stream {i + 1}/{streams}: {e.__class__.__name__}: {first_line(e, '')}")
     done = [r for r in results if r is not None]
     for i, r in enumerate(done):
         if r.completion_tokens == 0:  # a rate of 0 tok/s would read as a figure, and a TTFT has no token

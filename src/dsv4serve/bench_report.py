@@ -278,6 +278,11 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
         for tmp, final in temps:
             os.replace(tmp, final)
         temps.clear()
+        stale = out_dir / "bench.png"
+        if stem == "bench" and stale not in names and stale.is_file():
+            # beside this run's bench.json it would read as this run's chart
+            stale.unlink()
+            notes.append("removed bench.png of an earlier run: this run has no chart")
         return names, notes
     except BadInput as e:
         kept = keep_result(result, stem)

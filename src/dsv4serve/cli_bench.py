@@ -188,7 +188,9 @@ def bench(ctx: typer.Context,
           timeout: float = typer.Option(300.0, "--timeout", help="seconds to a stream's first token, and of silence "
                                                                  "after it; the whole stream gets this plus a second "
                                                                  "a token (at least 60)"),
-          warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="send one discarded request first"),
+          warmup: bool = typer.Option(True, "--warmup/--no-warmup",
+                                      help="first send a discarded burst, as many requests at once as the widest "
+                                           "--streams"),
           base_url: Optional[str] = _opt_base_url(), model: Optional[str] = _opt_model(),
           profile: Optional[str] = _opt_profile(), seat: Optional[str] = _opt_seat(),
           api_key: Optional[str] = _opt_api_key(), json_out: bool = _opt_json(),
