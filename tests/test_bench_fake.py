@@ -390,6 +390,36 @@ def test_running_seat_from_state(fake, isolated_home):
         json.loads(res.stdout)["notes"]
 
 
+def test_a_native_seat_started_with_the_shells_key_is_benched_with_it_or_refused_by_name(fake, isolated_home,
+                                                                                          monkeypatch):
+    """A native seat inherits VLLM_API_KEY from the shell that ran `up`, which the state did not
+    record: bench from another shell sent no key (401 on every request) or another one, and the hint
+    blamed the seat's own key (bench audit). The state keeps a fingerprint of the key, never the key."""
+    from dsv4serve import launch, state
+
+    fake.api_key = "k-up"
+    port = int(fake.url.rsplit(":", 1)[1])
+    st = state.SeatState(seat="cpu-demo", run_id="r1", profile="cpu-demo", profile_digest="x", runtime="native",
+                         pid=os.getpid(), start_time=psutil.Process().create_time(), argv=["vllm"], env={},
+                         host="127.0.0.1", port=port, served_name="fake-model", tp=2, run_dir=str(isolated_home),
+                         log_path=str(isolated_home / "log"), phase="ready", api_key_fp=launch.key_fingerprint("k-up"))
+    state.save(st)
+    assert "k-up" not in state.state_path("cpu-demo").read_text()
+    args = ("--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    res = run(*args)
+    assert res.exit_code == 2
+    err = one_line_error(res)
+    assert f"seat cpu-demo's server was started with an API key (fingerprint {launch.key_fingerprint('k-up')}) " \
+           "and this shell has no VLLM_API_KEY" in err and "export the VLLM_API_KEY of the shell that ran `up`" in err
+    monkeypatch.setenv("VLLM_API_KEY", "k-other")
+    assert "and this shell has another (fingerprint" in one_line_error(run(*args))
+    monkeypatch.setenv("VLLM_API_KEY", "k-up")
+    assert run(*args).exit_code == 0
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert run(*args, "--api-key", "k-up").exit_code == 0  # said on the command line: taken as given
+
+
 def test_no_seat_running_is_bad_input():
     res = run("--streams", "1")
     assert res.exit_code == 2

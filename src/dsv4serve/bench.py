@@ -36,7 +36,7 @@ from dsv4serve.bench_client import (
     stream_chat,
 )
 from dsv4serve.errors import BadInput, DsvError, JobFailed, first_line
-from dsv4serve.launch import seat_api_key
+from dsv4serve.launch import running_seat_key
 from dsv4serve.profile import Profile, load_profile
 
 # Three kinds of text that speculate differently: prose, Japanese, code. Code drafts best.
@@ -203,7 +203,7 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     elif st is None:  # another server: vLLM's own convention for a client's key
         key, source = os.environ.get("VLLM_API_KEY") or None, "VLLM_API_KEY"
     else:  # the key the seat's server was started with (a 401 on every request otherwise)
-        key, source = seat_api_key(st.runtime, st.argv, st.env), f"seat {st.seat}'s API key"
+        key, source = running_seat_key(st), f"seat {st.seat}'s API key"
     _header_safe(key, source)
     client.headers.update(auth(key))
     endpoint = resolve_endpoint(client, base_url, model, fallback_len)

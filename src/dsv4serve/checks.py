@@ -1372,8 +1372,7 @@ def _forbidden_live(rep: Report, ctx: Ctx, tracker: Any) -> None:
 
 
 def _seat_key(ctx: Ctx) -> str | None:
-    st = ctx.seat
-    return launch.seat_api_key(st.runtime, st.argv, st.env)
+    return launch.running_seat_key(ctx.seat)
 
 
 def _endpoint(rep: Report, ctx: Ctx) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from dsv4serve import home
-from dsv4serve.errors import ProfileError
+from dsv4serve.errors import BadInput, ProfileError
 from dsv4serve.lna2.build import MODULE as _LNA2_MODULE
 from dsv4serve.lna2.loader import ENV as LNA2_EXT_ENV
 from dsv4serve.lna2.policy import UBATCH_WHY, graph_rows
@@ -587,6 +587,27 @@ def seat_api_key(runtime: str, argv: list[str], env: dict[str, str]) -> str | No
     if runtime == "native":
         return api_key(argv, {**os.environ, **env})
     return api_key(argv, dict(a.split("=", 1) for flag, a in zip(argv, argv[1:]) if flag == "-e" and "=" in a))
+
+
+def key_fingerprint(key: str | None) -> str:
+    """A short digest that tells two keys apart without recording either ('' for no key)."""
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
+
+
+def running_seat_key(st: Any) -> str | None:
+    """The API key to send to a running seat (a SeatState): its own from the launch, or this shell's
+    VLLM_API_KEY for a native seat; BadInput when that is not the key its server was started with
+    (a native seat inherits the key of the shell that ran `up`, which this shell may not have)."""
+    key = seat_api_key(st.runtime, st.argv, st.env)
+    want = getattr(st, "api_key_fp", None)
+    if want and key_fingerprint(key) != want:
+        have = "has no VLLM_API_KEY" if not key else f"has another (fingerprint {key_fingerprint(key)})"
+        raise BadInput(f"seat {st.seat}'s server was started with an API key (fingerprint {want}) and this shell "
+                       f"{have}", hint="export the VLLM_API_KEY of the shell that ran `up` (bench also takes "
+                                              "--api-key KEY)")
+    return key
 
 
 def describe_gates(profile: Profile) -> dict[str, Any]:

@@ -80,6 +80,9 @@ class SeatState(BaseModel):
                                                   "rendezvous files go when the profile sets no TMPDIR")
     rpc_dir: str | None = Field(None, description="the directory `up` made for vLLM's ZMQ socket files "
                                                   "(VLLM_RPC_BASE_PATH); `down` empties and removes it")
+    api_key_fp: str | None = Field(None, description="launch.key_fingerprint() of the API key the server was "
+                                                     "started with ('' for none; never the key itself): a native "
+                                                     "seat's may come from the shell that ran `up`")
 
     @field_validator("gates")
     @classmethod

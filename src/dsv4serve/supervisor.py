@@ -35,7 +35,8 @@ from rich.markup import escape
 from dsv4serve import leftovers, procs, readiness, state, stop
 from dsv4serve.cli_common import console, emit_json_line, err_console, silence
 from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
-from dsv4serve.launch import LaunchSpec, describe_gates, env_for_child, lna2_launched, seat_api_key
+from dsv4serve.launch import (LaunchSpec, describe_gates, env_for_child, key_fingerprint, lna2_launched,
+                              seat_api_key)
 from dsv4serve.profile import Profile
 from dsv4serve.ranklog import PHASE_LABEL, SeatTracker, with_seat
 from dsv4serve.state import RUN_ID_ENV, SeatState
@@ -375,7 +376,8 @@ class Supervisor:
                          log_path=str(self.log_path), phase="launching", started_at=self.t0,
                          supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides,
                          lna2_build=lna2_launched(self.profile), tmp_dir=tempfile.gettempdir(),
-                         rpc_dir=self.rpc_dir)
+                         rpc_dir=self.rpc_dir,
+                         api_key_fp=key_fingerprint(seat_api_key(s.runtime, s.argv, s.env)))
 
     def _update(self, **changes: Any) -> bool:
         """Write to the state unless `down` took the seat (then False). StateWriteFailed when it
