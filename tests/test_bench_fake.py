@@ -302,6 +302,15 @@ def test_a_password_in_the_base_url_is_sent_but_never_written(fake, tmp_path):
     fake.basic = "admin:other"  # the same run against a server that wants another password: refused, no leak
     res = run("--base-url", secret_url, "--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup")
     assert res.exit_code != 0 and "s3cret" not in res.stderr + res.stdout
+    assert "refused the user:password of --base-url" in res.stderr  # not the API key's hint
+    # a URL refused before it was split was quoted whole (review): every refusal masks it
+    for bad in (fake.url.replace("http://", "http://admin:s3cret@") + "0000", secret_url + "/?x=1",
+                "ftp://admin:s3cret@host", "http://admin:s3cret@[bad"):
+        res = run("--base-url", bad, "--runs", "1", "--json")
+        assert res.exit_code == 2 and "s3cret" not in res.stderr + res.stdout and "***@" in res.stderr, res.stderr
+    # one Authorization header cannot carry the user:password and an API key: said, not dropped (review)
+    res = run("--base-url", secret_url, "--api-key", "k", "--runs", "1")
+    assert res.exit_code == 2 and "carries a user:password and --api-key gives an API key" in one_line_error(res)
 
 
 def test_thinking_flag_keeps_reasoning_on(fake):
@@ -402,18 +411,26 @@ def test_a_native_seat_started_with_the_shells_key_is_benched_with_it_or_refused
     st = state.SeatState(seat="cpu-demo", run_id="r1", profile="cpu-demo", profile_digest="x", runtime="native",
                          pid=os.getpid(), start_time=psutil.Process().create_time(), argv=["vllm"], env={},
                          host="127.0.0.1", port=port, served_name="fake-model", tp=2, run_dir=str(isolated_home),
-                         log_path=str(isolated_home / "log"), phase="ready", api_key_fp=launch.key_fingerprint("k-up"))
+                         log_path=str(isolated_home / "log"), phase="ready",
+                         api_key_fp=launch.key_fingerprint("k-up", "r1"))
     state.save(st)
     assert "k-up" not in state.state_path("cpu-demo").read_text()
+    # salted with the run: the same key of another run (or another tool's plain hash) does not match it
+    assert launch.key_fingerprint("k-up", "r2") != st.api_key_fp and launch.key_fingerprint(None, "r1") == ""
     args = ("--streams", "1", "--suite", "en", "--runs", "1", "--no-warmup")
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     res = run(*args)
     assert res.exit_code == 2
     err = one_line_error(res)
-    assert f"seat cpu-demo's server was started with an API key (fingerprint {launch.key_fingerprint('k-up')}) " \
-           "and this shell has no VLLM_API_KEY" in err and "export the VLLM_API_KEY of the shell that ran `up`" in err
+    assert "seat cpu-demo's server was started with an API key and this shell has no VLLM_API_KEY" in err
+    assert "export the VLLM_API_KEY of the shell that ran `up`" in err and st.api_key_fp not in err
     monkeypatch.setenv("VLLM_API_KEY", "k-other")
-    assert "and this shell has another (fingerprint" in one_line_error(run(*args))
+    err = one_line_error(run(*args))
+    assert "and this shell has another one in VLLM_API_KEY" in err
+    assert launch.key_fingerprint("k-other", "r1") not in err  # no digest of an unrelated key is printed (review)
+    monkeypatch.setenv("VLLM_API_KEY", "k-\udcff")  # not UTF-8 (a byte the shell held): one line, no traceback
+    res = run(*args, "--json")
+    assert res.exit_code == 2 and json.loads(res.stdout)["error"]
     monkeypatch.setenv("VLLM_API_KEY", "k-up")
     assert run(*args).exit_code == 0
     monkeypatch.delenv("VLLM_API_KEY")
@@ -841,6 +858,23 @@ def test_json_with_out_lists_the_files_and_their_notes(fake, tmp_path, monkeypat
                          "--out", str(out)).stdout)
     assert not (out / "bench.png").exists()
     assert "removed bench.png of an earlier run: this run has no chart" in doc["notes"]
+    # one that cannot be removed is a note beside the written files, not the write's error (review)
+    (out / "bench.png").write_bytes(b"an earlier run's chart")
+    from dsv4serve import bench_report
+
+    real = Path.unlink
+
+    def refuse(self, *a, **k):
+        if self.name == "bench.png":
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(bench_report.Path, "unlink", refuse)
+    res = run("--base-url", fake.url, "--streams", "1", "--suite", "en", "--runs", "1", "--json", "--out", str(out))
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["written"] == [str(out / "bench.json"), str(out / "bench.md")] and "error" not in doc
+    assert any(n.startswith(f"bench.png of an earlier run is still in {out}") for n in doc["notes"])
 
 
 def test_api_key_option_reaches_an_endpoint_that_demands_one(fake, monkeypatch):

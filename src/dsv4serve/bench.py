@@ -205,6 +205,12 @@ def resolve_target(client: httpx.Client, *, base_url: str | None, model: str | N
     else:  # the key the seat's server was started with (a 401 on every request otherwise)
         key, source = running_seat_key(st), f"seat {st.seat}'s API key"
     _header_safe(key, source)
+    if basic is not None and key:
+        # one Authorization header: httpx's basic auth would replace the key, and vLLM would refuse
+        raise BadInput(f"--base-url carries a user:password and {source} gives an API key: one request cannot "
+                       "send both", hint="drop one: the key alone for a vLLM server, the user:password alone for a "
+                       "proxy that checks it" + (" (unset VLLM_API_KEY for this command)" if source == "VLLM_API_KEY"
+                                                 else ""))
     client.headers.update(auth(key))
     endpoint = resolve_endpoint(client, base_url, model, fallback_len)
     seqs = seat_profile.vllm.max_num_seqs if seat_profile else None

@@ -49,11 +49,12 @@ def check_base_url(url: str) -> str:
     """
     hint = "give the server's root, e.g. --base-url http://127.0.0.1:8000"
     text = url.strip()
+    url = masked_url(text)  # what the messages below quote: never a password
     try:
         parsed = httpx.URL(text)
         port = parsed.port
     except httpx.InvalidURL as e:
-        raise BadInput(f"--base-url '{url}' is not a valid URL ({e})", hint=hint) from None
+        raise BadInput(f"--base-url '{url}' is not a valid URL ({masked_url(str(e))})", hint=hint) from None
     if parsed.scheme not in ("http", "https"):
         raise BadInput(f"--base-url '{url}' must start with http:// or https://", hint=hint)
     if not parsed.host:
@@ -71,6 +72,12 @@ def check_base_url(url: str) -> str:
     if parsed.query or parsed.fragment:
         raise BadInput(f"--base-url '{url}' must not carry a query or fragment", hint=hint)
     return text.rstrip("/")
+
+
+def masked_url(url: str) -> str:
+    """`url` with any user:password replaced by ***, for a message (parsed or not)."""
+    # to the last @: a password may hold '/' or '?', and masking a path's @ too is the safe side
+    return re.sub(r"(?<=//).*@", "***@", url, count=1)
 
 
 def split_userinfo(url: str) -> tuple[str, httpx.BasicAuth | None]:
@@ -202,7 +209,9 @@ def status_hint(resp: httpx.Response, proxy: str | None = None) -> str:
         return (f"the shell's proxy {proxy or '(HTTP_PROXY / ALL_PROXY)'} wants credentials: put them in its URL, "
                 "or exempt the server's host in NO_PROXY")
     if code in (401, 403):
-        sent = "authorization" in resp.request.headers if _has_request(resp) else False
+        sent = resp.request.headers.get("authorization", "") if _has_request(resp) else ""
+        if sent.lower().startswith("basic "):  # the --base-url's user:password, not an API key
+            return "the server (or a proxy before it) refused the user:password of --base-url: check them"
         if sent:
             return ("the server refused the API key bench sent (--api-key, else the seat's own key with --seat, "
                     "else VLLM_API_KEY): pass the one it was started with")

@@ -280,9 +280,14 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[lis
         temps.clear()
         stale = out_dir / "bench.png"
         if stem == "bench" and stale not in names and stale.is_file():
-            # beside this run's bench.json it would read as this run's chart
-            stale.unlink()
-            notes.append("removed bench.png of an earlier run: this run has no chart")
+            # beside this run's bench.json it would read as this run's chart; the files are written
+            # already, so a failure here is a note, never the write's error
+            try:
+                stale.unlink()
+                notes.append("removed bench.png of an earlier run: this run has no chart")
+            except OSError as e:
+                notes.append(f"bench.png of an earlier run is still in {out_dir} ({e.strerror or e}): it is not "
+                             "this run's chart")
         return names, notes
     except BadInput as e:
         kept = keep_result(result, stem)

@@ -1444,11 +1444,11 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
                 f"counters-rank{{0..{st.tp - 1}}}.json in {st.run_dir}",
                 "the dsv4serve plugin did not run in those ranks (entry point, DSV4SERVE_RUN_DIR)",
                 data={"counters": now})
-        if p.moe.kernel == "lna2":  # what the other ranks prove still counts; the missing are named above
+        if p.moe.kernel == "lna2":  # what the other ranks prove still shows; the missing keep it from ok
             present = {r: c for r, c in now.items() if c is not None}
             if present:
-                _parity(rep, present)
-                _graphs(rep, p, present)
+                _parity(rep, present, absent)
+                _graphs(rep, p, present, absent)
         return
     per = []
     bad = []
@@ -1500,7 +1500,11 @@ def _counters(rep: Report, ctx: Ctx, before: dict[int, dict[str, Any] | None], t
         _graphs(rep, p, now)
 
 
-def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
+def _missing(missing: list[int]) -> str:
+    return f"rank {','.join(map(str, missing))} wrote no counters file (see the counters row): nothing proven there"
+
+
+def _parity(rep: Report, now: dict[int, dict[str, Any]], missing: list[int] | None = None) -> None:
     """Whether lna2's output matched the incumbent's on every rank's layers (the dispatch compares a
     layer's calls outside graph capture until one of differing rows matches): the counters row says
     lna2 ran, this one that it computed the seat's MoE."""
@@ -1537,11 +1541,13 @@ def _parity(rep: Report, now: dict[int, dict[str, Any]]) -> None:
         rep.add("live", "lna2-parity", "warn", found, exp,
                 f"rank {','.join(map(str, unknown))} records no parity: a worker of an older dsv4serve (restart the "
                 "seat), or one with no lna2 layer (see the counters row)")
+    elif missing:
+        rep.add("live", "lna2-parity", "warn", found, exp, _missing(missing))
     else:
         rep.add("live", "lna2-parity", "ok", found, exp)
 
 
-def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
+def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]], missing: list[int] | None = None) -> None:
     """Which kernel each CUDA graph a decode step replays holds, per rank. A replay never re-enters
     Python, so a graph whose capture declined runs the incumbent on every decode step of its size
     while the counters show one decline: the founding trap, one level down."""
@@ -1581,6 +1587,8 @@ def _graphs(rep: Report, p: Profile, now: dict[int, dict[str, Any]]) -> None:
     elif unknown:
         rep.add("live", "lna2-graphs", "warn", "CUDA graphs: " + found, exp,
                 f"rank {','.join(map(str, unknown))} records no graphs: a worker of an older dsv4serve (restart the seat)")
+    elif missing:
+        rep.add("live", "lna2-graphs", "warn", "CUDA graphs: " + found, exp, _missing(missing))
     elif not captured and p.cuda_graphs():
         rep.add("live", "lna2-graphs", "warn", "CUDA graphs: none captured through the dispatch", exp,
                 "vLLM captured no graph that called the MoE apply (a graph mode that runs the MoE outside, or none "

@@ -589,11 +589,14 @@ def seat_api_key(runtime: str, argv: list[str], env: dict[str, str]) -> str | No
     return api_key(argv, dict(a.split("=", 1) for flag, a in zip(argv, argv[1:]) if flag == "-e" and "=" in a))
 
 
-def key_fingerprint(key: str | None) -> str:
-    """A short digest that tells two keys apart without recording either ('' for no key)."""
+def key_fingerprint(key: str | None, salt: str) -> str:
+    """A digest that tells two keys apart without recording either ('' for no key). Salted with the
+    run id, so it matches nothing outside that run's state file; never printed."""
     import hashlib
 
-    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
+    if not key:
+        return ""
+    return hashlib.sha256(f"{salt}\0{key}".encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def running_seat_key(st: Any) -> str | None:
@@ -602,11 +605,10 @@ def running_seat_key(st: Any) -> str | None:
     (a native seat inherits the key of the shell that ran `up`, which this shell may not have)."""
     key = seat_api_key(st.runtime, st.argv, st.env)
     want = getattr(st, "api_key_fp", None)
-    if want and key_fingerprint(key) != want:
-        have = "has no VLLM_API_KEY" if not key else f"has another (fingerprint {key_fingerprint(key)})"
-        raise BadInput(f"seat {st.seat}'s server was started with an API key (fingerprint {want}) and this shell "
-                       f"{have}", hint="export the VLLM_API_KEY of the shell that ran `up` (bench also takes "
-                                              "--api-key KEY)")
+    if want and key_fingerprint(key, st.run_id) != want:
+        raise BadInput(f"seat {st.seat}'s server was started with an API key and this shell "
+                       + ("has no VLLM_API_KEY" if not key else "has another one in VLLM_API_KEY"),
+                       hint="export the VLLM_API_KEY of the shell that ran `up` (bench also takes --api-key KEY)")
     return key
 
 

@@ -81,8 +81,8 @@ class SeatState(BaseModel):
     rpc_dir: str | None = Field(None, description="the directory `up` made for vLLM's ZMQ socket files "
                                                   "(VLLM_RPC_BASE_PATH); `down` empties and removes it")
     api_key_fp: str | None = Field(None, description="launch.key_fingerprint() of the API key the server was "
-                                                     "started with ('' for none; never the key itself): a native "
-                                                     "seat's may come from the shell that ran `up`")
+                                                     "started with, salted with run_id ('' for none; never the key "
+                                                     "itself): a native seat's may come from the shell that ran `up`")
 
     @field_validator("gates")
     @classmethod

@@ -377,7 +377,7 @@ class Supervisor:
                          supervisor_pid=os.getpid(), gates=describe_gates(self.profile), overrides=self.overrides,
                          lna2_build=lna2_launched(self.profile), tmp_dir=tempfile.gettempdir(),
                          rpc_dir=self.rpc_dir,
-                         api_key_fp=key_fingerprint(seat_api_key(s.runtime, s.argv, s.env)))
+                         api_key_fp=key_fingerprint(seat_api_key(s.runtime, s.argv, s.env), s.run_id))
 
     def _update(self, **changes: Any) -> bool:
         """Write to the state unless `down` took the seat (then False). StateWriteFailed when it
