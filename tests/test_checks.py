@@ -966,7 +966,7 @@ def test_each_ranks_active_line_names_the_build_check_seat_describes(fake_seat, 
     """Nothing compared the build each rank's ACTIVE line names (ext=) with the build the seat is set
     to load: a stale mount or another DSV4SERVE_LNA2_EXT in one worker passed (helper audit)."""
     monkeypatch.setattr(checks, "_lna2_describe", lambda p: {"loadable": True, "build_id": "bGOOD"})
-    p = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+    p = load_profile("cpu-demo", ["moe.kernel=lna2"])
 
     def active(r, build):
         return (f"(Worker_TP{r} pid={200 + r}) WARNING 12-02 18:00:03 [moe_dispatch.py:1] LNA2 MoE kernel ACTIVE "
@@ -986,7 +986,7 @@ def test_the_ranks_build_is_judged_against_the_one_up_launched(fake_seat, monkey
     seat that is this shell's DSV4SERVE_LNA2_EXT or default build, not necessarily what up ran with.
     up now keeps the build in the seat's state; the ranks are judged against it, and a build that
     changed since (a rebuild, another DSV4SERVE_LNA2_EXT here) is a warning to restart."""
-    p = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+    p = load_profile("cpu-demo", ["moe.kernel=lna2"])
 
     def active(r, build):
         return (f"(Worker_TP{r} pid={200 + r}) WARNING 12-02 18:00:03 [moe_dispatch.py:1] LNA2 MoE kernel ACTIVE "
@@ -1026,7 +1026,7 @@ def test_up_keeps_the_lna2_build_its_workers_load(tmp_path, monkeypatch):
     so.write_bytes(b"\x7fELF")
     so.with_suffix(".json").write_text(json.dumps({"build_id": "abc123", "max_rows": 24}))
     monkeypatch.setenv("DSV4SERVE_LNA2_EXT", str(so))
-    native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+    native = load_profile("cpu-demo", ["moe.kernel=lna2"])
     assert launch.lna2_launched(native) == {"path": str(so), "build_id": build_tag("abc123", 24)}
     assert launch.lna2_launched(load_profile("cpu-demo")) is None
     docker = load_profile("8x16gb-380k", [f"moe.extension={tmp_path}/gone.so"])
@@ -1129,7 +1129,7 @@ def test_a_docker_seats_lna2_build_must_match_the_images_python_and_torch(tmp_pa
     meta(python="3.12", torch="2.13.0+cu130", cuda="13.0")
     r = _st(_software(unpinned), "lna2-abi")
     assert r.status == "warn" and "pin stack.torch" in r.fix  # nothing to compare the torch with (review)
-    native = load_profile("cpu-demo", ["moe.kernel=lna2", "env.VLLM_EXL3_MOE_KERNEL=lna2"])
+    native = load_profile("cpu-demo", ["moe.kernel=lna2"])
     assert not any(x.check == "lna2-abi" for x in _software(native).rows)  # the build loads here or not at all
 
 

@@ -92,7 +92,9 @@ def test_native_demo_argv_uses_this_interpreter():
     (["vllm.tensor_parallel_size=4", "gpus.ids=[0,1,2,3]"], "wo_a"),
     (["gpus.ids=[0,1,2]"], "gpus.ids lists 3 GPUs"),
     (["vllm.host=0.0.0.0"], "vllm.host 0.0.0.0"),
-    (["env.VLLM_EXL3_MOE_KERNEL=null"], "env.VLLM_EXL3_MOE_KERNEL"),
+    # the image's own lna2 path beneath dsv4serve's: what lna2 hands back and checks against (audit)
+    (["env.VLLM_EXL3_MOE_KERNEL=lna2"], "env.VLLM_EXL3_MOE_KERNEL=lna2 puts the image's own kernel beneath "
+                                        "dsv4serve's lna2, where the incumbent exl3_moe must be"),
     (["env.VLLM_EXL3_MOE_STRICT=2"], "moe.strict is 1"),
     (["env.LNA_DSV4_AUX_STREAMS=1"], "LNA_DSV4_AUX_STREAMS must be 0"),
     (["env.VLLM_DISABLE_SHARED_EXPERTS_STREAM=0"], "VLLM_DISABLE_SHARED_EXPERTS_STREAM must be 1"),

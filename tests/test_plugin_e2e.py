@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 TP = 2
 # --skip-checks: up's pre-launch checks already refuse an lna2 seat without a loadable extension;
 # skipping them is how these tests reach the plugin's own refusal inside every worker.
-LNA2 = ["--skip-checks", "--set", "moe.kernel=lna2", "--set", "env.VLLM_EXL3_MOE_KERNEL=lna2"]
+LNA2 = ["--skip-checks", "--set", "moe.kernel=lna2"]
 
 
 def _rank_lines(log: str, needle: str) -> dict[int, list[str]]:

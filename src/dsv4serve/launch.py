@@ -245,10 +245,16 @@ def check_plan(profile: Profile) -> None:
         # the launcher sets it from moe.strict: a different value written here was silently replaced
         raise ProfileError(f"profile {p.name}: moe.strict is {p.moe.strict} but env.VLLM_EXL3_MOE_STRICT is "
                            f"{strict_env or 'unset'}", hint=f"set env.VLLM_EXL3_MOE_STRICT={p.moe.strict}")
+    image_kernel = (env.get("VLLM_EXL3_MOE_KERNEL") or "exllamav3").strip().lower()
+    if p.moe.kernel == "lna2" and image_kernel not in ("exllamav3", "auto", "incumbent"):
+        # dsv4serve's lna2 replaces the method's apply; what it hands back (prefill above the ceiling,
+        # strict-0 declines) and what its parity check compares with is that apply: it must be the
+        # incumbent exl3_moe, not the image's own lna path (which also needs the image's vllm_exl3_c)
+        raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL={env['VLLM_EXL3_MOE_KERNEL']} puts the "
+                           "image's own kernel beneath dsv4serve's lna2, where the incumbent exl3_moe must be (the "
+                           "calls lna2 hands back and its parity check's reference)",
+                           hint="set env.VLLM_EXL3_MOE_KERNEL=exllamav3 (moe.kernel=lna2 is dsv4serve's kernel)")
     if p.moe.kernel == "lna2":
-        if env.get("VLLM_EXL3_MOE_KERNEL") != "lna2":
-            raise ProfileError(f"profile {p.name}: moe.kernel is lna2 but env.VLLM_EXL3_MOE_KERNEL is "
-                               f"{env.get('VLLM_EXL3_MOE_KERNEL', 'unset')}", hint="set env.VLLM_EXL3_MOE_KERNEL=lna2")
         batched = v.max_num_batched_tokens
         if p.moe.strict >= 2 and (batched is None or batched > p.moe.row_ceiling):
             # strict 2 raises on any call above the ceiling, and vLLM's first pass (the profile run,
@@ -260,12 +266,11 @@ def check_plan(profile: Profile) -> None:
                                     f"the seat), or set vllm.max_num_batched_tokens <= {p.moe.row_ceiling}")
         if p.moe.tuning:
             tuning_table(p)  # unreadable or not a table: refused here, not in eight workers
-    elif (env.get("VLLM_EXL3_MOE_KERNEL") or "exllamav3").strip().lower() not in ("exllamav3", "auto", "incumbent"):
+    elif image_kernel not in ("exllamav3", "auto", "incumbent"):
         # lna / native / lna2 pick one of the image's own kernels: the seat would run it while
         # dsv4serve reports the incumbent (a restore carries no MOE_KERNEL, seat-reference 4.5)
         raise ProfileError(f"profile {p.name}: env.VLLM_EXL3_MOE_KERNEL={env['VLLM_EXL3_MOE_KERNEL']} but moe.kernel is "
-                           f"{p.moe.kernel}", hint="drop env.VLLM_EXL3_MOE_KERNEL (or set moe.kernel=lna2 with "
-                                                   "env.VLLM_EXL3_MOE_KERNEL=lna2)")
+                           f"{p.moe.kernel}", hint="drop env.VLLM_EXL3_MOE_KERNEL (dsv4serve's lna2 is moe.kernel=lna2)")
     else:
         if p.moe.tuning:
             raise ProfileError(f"profile {p.name}: moe.tuning picks lna2 builds but moe.kernel is {p.moe.kernel}",
