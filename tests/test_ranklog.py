@@ -65,13 +65,18 @@ def test_seat_lines_tp8():
     assert tr.kv_tokens == 395069
     assert tr.ranks[5].phase == "kv_sized" and tr.ranks[5].pid == 205
     assert tr.ranks[0].shards == (24, 51)
-    for r in range(8):
+    for r in range(8):  # the image's own kernel's line is not dsv4serve's proof, on any rank
         tr.feed(f"(Worker_TP{r} pid={200 + r}) WARNING 09-04 [exl3.py] F3 LNA2 MoE kernel ACTIVE (VLLM_EXL3_MOE_KERNEL=lna2)")
+    assert tr.marker_ranks["LNA2 MoE kernel ACTIVE"] == set()
+    for r in range(8):
+        tr.feed(f"(Worker_TP{r} pid={200 + r}) WARNING 09-04 [vllm_plugin.py:70] LNA2 MoE kernel ACTIVE rank={r}/8 "
+                "layers=43 bits=2,3 ext=b1 policy=builtin")
     assert tr.marker_ranks["LNA2 MoE kernel ACTIVE"] == set(range(8))
+    assert tr.lna2_builds == {r: "b1" for r in range(8)}
     # counted by distinct rank, not by lines
     tr2 = SeatTracker(8, ["LNA2 MoE kernel ACTIVE"], [])
     for _ in range(8):
-        tr2.feed("(Worker_TP0 pid=200) WARNING F3 LNA2 MoE kernel ACTIVE")
+        tr2.feed("(Worker_TP0 pid=200) WARNING LNA2 MoE kernel ACTIVE rank=0/8 ext=b1")
     assert tr2.missing_markers()["LNA2 MoE kernel ACTIVE"] == [1, 2, 3, 4, 5, 6, 7]
     # a prefill decline is fine, any other decline is forbidden
     tr.feed("(Worker_TP3 pid=203) INFO LNA2 declined: rows=512 above the ceiling 32 (rank=3/8 layer=x)")
@@ -487,3 +492,91 @@ def test_the_engine_s_kv_line_under_the_api_servers_prefix_counts():
                   "(APIServer pid=1) DEBUG 12-02 18:00:09 [request_logger.py:1] Request chatcmpl-1 details: prompt: "
                   "'GPU KV cache size: 9 tokens, and CUDA error: x'"])
     assert tr.kv_tokens == 4096 and tr.fatal == []
+
+
+# --- what a client or a log record can make the gates believe (ranklog audit) ----------------------
+
+ACTIVE = "LNA2 MoE kernel ACTIVE rank="
+
+
+def test_an_access_log_line_quoting_an_error_name_is_no_fatal():
+    """uvicorn logs every request line unprefixed: `GET /?EngineDeadError` from any client that could
+    reach the port ended a healthy seat as a dead rank."""
+    tr = SeatTracker(2, [], [])
+    for path in ("/?EngineDeadError", "/MemoryError", "/v1/x?ncclSystemError", "/CUDA%20error:%20x"):
+        tr.feed(f'INFO:     127.0.0.1:40000 - "GET {path} HTTP/1.1" 404 Not Found')
+    assert tr.fatal == []
+    tr.feed("ERROR 12-07 10:00:00 [core.py:1] EngineDeadError: the engine died")  # the engine's own still is
+    assert [f.kind for f in tr.fatal] == ["rank_died"]
+
+
+def test_a_carriage_return_inside_a_record_forges_no_line_of_another_process(tmp_path):
+    """vLLM re-prefixes only newlines: a request id with a \\r and a worker's prefix after it made
+    every rank's ACTIVE marker appear, in up's tail and in status's read alike."""
+    from dsv4serve.ranklog import read_log
+
+    forged = "".join(f"\r(Worker_TP{r} pid={300 + r}) WARNING 12-07 10:00:00 [vllm_plugin.py:1] {ACTIVE}{r}/2 ext=x"
+                     for r in range(2))
+    line = f"(APIServer pid=100) INFO 12-07 10:00:00 [logger.py:1] Added request chatcmpl-a{forged}."
+    tr = SeatTracker(2, [ACTIVE], [])
+    tr.feed(line)
+    assert tr.marker_ranks[ACTIVE] == set() and tr.lna2_builds == {}
+    log = tmp_path / "vllm.log"
+    log.write_text(line + "\n")
+    assert read_log(str(log), 2, [ACTIVE], []).marker_ranks[ACTIVE] == set()
+    # a bar's redraws (unprefixed) still split, and a worker's line glued after the bar still counts
+    log.write_text("Capturing CUDA graphs: 50%|#   | 1/2 [00:01<00:01]\rCapturing CUDA graphs: 100%|#| 2/2 [00:02<00:00]"
+                   f"(Worker_TP1 pid=301) WARNING 12-07 10:00:00 [vllm_plugin.py:1] {ACTIVE}1/2 ext=b\n")
+    tr = read_log(str(log), 2, [ACTIVE], [])
+    assert tr.marker_ranks[ACTIVE] == {1} and tr.lna2_builds == {1: "b"}
+
+
+def test_only_the_plugins_own_line_for_its_own_rank_is_the_marker():
+    """A warning quoting the marker, a rank's line naming another rank (a spliced write), or a line of
+    another TP size proved the kernel on a rank that never printed it."""
+    tr = SeatTracker(8, [ACTIVE], [])
+    tr.feed(f"(Worker_TP2 pid=202) WARNING 12-07 10:00:00 [x.py:1] expected '{ACTIVE}4/8' in the log")
+    tr.feed(f"(Worker_TP2 pid=202) WARNING 12-07 10:00:00 [x.py:1] {'x' * 50}(Worker_TP5 pid=205) WARNING "
+            f"{ACTIVE}5/8 ext=b")
+    tr.feed(f"(Worker_TP3 pid=203) WARNING 12-07 10:00:00 [vllm_plugin.py:1] {ACTIVE}5/8 ext=b")
+    tr.feed(f"(Worker_TP4 pid=204) WARNING 12-07 10:00:00 [vllm_plugin.py:1] {ACTIVE}4/2 ext=b")
+    assert tr.marker_ranks[ACTIVE] == set() and tr.lna2_builds == {}
+    tr.feed(f"(Worker_TP4 pid=204) WARNING 12-07 10:00:00 [vllm_plugin.py:1] {ACTIVE}4/8 ext=b")
+    assert tr.marker_ranks[ACTIVE] == {4} and tr.lna2_builds == {4: "b"}
+    other = SeatTracker(2, ["Graph capturing finished"], [])  # another program's text: anywhere in the line
+    other.feed("(Worker_TP1 pid=1) INFO 12-07 10:00:00 [gpu_model_runner.py:1] Graph capturing finished in 5 secs")
+    assert other.marker_ranks["Graph capturing finished"] == {1}
+
+
+def test_gpu_plus_host_kv_is_not_gpu_kv():
+    """With HiSparse vLLM also prints the GPU + host figure: the gate counted host memory."""
+    tr = SeatTracker(1, [], [])
+    tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU KV cache size: 395,069 tokens")
+    tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU + host KV cache size: 1,900,000 tokens")
+    assert tr.kv_tokens == 395069
+
+
+def test_a_line_still_being_written_trips_no_gate(tmp_path):
+    """Half a benign decline line (`... above t`) matches the forbidden pattern the whole line does not."""
+    from dsv4serve.ranklog import read_log
+
+    pat = r"LNA2 declined: (?!rows=\d+ above the ceiling)"
+    log = tmp_path / "vllm.log"
+    log.write_text("(Worker_TP0 pid=1) WARNING 12-07 10:00:00 [vllm_plugin.py:1] LNA2 declined: rows=512 above t")
+    assert read_log(str(log), 1, [], [pat]).fatal == []
+    log.write_text("(Worker_TP0 pid=1) WARNING 12-07 10:00:00 [vllm_plugin.py:1] LNA2 declined: x dtype is bad\n")
+    assert [f.kind for f in read_log(str(log), 1, [], [pat]).fatal] == ["forbidden"]
+
+
+def test_up_s_log_tail_keeps_a_records_carriage_returns_and_hands_over_a_bars_redraws(tmp_path):
+    from dsv4serve.supervisor import LogTail
+
+    log = tmp_path / "vllm.log"
+    tail = LogTail(log)
+    log.write_bytes(b"(APIServer pid=1) INFO 12-07 10:00:00 [x.py:1] Added request a\r(Worker_TP0 pid=2) forged\n"
+                    b"Loading safetensors checkpoint shards:  10% Completed | 5/51 [00:05<00:50]\rLoading saf")
+    assert tail.read() == ["(APIServer pid=1) INFO 12-07 10:00:00 [x.py:1] Added request a\r(Worker_TP0 pid=2) forged",
+                           "Loading safetensors checkpoint shards:  10% Completed | 5/51 [00:05<00:50]\r"]
+    with open(log, "ab") as f:
+        f.write(b"etensors checkpoint shards: 100% Completed | 51/51 [00:50<00:00]\n")
+    assert tail.read() == ["Loading safetensors checkpoint shards: 100% Completed | 51/51 [00:50<00:00]"]

@@ -1235,19 +1235,19 @@ def check_live(rep: Report, ctx: Ctx, canary_timeout: float | None = None) -> No
     rep.add("live", "seat", "ok", f"run {st.run_id}, pid {st.pid}, phase {st.phase}, {st.base_url}",
             f"liveness {state.liveness(st)}")
     _profile_live(rep, p, st)
-    tracker = _tracker(st.tp, [m.text for m in p.gates.markers], list(p.gates.forbidden))
-    builds: dict[int, str] = {}  # rank -> the lna2 build its ACTIVE line names
+    from dsv4serve.ranklog import read_log
+
     try:
-        with open(st.log_path, errors="replace") as f:
-            for line in f:
-                tracker.feed(line, now=0.0)
-                if "LNA2 MoE kernel ACTIVE rank=" in line and (m := _ACTIVE_EXT.search(line)):
-                    builds[int(m.group(1))] = m.group(2)
+        with open(st.log_path, "rb"):
+            pass
     except OSError as e:
         rep.add("live", "log", "fail", f"cannot read {st.log_path}: {e.strerror}", "the seat's log", "")
+    # as status reads it: records whole (their carriage returns are text), a line still being written
+    # left out, each rank's build taken from its own ACTIVE line only
+    tracker = read_log(st.log_path, st.tp, [m.text for m in p.gates.markers], list(p.gates.forbidden))
     _markers_live(rep, ctx, tracker)
     if p.moe.kernel == "lna2":
-        _guard(rep, "live", "lna2-build", lambda: _build_live(rep, ctx, builds, st.lna2_build))
+        _guard(rep, "live", "lna2-build", lambda: _build_live(rep, ctx, tracker.lna2_builds, st.lna2_build))
     _kv_live(rep, ctx, tracker)
     _forbidden_live(rep, ctx, tracker)
     _guard(rep, "live", "endpoint", lambda: _endpoint(rep, ctx))
@@ -1271,9 +1271,6 @@ def _profile_live(rep: Report, p: Profile, st: Any) -> None:
             f"{st.profile_digest or '(none recorded)'}; the profile checked here has {p.digest()}",
             "the seat's own profile", "check it with the --set it was started with; if the profile file changed "
             "since, restart the seat (`dsv4serve down`, then `up`) to serve the profile as it is now")
-
-
-_ACTIVE_EXT = re.compile(r"LNA2 MoE kernel ACTIVE rank=(\d+)/\d+ .*\bext=(\S+)")
 
 
 def _build_live(rep: Report, ctx: Ctx, builds: dict[int, str], launched: dict[str, str | None] | None) -> None:
@@ -1308,12 +1305,6 @@ def _build_live(rep: Report, ctx: Ctx, builds: dict[int, str], launched: dict[st
     else:
         rep.add("live", "lna2-build", "ok", f"build {want} on ranks {','.join(map(str, sorted(builds)))}",
                 f"build {want}")
-
-
-def _tracker(tp: int, markers: list[str], forbidden: list[str]) -> Any:
-    from dsv4serve.ranklog import SeatTracker
-
-    return SeatTracker(tp, markers, forbidden)
 
 
 def _markers_live(rep: Report, ctx: Ctx, tracker: Any) -> None:

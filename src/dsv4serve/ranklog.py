@@ -35,10 +35,13 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # VLLM_LOGGING_COLOR / FORCE_COLOR
 _LEVEL = re.compile(r"^(?:ERROR|CRITICAL)\b")
 # vLLM's request log echoes what users sent: text in a prompt is not the seat's own error
 _REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+|"
-                           r"\bRequest \S+ (?:details|JSON body):")
+                           r"\bRequest \S+ (?:details|JSON body):|"
+                           # uvicorn's access log (on by default, no process prefix): it quotes the
+                           # request line as any client sent it, `GET /?EngineDeadError` included
+                           r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+\S+ - \"[A-Z]+ ")
 # the end of a tqdm bar (`... 0%|          | 0/67 [00:00<?, ?it/s]`, vLLM's `| 1/1 [00:00<00:00, ...]`)
 _BAR_END = re.compile(r"\|\s*\d+/\d+\s*\[[^\]]*\]\s*$")
-LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+)?"
+LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d(?: \d\d:\d\d:\d\d(?:\.\d+)?)?\s+)?"
                       r"(?:\[[^\]]+\] ?)?")
 GLOG_PID = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +(\d+) ")
 _TP_IN_NAME = re.compile(r"TP(\d+)")
@@ -46,8 +49,12 @@ _VLLMWORKER = re.compile(r"^VllmWorker-(\d+)$")
 _ASSIGNED = re.compile(r"\brank (\d+) in world size (\d+) is assigned as .*?\bTP rank (\d+)")
 _WORLD = re.compile(r"\bworld_size=(\d+) rank=(\d+)\b")
 _OUR_RANK = re.compile(r"\brank=(\d+)/(\d+)\b")
+OWN_MARKER_HEADS = ("LNA2 ", "dsv4serve plugin")  # the plugin's proof lines (vllm_plugin's docstring)
+LNA2_ACTIVE_LINE = "LNA2 MoE kernel ACTIVE rank="
+_ACTIVE_EXT = re.compile(r"^LNA2 MoE kernel ACTIVE rank=(\d+)/(\d+) .*?\bext=(\S+)")
 SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")
-KV_TOKENS = re.compile(r"\b(?:GPU|CPU|XPU|TPU|NPU)? ?KV cache size: (\d[\d,]*) tokens")
+# not vLLM's "GPU + host KV cache size" (HiSparse): host memory is no GPU KV the gate may count
+KV_TOKENS = re.compile(r"\b(?:(?:GPU|CPU|XPU|TPU|NPU) )?(?<!host )KV cache size: (\d[\d,]*) tokens")
 KV_MEMORY = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 MAXLEN_HINT = re.compile(r"estimated maximum model length is (\d+)")
 DIST_ID = re.compile(r"vllm_dist_([0-9a-f]{8,})")
@@ -117,8 +124,14 @@ def physical_parts(raw: str) -> list[str]:
     ...`. In a part that carries no prefix of its own (a bar does not), a process prefix right after
     a bar's end starts a line of its own; anywhere else a prefix is text, so a prompt that quotes a
     worker's line in a request log (prefixed by the API server) forges nothing. Colour codes go."""
+    clean = ANSI.sub("", raw.rstrip("\n"))
+    if PREFIX.match(clean):
+        # one log record (vLLM prefixes records, never a bar's redraws): a carriage return inside it
+        # is its text (a request id, a prompt), and splitting there let the record forge a line of
+        # another process, marker and all
+        return [clean.rstrip("\r").replace("\r", " ")]
     out = []
-    for seg in ANSI.sub("", raw.rstrip("\n")).split("\r"):
+    for seg in clean.split("\r"):
         m = _EMBEDDED_PREFIX.search(seg, 1) if not PREFIX.match(seg) else None
         if m is not None and _BAR_END.search(seg[:m.start()]):
             out += [seg[:m.start()], seg[m.start():]]
@@ -209,6 +222,7 @@ class SeatTracker:
         self.maxlen_hint: int | None = None
         self.fatal: list[Fatal] = []
         self.marker_ranks: dict[str, set[int]] = {m: set() for m in self.required}
+        self.lna2_builds: dict[int, str] = {}  # rank -> the build its own ACTIVE line names (ext=)
         self.dist_ids: set[str] = set()
         self.dist_paths: set[str] = set()
         self.api_serving = False
@@ -369,15 +383,32 @@ class SeatTracker:
         quoting = _LEVEL.match(p.text) is not None or text.startswith((" ", "\t"))
         r = marker_rank
         for marker in self.required:
-            if marker in text and r is not None and not quoting and r not in self.marker_ranks[marker]:
+            if marker in text and r is not None and not quoting and r not in self.marker_ranks[marker] \
+                    and self._own_line(marker, text, r):
                 self.marker_ranks[marker].add(r)
                 self.ranks[r].markers.add(marker)
                 events.append(self._ev(now, "marker", r, marker=marker))
                 if self.ranks[r].markers >= set(self.required) and self.ranks[r].advance("marker", now):
                     events.append(self._ev(now, "phase", r, phase="marker"))
 
+        if r is not None and not quoting and text.startswith(LNA2_ACTIVE_LINE):
+            m = _ACTIVE_EXT.match(text)
+            if m and int(m.group(1)) == r and int(m.group(2)) == self.tp:
+                self.lna2_builds[r] = m.group(3)
+
         events += self._fatal_checks(stream, rank, text, now, p.proc)
         return events
+
+    def _own_line(self, marker: str, text: str, r: int) -> bool:
+        """Whether a line holding `marker` is that marker's own line for rank r. dsv4serve's proof
+        lines begin their message and name their rank: a warning that quotes one, or a rank's line
+        with another rank's spliced into it, proves nothing for either (ranklog audit)."""
+        if not marker.startswith(OWN_MARKER_HEADS):
+            return True  # another program's text: where it sits in the line is its own business
+        if not text.startswith(marker):
+            return False
+        ours = _OUR_RANK.search(text)
+        return ours is None or (int(ours.group(1)) == r and int(ours.group(2)) == self.tp)
 
     def _ev(self, now: float, event: str, rank: int | None, **kw: Any) -> dict[str, Any]:
         return {"t": round(now, 3), "elapsed_s": round(now - self.start, 1), "event": event, "rank": rank, **kw}
@@ -529,7 +560,8 @@ class SeatTracker:
 
 # Bump when SeatTracker's fields or what feed() does change: a checkpoint of another version is
 # rescanned from the start rather than resumed.
-SCAN_VERSION = 3  # 2: physical_parts (lines glued to a bar, colour codes), TP 1 engine ranks, KV lines; 3: Fatal.proc
+SCAN_VERSION = 4  # 2: physical_parts (lines glued to a bar, colour codes), TP 1 engine ranks, KV lines; 3: Fatal.proc
+# 4: a record's carriage returns kept, own markers, lna2_builds
 _TAIL_CHECK = 256  # bytes before a checkpoint's offset that must still be there to resume from it
 _BLOCK = 8 << 20
 
@@ -577,10 +609,22 @@ def read_log(path: str, tp: int, markers: list[str], forbidden: list[str],
             carry = data[cut:]
     if checkpoint is not None and tail:
         _save_checkpoint(checkpoint, key, ident, offset, tail, path, tr)
-    if carry:  # a line still being written: fed on a copy, never checkpointed
+    done = finished_redraws(carry)
+    if done:  # a bar still being drawn: its finished redraws, fed on a copy, never checkpointed
         tr = copy.deepcopy(tr)
-        _feed_bytes(tr, carry)
+        _feed_bytes(tr, done)
     return tr
+
+
+def finished_redraws(partial: bytes) -> bytes:
+    """Of a line still being written, what is already whole: a tqdm bar's redraws up to its last
+    carriage return (the shard bar draws for minutes without a newline). Nothing of a log record
+    (prefixed), nor a record's unfinished tail: half a line can match what the whole does not
+    (`... above t` against a forbidden `(?!rows=\\d+ above the ceiling)`)."""
+    cut = partial.rfind(b"\r") + 1
+    if not cut or PREFIX.match(ANSI.sub("", partial[:200].decode("utf-8", "replace"))):
+        return b""
+    return partial[:cut]
 
 
 def _feed_bytes(tr: SeatTracker, data: bytes) -> None:
@@ -588,9 +632,8 @@ def _feed_bytes(tr: SeatTracker, data: bytes) -> None:
     # redraws) all end a part; blank parts are skipped. UTF-8 never puts 0x0A or 0x0D inside a
     # character, so splitting the bytes first cuts no character in two.
     for line in data.split(b"\n"):
-        for part in line.split(b"\r"):
-            if part.strip():
-                tr.feed(part.decode("utf-8", errors="replace"), now=0.0)
+        if line.strip():  # its carriage returns are physical_parts' to split (a bar's, not a record's)
+            tr.feed(line.decode("utf-8", errors="replace"), now=0.0)
 
 
 def _ident(f: Any) -> tuple[int, int]:

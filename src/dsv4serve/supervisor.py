@@ -38,7 +38,7 @@ from dsv4serve.errors import EXIT_FAILED, EXIT_OK, DsvError, JobFailed
 from dsv4serve.launch import (LaunchSpec, describe_gates, env_for_child, key_fingerprint, lna2_launched,
                               seat_api_key)
 from dsv4serve.profile import Profile
-from dsv4serve.ranklog import PHASE_LABEL, SeatTracker, with_seat
+from dsv4serve.ranklog import PHASE_LABEL, SeatTracker, finished_redraws, with_seat
 from dsv4serve.state import RUN_ID_ENV, SeatState
 
 POLL_S = 0.2
@@ -103,8 +103,14 @@ class LogTail:
         if not chunk:
             return []
         self.buf += chunk
-        parts = self.buf.replace(b"\r", b"\n").split(b"\n")
+        # whole lines, carriage returns and all (ranklog.physical_parts tells a bar's redraws from a
+        # record's text); of the line still being written only a bar's finished redraws
+        parts = self.buf.split(b"\n")
         self.buf = parts.pop()
+        done = finished_redraws(self.buf)
+        if done:
+            parts.append(done)
+            self.buf = self.buf[len(done):]
         return [p.decode("utf-8", "replace") for p in parts if p.strip()]
 
 
