@@ -677,3 +677,34 @@ def test_a_profile_reached_through_a_link_is_named_again_by_the_link(tmp_path):
     assert p.name == "my-seat" and p.ref() == str(link)
     again = load_profile(p.ref())
     assert again.name == "my-seat" and again.digest() == p.digest()
+
+
+@pytest.mark.parametrize("override, said", [
+    ("env.VLLM_LOGGING_PREFIX=seat", "env.VLLM_LOGGING_PREFIX=seat changes the log lines the gates read"),
+    ("env.VLLM_CONFIGURE_LOGGING=0", "env.VLLM_CONFIGURE_LOGGING=0 changes the log lines"),
+    ("env.VLLM_LOGGING_CONFIG_PATH=/x.json", "env.VLLM_LOGGING_CONFIG_PATH=/x.json changes the log lines"),
+    ("env.VLLM_LOGGING_LEVEL=error", "env.VLLM_LOGGING_LEVEL=error changes the log lines"),
+    ('vllm.extra_args=["--logging-config", "{}"]', "--logging-config changes the log lines the gates read"),
+    ('vllm.extra_args=["--log-config-file=/x.json"]', "--log-config-file changes the log lines"),
+])
+def test_what_would_hide_the_log_lines_the_gates_read_is_refused(override, said):
+    """A logging prefix, a JSON formatter, vLLM's logging off, or a level above WARNING made every
+    rank's proof line vanish or lose its rank, and the gate then blamed the plugin (ranklog audit)."""
+    with pytest.raises(ProfileError) as e:
+        load_profile("cpu-demo", [override])
+    assert said in e.value.line()
+    assert load_profile("cpu-demo", ["env.VLLM_LOGGING_LEVEL=DEBUG"]).env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_a_native_seat_does_not_inherit_what_would_hide_its_log_lines(monkeypatch, tmp_path):
+    from dsv4serve import launch
+
+    for k, v in (("VLLM_LOGGING_PREFIX", "x"), ("VLLM_CONFIGURE_LOGGING", "0"), ("VLLM_LOGGING_LEVEL", "ERROR"),
+                 ("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("SOME_OTHER", "kept")):
+        monkeypatch.setenv(k, v)
+    spec = launch.build(load_profile("cpu-demo"), run_id="r", run_dir=tmp_path / "run")
+    env = launch.env_for_child(spec)
+    assert env["SOME_OTHER"] == "kept"
+    assert not {"VLLM_LOGGING_PREFIX", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"} & set(env)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")
+    assert launch.env_for_child(spec)["VLLM_LOGGING_LEVEL"] == "debug"

@@ -41,6 +41,12 @@ Float = Annotated[float, Strict()]  # strict floats still take ints (30 for 30.0
 # component, so `../x` or `a/b` can never write outside it.
 # What a shell (and `docker run -e`) accepts as a variable name.
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What changes the log lines the gates read (each rank's by vLLM's `(Worker_TPr pid=N)` prefix, the
+# plugin's proof at WARNING): a profile may not set them, and a native seat does not inherit them.
+LOG_FORMAT_ENV = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_STREAM")
+QUIET_LEVELS = ("ERROR", "CRITICAL")  # VLLM_LOGGING_LEVEL values that drop the plugin's WARNING lines
+LOG_FORMAT_WHY = ("changes the log lines the gates read per rank (vLLM's own format, the plugin's lines at "
+                  "WARNING): leave vLLM's logging as it is")
 
 
 def _no_bool(v: Any) -> Any:
@@ -307,7 +313,9 @@ class VllmSection(_Strict):
                  # workers = pipeline x tensor x prefill-context parallel sizes in vLLM 0.32
                  "--prefill-context-parallel-size": "prefill context parallelism",
                  "-pcp": "prefill context parallelism",
-                 "--config": "a config file (it can set any flag, behind the profile's keys)"}
+                 "--config": "a config file (it can set any flag, behind the profile's keys)",
+                 # the gates read vLLM's own log lines, per rank, by their process prefix
+                 "--log-config-file": LOG_FORMAT_WHY, "--logging-config": LOG_FORMAT_WHY}
         for a in v:
             if a.startswith("--"):
                 # vLLM reads --max_model_len as --max-model-len, and --speculative-config.x=.. replaces
@@ -328,6 +336,8 @@ class VllmSection(_Strict):
                 continue
             if exact is None:
                 continue
+            if exact in alone and alone[exact] == LOG_FORMAT_WHY:
+                raise ValueError(f"{a.split('=', 1)[0]} {LOG_FORMAT_WHY}")
             if exact in alone:
                 raise ValueError(f"{a.split('=', 1)[0]} sets {alone[exact]}, which dsv4serve does not supervise "
                                  "(ranks are keyed on the tensor-parallel index)" if exact != "--config" else
@@ -535,6 +545,8 @@ class Profile(_Strict):
                                  "export DSV4SERVE_HOME before running dsv4serve")
             if val is None:  # deleted by a child profile
                 continue
+            if k in LOG_FORMAT_ENV or (k == "VLLM_LOGGING_LEVEL" and str(val).upper() in QUIET_LEVELS):
+                raise ValueError(f"env.{k}={val} {LOG_FORMAT_WHY}")
             if isinstance(val, bool):
                 # YAML reads yes/no/on/off/true/false as booleans; which string was meant is lost.
                 raise ValueError(f"env.{k}: {json.dumps(val)} is a YAML boolean; quote the value, "
