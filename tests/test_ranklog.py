@@ -580,3 +580,20 @@ def test_up_s_log_tail_keeps_a_records_carriage_returns_and_hands_over_a_bars_re
     with open(log, "ab") as f:
         f.write(b"etensors checkpoint shards: 100% Completed | 51/51 [00:50<00:00]\n")
     assert tail.read() == ["Loading safetensors checkpoint shards: 100% Completed | 51/51 [00:50<00:00]"]
+
+
+def test_up_s_log_tail_reads_a_truncated_or_replaced_log_from_its_start(tmp_path):
+    """After a copytruncate the offset lay past the end: every later line, a CUDA error included, went
+    unseen until the file grew past it (ranklog audit)."""
+    from dsv4serve.supervisor import LogTail
+
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=1) INFO 12-07 10:00:00 [x.py:1] a long first line of the log\n")
+    tail = LogTail(log)
+    assert len(tail.read()) == 1
+    log.write_text("CUDA error: an illegal memory access\n")  # truncated in place, shorter
+    assert tail.read() == ["CUDA error: an illegal memory access"]
+    other = tmp_path / "new.log"
+    other.write_text("x" * 200 + "\nRuntimeError: replaced\n")
+    other.replace(log)  # a new file at the path, longer than the offset
+    assert tail.read() == ["x" * 200, "RuntimeError: replaced"]

@@ -91,10 +91,17 @@ class LogTail:
         self.path = path
         self.pos = 0
         self.buf = b""
+        self.ident: tuple[int, int] | None = None  # the file read so far (device, inode)
 
     def read(self) -> list[str]:
         try:
             with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size < self.pos or (self.ident is not None and self.ident != (st.st_dev, st.st_ino)):
+                    # truncated (copytruncate) or replaced: read it from its start, or every line
+                    # after would go unseen until it grew past the old offset
+                    self.pos, self.buf = 0, b""
+                self.ident = (st.st_dev, st.st_ino)
                 f.seek(self.pos)
                 chunk = f.read()
                 self.pos = f.tell()
