@@ -420,7 +420,9 @@ def test_an_lna2_strict_seat_always_gates_on_its_proof(tmp_path):
     assert any(re.search(pat, LNA2_DECLINE_SAMPLE) for pat in p.gates.forbidden)
     assert not any(re.search(pat, "LNA2 declined: rows=40 above the ceiling (rank=0/8)") for pat in p.gates.forbidden)
     canon = load_profile("8x16gb-380k")
-    assert [m.text for m in canon.gates.markers].count(LNA2_ACTIVE) == 1 and len(canon.gates.forbidden) == 4
+    assert [m.text for m in canon.gates.markers].count(LNA2_ACTIVE) == 1 and len(canon.gates.forbidden) == 5
+    # the image's own lna2 running beneath dsv4serve's is forbidden in a child's own list too
+    assert "F3 LNA2 MoE kernel ACTIVE" in p.gates.forbidden and "F3 LNA2 MoE kernel ACTIVE" in canon.gates.forbidden
     with pytest.raises(ProfileError) as e:
         load_profile("8x16gb-380k", ['gates.markers=[{text: "LNA2 MoE kernel ACTIVE", ranks: 1}]'])
     assert "1 of 8 ranks for the lna2 ACTIVE marker" in e.value.line() and 'use "all"' in e.value.line()
@@ -429,7 +431,7 @@ def test_an_lna2_strict_seat_always_gates_on_its_proof(tmp_path):
     frag = load_profile("8x16gb-380k", ['gates.markers=[{text: "MoE", ranks: all}, {text: "rank=", ranks: 1}]',
                                         'gates.forbidden=["LNA2 declined: x dtype"]'])
     assert [m.text for m in frag.gates.markers] == ["MoE", "rank=", LNA2_ACTIVE]
-    assert frag.gates.forbidden[-1] == "LNA2 declined: (?!rows=\\d+ above the ceiling)"
+    assert frag.gates.forbidden[-2:] == ["LNA2 declined: (?!rows=\\d+ above the ceiling)", "F3 LNA2 MoE kernel ACTIVE"]
     loose = load_profile("8x16gb-380k", ["moe.strict=0", "env.VLLM_EXL3_MOE_STRICT=0", "gates.markers=[]",
                                           "gates.forbidden=[]"])
     assert loose.gates.markers == [] and loose.gates.forbidden == []
@@ -686,6 +688,11 @@ def test_a_profile_reached_through_a_link_is_named_again_by_the_link(tmp_path):
     ("env.VLLM_LOGGING_LEVEL=error", "env.VLLM_LOGGING_LEVEL=error changes the log lines"),
     ('vllm.extra_args=["--logging-config", "{}"]', "--logging-config changes the log lines the gates read"),
     ('vllm.extra_args=["--log-config-file=/x.json"]', "--log-config-file changes the log lines"),
+    # a level above WARNING in any spelling vLLM and logging take (review)
+    ("env.VLLM_LOGGING_LEVEL=FATAL", "env.VLLM_LOGGING_LEVEL=FATAL changes the log lines"),
+    ("env.VLLM_LOGGING_LEVEL='40'", "env.VLLM_LOGGING_LEVEL=40 changes the log lines"),
+    ('vllm.extra_args=["--log-level", "ERROR"]', "--log-level ERROR changes the log lines"),
+    ('vllm.extra_args=["--log_level=critical"]', "--log_level critical changes the log lines"),
 ])
 def test_what_would_hide_the_log_lines_the_gates_read_is_refused(override, said):
     """A logging prefix, a JSON formatter, vLLM's logging off, or a level above WARNING made every
@@ -694,6 +701,7 @@ def test_what_would_hide_the_log_lines_the_gates_read_is_refused(override, said)
         load_profile("cpu-demo", [override])
     assert said in e.value.line()
     assert load_profile("cpu-demo", ["env.VLLM_LOGGING_LEVEL=DEBUG"]).env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert load_profile("cpu-demo", ['vllm.extra_args=["--log-level", "warning"]']).vllm.extra_args
 
 
 def test_a_native_seat_does_not_inherit_what_would_hide_its_log_lines(monkeypatch, tmp_path):

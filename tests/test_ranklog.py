@@ -506,6 +506,10 @@ def test_an_access_log_line_quoting_an_error_name_is_no_fatal():
     for path in ("/?EngineDeadError", "/MemoryError", "/v1/x?ncclSystemError", "/CUDA%20error:%20x"):
         tr.feed(f'INFO:     127.0.0.1:40000 - "GET {path} HTTP/1.1" 404 Not Found')
     assert tr.fatal == []
+    # X-Forwarded-For from a local client is logged as the client, spaces and a forged worker line too
+    tr.feed('INFO:     evil host:0 - "GET /?EngineDeadError HTTP/1.1" 404 Not Found')
+    tr.feed(f'INFO:     a|1/2 [x](Worker_TP1 pid=9) WARNING {ACTIVE}1/2 ext=x:0 - "GET / HTTP/1.1" 404 Not Found')
+    assert tr.fatal == [] and tr.lna2_builds == {}
     tr.feed("ERROR 12-07 10:00:00 [core.py:1] EngineDeadError: the engine died")  # the engine's own still is
     assert [f.kind for f in tr.fatal] == ["rank_died"]
 
@@ -553,7 +557,7 @@ def test_gpu_plus_host_kv_is_not_gpu_kv():
     tr = SeatTracker(1, [], [])
     tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU KV cache size: 395,069 tokens")
     tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU + host KV cache size: 1,900,000 tokens")
-    assert tr.kv_tokens == 395069
+    assert tr.kv_tokens == 395069 and tr.kv_host_tokens == 1900000  # kept apart, for the message that names it
 
 
 def test_a_line_still_being_written_trips_no_gate(tmp_path):
@@ -597,3 +601,38 @@ def test_up_s_log_tail_reads_a_truncated_or_replaced_log_from_its_start(tmp_path
     other.write_text("x" * 200 + "\nRuntimeError: replaced\n")
     other.replace(log)  # a new file at the path, longer than the offset
     assert tail.read() == ["x" * 200, "RuntimeError: replaced"]
+
+
+def test_a_bar_prefixed_as_raw_output_still_splits_and_the_line_glued_after_it_counts(tmp_path):
+    """The seat image's vLLM (0.28) prefixes each raw line of stdout / stderr, a tqdm bar included:
+    `(Worker_TP0 pid=N) \\r<bar>\\r<bar>` with rank 3's ACTIVE line glued after the last redraw. Read
+    as one record (review), rank 3's marker was never seen: the canon seat could not come up."""
+    from dsv4serve.ranklog import finished_redraws, read_log
+
+    for sep in (" ", ""):
+        line = (f"(Worker_TP0 pid=200){sep}\rCapturing CUDA graphs:  33%|###   | 1/3 [00:01<00:02]"
+                "\rCapturing CUDA graphs:  67%|######| 2/3 [00:02<00:01]"
+                f"(Worker_TP3 pid=203) WARNING 12-07 10:00:00 [vllm_plugin.py:1] {ACTIVE}3/8 ext=b")
+        log = tmp_path / "vllm.log"
+        log.write_text(line + "\n")
+        tr = read_log(str(log), 8, [ACTIVE], [])
+        assert tr.marker_ranks[ACTIVE] == {3} and tr.lna2_builds == {3: "b"}, sep
+        partial = f"(Worker_TP0 pid=200){sep}\rLoading: 10% | 5/51 [00:05<00:50]\rLoad".encode()
+        assert finished_redraws(partial) == partial[:partial.rfind(b"\r") + 1]
+    assert finished_redraws(b"(APIServer pid=1) INFO x\ry\rz") == b""  # a record's text stays whole
+
+
+def test_a_seat_that_reports_only_gpu_plus_host_kv_is_told_so_not_that_vllm_said_nothing():
+    """With HiSparse vLLM prints only the GPU + host figure: the gate cannot pass, and it said vLLM
+    never reported a KV size (review)."""
+    from types import SimpleNamespace
+
+    from dsv4serve.supervisor import Supervisor
+
+    tr = SeatTracker(1, [], [])
+    tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU + host KV cache size: 1,900,000 tokens")
+    fake = SimpleNamespace(profile=SimpleNamespace(kv_min_tokens=lambda: 389120), tracker=tr)
+    why, hint = Supervisor._kv_problem(fake, final=True)
+    assert why.startswith("vLLM reported only its GPU + host KV cache size (1,900,000 tokens, HiSparse)")
+    assert "kv_cache_min_tokens" in hint
+    assert Supervisor._kv_problem(fake, final=False) is None

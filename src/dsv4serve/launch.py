@@ -20,7 +20,7 @@ from dsv4serve.errors import BadInput, ProfileError
 from dsv4serve.lna2.build import MODULE as _LNA2_MODULE
 from dsv4serve.lna2.loader import ENV as LNA2_EXT_ENV
 from dsv4serve.lna2.policy import UBATCH_WHY, graph_rows
-from dsv4serve.profile import LNA2_ACTIVE_ANY, LOG_FORMAT_ENV, QUIET_LEVELS, Profile, VllmSection
+from dsv4serve.profile import LNA2_ACTIVE_ANY, LOG_FORMAT_ENV, Profile, VllmSection, quiet_level
 
 PLUGIN_ENV_RUN_ID = "DSV4SERVE_RUN_ID"
 PLUGIN_ENV_RUN_DIR = "DSV4SERVE_RUN_DIR"
@@ -566,7 +566,7 @@ _RUN_CHANNEL = (PLUGIN_ENV_RUN_ID, PLUGIN_ENV_RUN_DIR, PLUGIN_ENV_KERNEL, PLUGIN
 def env_for_child(spec: LaunchSpec) -> dict[str, str]:
     # a native seat inherits this shell, but not what would hide its log lines from the gates
     env = {k: v for k, v in os.environ.items() if k not in _RUN_CHANNEL and k not in LOG_FORMAT_ENV
-           and not (k == "VLLM_LOGGING_LEVEL" and v.strip().upper() in QUIET_LEVELS)}
+           and not (k == "VLLM_LOGGING_LEVEL" and quiet_level(v))}
     env.update(spec.env)
     return env
 

@@ -44,7 +44,14 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # What changes the log lines the gates read (each rank's by vLLM's `(Worker_TPr pid=N)` prefix, the
 # plugin's proof at WARNING): a profile may not set them, and a native seat does not inherit them.
 LOG_FORMAT_ENV = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_STREAM")
-QUIET_LEVELS = ("ERROR", "CRITICAL")  # VLLM_LOGGING_LEVEL values that drop the plugin's WARNING lines
+def quiet_level(level: str) -> bool:
+    """Whether a logging level (a name, or a number as logging takes it) drops WARNING lines, the
+    plugin's proof: ERROR, CRITICAL, FATAL, 31.."""
+    import logging
+
+    text = level.strip().upper()
+    n = int(text) if text.isdigit() else logging.getLevelName(text)
+    return isinstance(n, int) and n > logging.WARNING
 LOG_FORMAT_WHY = ("changes the log lines the gates read per rank (vLLM's own format, the plugin's lines at "
                   "WARNING): leave vLLM's logging as it is")
 
@@ -316,6 +323,13 @@ class VllmSection(_Strict):
                  "--config": "a config file (it can set any flag, behind the profile's keys)",
                  # the gates read vLLM's own log lines, per rank, by their process prefix
                  "--log-config-file": LOG_FORMAT_WHY, "--logging-config": LOG_FORMAT_WHY}
+        for i, a in enumerate(v):
+            name, eq, value = a.partition("=")
+            name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+            if len(name) >= len("--log-l") and "--log-level".startswith(name):
+                value = value if eq else (v[i + 1] if i + 1 < len(v) else "")
+                if quiet_level(value):
+                    raise ValueError(f"{a.split('=', 1)[0]} {value} {LOG_FORMAT_WHY}")
         for a in v:
             if a.startswith("--"):
                 # vLLM reads --max_model_len as --max-model-len, and --speculative-config.x=.. replaces
@@ -399,6 +413,7 @@ VLLM_DEFAULT_MAX_NUM_SEQS = 256  # what vLLM batches up to when --max-num-seqs i
 # of those lines passed the gate without dsv4serve's plugin serving a single call.
 LNA2_ACTIVE = "LNA2 MoE kernel ACTIVE rank="
 LNA2_ACTIVE_ANY = "LNA2 MoE kernel ACTIVE"  # ours or the image's: what an incumbent seat never shows
+IMAGE_LNA2_ACTIVE = "F3 LNA2 MoE kernel ACTIVE"  # the image's own lna2 path: never beneath dsv4serve's
 # a decline outside prefill shapes (rows above the ceiling are prefill, which the incumbent serves)
 LNA2_DECLINE = r"LNA2 declined: (?!rows=\d+ above the ceiling)"
 LNA2_DECLINE_SAMPLE = ("LNA2 declined: x dtype torch.float32 is not fp16 or bf16 (rank=0/8 "
@@ -545,7 +560,7 @@ class Profile(_Strict):
                                  "export DSV4SERVE_HOME before running dsv4serve")
             if val is None:  # deleted by a child profile
                 continue
-            if k in LOG_FORMAT_ENV or (k == "VLLM_LOGGING_LEVEL" and str(val).upper() in QUIET_LEVELS):
+            if k in LOG_FORMAT_ENV or (k == "VLLM_LOGGING_LEVEL" and quiet_level(str(val))):
                 raise ValueError(f"env.{k}={val} {LOG_FORMAT_WHY}")
             if isinstance(val, bool):
                 # YAML reads yes/no/on/off/true/false as booleans; which string was meant is lost.
@@ -575,6 +590,8 @@ class Profile(_Strict):
             self.gates.markers = [*self.gates.markers, Marker(text=LNA2_ACTIVE, ranks="all")]
         if LNA2_DECLINE not in self.gates.forbidden:  # a narrower pattern of the user's is not a substitute
             self.gates.forbidden = [*self.gates.forbidden, LNA2_DECLINE]
+        if IMAGE_LNA2_ACTIVE not in self.gates.forbidden:  # the image's own lna2 ran beneath ours
+            self.gates.forbidden = [*self.gates.forbidden, IMAGE_LNA2_ACTIVE]
         return self
 
     @model_validator(mode="after")

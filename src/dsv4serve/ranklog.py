@@ -34,11 +34,13 @@ _EMBEDDED_PREFIX = re.compile(r"\([A-Za-z][A-Za-z0-9_\- ]* pid=\d+\)")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # VLLM_LOGGING_COLOR / FORCE_COLOR, inherited from the shell
 _LEVEL = re.compile(r"^(?:ERROR|CRITICAL)\b")
 # vLLM's request log echoes what users sent: text in a prompt is not the seat's own error
+# uvicorn's access log (on by default, no process prefix): `INFO:     <client> - "GET <path> HTTP/1.1"
+# 404 ...`. It quotes the request line as any client sent it (`GET /?EngineDeadError`), and the client
+# part is X-Forwarded-For as a local client wrote it (spaces, a bar's end, a worker's prefix): known
+# by its level head and its tail, whatever lies between.
+ACCESS_LOG = re.compile(r'^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s.* - "[A-Z]+ \S* HTTP/\d(?:\.\d)?" \d{3}\b')
 _REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+|"
-                           r"\bRequest \S+ (?:details|JSON body):|"
-                           # uvicorn's access log (on by default, no process prefix): it quotes the
-                           # request line as any client sent it, `GET /?EngineDeadError` included
-                           r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+\S+ - \"[A-Z]+ ")
+                           r"\bRequest \S+ (?:details|JSON body):|" + ACCESS_LOG.pattern)
 # the end of a tqdm bar (`... 0%|          | 0/67 [00:00<?, ?it/s]`, vLLM's `| 1/1 [00:00<00:00, ...]`)
 _BAR_END = re.compile(r"\|\s*\d+/\d+\s*\[[^\]]*\]\s*$")
 LOG_HEAD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:\d\d-\d\d(?: \d\d:\d\d:\d\d(?:\.\d+)?)?\s+)?"
@@ -55,6 +57,7 @@ _ACTIVE_EXT = re.compile(r"^LNA2 MoE kernel ACTIVE rank=(\d+)/(\d+) .*?\bext=(\S
 SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")
 # not vLLM's "GPU + host KV cache size" (HiSparse): host memory is no GPU KV the gate may count
 KV_TOKENS = re.compile(r"\b(?:(?:GPU|CPU|XPU|TPU|NPU) )?(?<!host )KV cache size: (\d[\d,]*) tokens")
+KV_HOST_TOKENS = re.compile(r"\bGPU \+ host KV cache size: (\d[\d,]*) tokens")  # said instead, with HiSparse
 KV_MEMORY = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 MAXLEN_HINT = re.compile(r"estimated maximum model length is (\d+)")
 DIST_ID = re.compile(r"vllm_dist_([0-9a-f]{8,})")
@@ -117,6 +120,15 @@ class ParsedLine:
     text: str
 
 
+def _record(line: str) -> bool:
+    """Whether a line is one log record: it starts with a process prefix and its text is not a bar.
+    vLLM 0.32 prefixes records only; older ones (the seat image's 0.28) prefix each raw line written
+    to stdout / stderr, so a tqdm bar there reads `(Worker_TP0 pid=N) \\r<bar>\\r<bar>...`: a
+    prefix followed at once by a carriage return, which no record has."""
+    m = PREFIX.match(line)
+    return m is not None and not line[m.end("pid") + 1:].lstrip(" ").startswith("\r")
+
+
 def physical_parts(raw: str) -> list[str]:
     """The log lines one line of the file holds. A tqdm bar (rank 0's shard loading, CUDA-graph
     capture) redraws itself after a carriage return and ends no line, so the next process's line is
@@ -125,10 +137,9 @@ def physical_parts(raw: str) -> list[str]:
     a bar's end starts a line of its own; anywhere else a prefix is text, so a prompt that quotes a
     worker's line in a request log (prefixed by the API server) forges nothing. Colour codes go."""
     clean = ANSI.sub("", raw.rstrip("\n"))
-    if PREFIX.match(clean):
-        # one log record (vLLM prefixes records, never a bar's redraws): a carriage return inside it
-        # is its text (a request id, a prompt), and splitting there let the record forge a line of
-        # another process, marker and all
+    if _record(clean) or ACCESS_LOG.match(clean):
+        # one log record: a carriage return inside it is its text (a request id, a prompt), and
+        # splitting there let the record forge a line of another process, marker and all
         return [clean.rstrip("\r").replace("\r", " ")]
     out = []
     for seg in clean.split("\r"):
@@ -218,6 +229,7 @@ class SeatTracker:
                        "engine": RankState("engine", since=t0, last_progress=t0)}
         self.pid_rank: dict[int, int] = {}
         self.kv_tokens: int | None = None
+        self.kv_host_tokens: int | None = None  # vLLM's GPU + host figure (HiSparse): not the gate's
         self.kv_gib: float | None = None
         self.maxlen_hint: int | None = None
         self.fatal: list[Fatal] = []
@@ -375,6 +387,9 @@ class SeatTracker:
             for r, rs in self.ranks.items():
                 if rs.advance("kv_sized", now):
                     events.append(self._ev(now, "phase", r, phase="kv_sized"))
+        m = KV_HOST_TOKENS.search(text) if not _REQUEST_ECHO.search(text) else None
+        if m:
+            self.kv_host_tokens = int(m.group(1).replace(",", ""))
         m = KV_MEMORY.search(text)
         if m:
             self.kv_gib = float(m.group(1))
@@ -622,7 +637,7 @@ def finished_redraws(partial: bytes) -> bytes:
     (prefixed), nor a record's unfinished tail: half a line can match what the whole does not
     (`... above t` against a forbidden `(?!rows=\\d+ above the ceiling)`)."""
     cut = partial.rfind(b"\r") + 1
-    if not cut or PREFIX.match(ANSI.sub("", partial[:200].decode("utf-8", "replace"))):
+    if not cut or _record(ANSI.sub("", partial[:200].decode("utf-8", "replace"))):
         return b""
     return partial[:cut]
 

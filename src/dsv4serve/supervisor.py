@@ -726,6 +726,10 @@ class Supervisor:
         if not want:
             return None
         kv = self.tracker.kv_tokens
+        if kv is None and final and self.tracker.kv_host_tokens is not None:
+            return (f"vLLM reported only its GPU + host KV cache size ({self.tracker.kv_host_tokens:,} tokens, "
+                    "HiSparse): the gate counts the KV cache on the GPUs, which it did not report",
+                    "run without HiSparse, or set gates.kv_cache_min_tokens: null to drop the gate")
         if kv is None:
             return ("vLLM never reported its KV cache size ('KV cache size: N tokens')", None) if final else None
         if kv < want:
