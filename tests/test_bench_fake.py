@@ -305,7 +305,8 @@ def test_a_password_in_the_base_url_is_sent_but_never_written(fake, tmp_path):
     assert "refused the user:password of --base-url" in res.stderr  # not the API key's hint
     # a URL refused before it was split was quoted whole (review): every refusal masks it
     for bad in (fake.url.replace("http://", "http://admin:s3cret@") + "0000", secret_url + "/?x=1",
-                "ftp://admin:s3cret@host", "http://admin:s3cret@[bad"):
+                "ftp://admin:s3cret@host", "http://admin:s3cret@[bad", "admin:s3cret@127.0.0.1:8000",
+                "http:admin:s3cret@host:8000"):
         res = run("--base-url", bad, "--runs", "1", "--json")
         assert res.exit_code == 2 and "s3cret" not in res.stderr + res.stdout and "***@" in res.stderr, res.stderr
     # one Authorization header cannot carry the user:password and an API key: said, not dropped (review)
@@ -435,6 +436,14 @@ def test_a_native_seat_started_with_the_shells_key_is_benched_with_it_or_refused
     assert run(*args).exit_code == 0
     monkeypatch.delenv("VLLM_API_KEY")
     assert run(*args, "--api-key", "k-up").exit_code == 0  # said on the command line: taken as given
+    # a state written before the salt (sha256(key)[:12]) still matches its key (review)
+    import hashlib
+
+    state.save(st.model_copy(update={"api_key_fp": hashlib.sha256(b"k-up").hexdigest()[:12]}))
+    monkeypatch.setenv("VLLM_API_KEY", "k-up")
+    assert run(*args).exit_code == 0
+    monkeypatch.setenv("VLLM_API_KEY", "k-other")
+    assert run(*args).exit_code == 2
 
 
 def test_no_seat_running_is_bad_input():

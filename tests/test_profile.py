@@ -686,6 +686,9 @@ def test_a_profile_reached_through_a_link_is_named_again_by_the_link(tmp_path):
     ("env.VLLM_CONFIGURE_LOGGING=0", "env.VLLM_CONFIGURE_LOGGING=0 changes the log lines"),
     ("env.VLLM_LOGGING_CONFIG_PATH=/x.json", "env.VLLM_LOGGING_CONFIG_PATH=/x.json changes the log lines"),
     ("env.VLLM_LOGGING_LEVEL=error", "env.VLLM_LOGGING_LEVEL=error changes the log lines"),
+    # the KV cache size and the server's start are INFO lines the gates read (review)
+    ("env.VLLM_LOGGING_LEVEL=WARNING", "env.VLLM_LOGGING_LEVEL=WARNING changes the log lines"),
+    ('vllm.extra_args=["--uvicorn-log-level", "warning"]', "--uvicorn-log-level warning changes the log lines"),
     ('vllm.extra_args=["--logging-config", "{}"]', "--logging-config changes the log lines the gates read"),
     ('vllm.extra_args=["--log-config-file=/x.json"]', "--log-config-file changes the log lines"),
     # a level above WARNING in any spelling vLLM and logging take (review)
@@ -701,18 +704,22 @@ def test_what_would_hide_the_log_lines_the_gates_read_is_refused(override, said)
         load_profile("cpu-demo", [override])
     assert said in e.value.line()
     assert load_profile("cpu-demo", ["env.VLLM_LOGGING_LEVEL=DEBUG"]).env["VLLM_LOGGING_LEVEL"] == "DEBUG"
-    assert load_profile("cpu-demo", ['vllm.extra_args=["--log-level", "warning"]']).vllm.extra_args
+    assert load_profile("cpu-demo", ['vllm.extra_args=["--log-level", "info"]']).vllm.extra_args
 
 
 def test_a_native_seat_does_not_inherit_what_would_hide_its_log_lines(monkeypatch, tmp_path):
     from dsv4serve import launch
 
     for k, v in (("VLLM_LOGGING_PREFIX", "x"), ("VLLM_CONFIGURE_LOGGING", "0"), ("VLLM_LOGGING_LEVEL", "ERROR"),
-                 ("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("SOME_OTHER", "kept")):
+                 ("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("SOME_OTHER", "kept"),
+                 # a shell left with the old canon's kernel choice: the plan never saw it (review)
+                 ("VLLM_EXL3_MOE_KERNEL", "lna2"), ("VLLM_EXL3_MOE_STRICT", "2")):
         monkeypatch.setenv(k, v)
     spec = launch.build(load_profile("cpu-demo"), run_id="r", run_dir=tmp_path / "run")
     env = launch.env_for_child(spec)
     assert env["SOME_OTHER"] == "kept"
-    assert not {"VLLM_LOGGING_PREFIX", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"} & set(env)
+    assert not {"VLLM_LOGGING_PREFIX", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM",
+                "VLLM_EXL3_MOE_KERNEL"} & set(env)
+    assert env.get("VLLM_EXL3_MOE_STRICT") == spec.env.get("VLLM_EXL3_MOE_STRICT")  # the launcher's, not the shell's
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")
     assert launch.env_for_child(spec)["VLLM_LOGGING_LEVEL"] == "debug"

@@ -505,6 +505,8 @@ def test_an_access_log_line_quoting_an_error_name_is_no_fatal():
     tr = SeatTracker(2, [], [])
     for path in ("/?EngineDeadError", "/MemoryError", "/v1/x?ncclSystemError", "/CUDA%20error:%20x"):
         tr.feed(f'INFO:     127.0.0.1:40000 - "GET {path} HTTP/1.1" 404 Not Found')
+    for method in ("M-SEARCH", "get", "PROPFIND"):  # any token httptools or h11 parses (review)
+        tr.feed(f'INFO:     127.0.0.1:40000 - "{method} /?EngineDeadError HTTP/1.1" 404 Not Found')
     assert tr.fatal == []
     # X-Forwarded-For from a local client is logged as the client, spaces and a forged worker line too
     tr.feed('INFO:     evil host:0 - "GET /?EngineDeadError HTTP/1.1" 404 Not Found')
@@ -553,11 +555,14 @@ def test_only_the_plugins_own_line_for_its_own_rank_is_the_marker():
 
 
 def test_gpu_plus_host_kv_is_not_gpu_kv():
-    """With HiSparse vLLM also prints the GPU + host figure: the gate counted host memory."""
+    """With HiSparse vLLM prints the GPU + host figure (instead of the GPU one): the gate counted host
+    memory. Both lines are fed here to show each goes where it belongs."""
     tr = SeatTracker(1, [], [])
     tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU KV cache size: 395,069 tokens")
     tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] GPU + host KV cache size: 1,900,000 tokens")
     assert tr.kv_tokens == 395069 and tr.kv_host_tokens == 1900000  # kept apart, for the message that names it
+    tr.feed("(EngineCore pid=1) INFO 12-07 10:00:00 [kv_cache_utils.py:1] XPU + host KV cache size: 2,000,000 tokens")
+    assert tr.kv_tokens == 395069 and tr.kv_host_tokens == 2000000
 
 
 def test_a_line_still_being_written_trips_no_gate(tmp_path):

@@ -76,8 +76,9 @@ def check_base_url(url: str) -> str:
 
 def masked_url(url: str) -> str:
     """`url` with any user:password replaced by ***, for a message (parsed or not)."""
-    # to the last @: a password may hold '/' or '?', and masking a path's @ too is the safe side
-    return re.sub(r"(?<=//).*@", "***@", url, count=1)
+    # to the last @, after the scheme if there is one (`admin:pw@host`, a scheme forgotten, too): a
+    # password may hold '/' or '?', and masking a path's @ too is the safe side
+    return re.sub(r"^((?:[A-Za-z][\w+.-]*:)?/{0,2}).*@", r"\1***@", url, count=1)
 
 
 def split_userinfo(url: str) -> tuple[str, httpx.BasicAuth | None]:

@@ -3,6 +3,7 @@ that refuse a seat before it is started (each refusal names the key and the fix)
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -564,8 +565,10 @@ _RUN_CHANNEL = (PLUGIN_ENV_RUN_ID, PLUGIN_ENV_RUN_DIR, PLUGIN_ENV_KERNEL, PLUGIN
 
 
 def env_for_child(spec: LaunchSpec) -> dict[str, str]:
-    # a native seat inherits this shell, but not what would hide its log lines from the gates
+    # a native seat inherits this shell, but not what would hide its log lines from the gates, nor
+    # a kernel choice the plan did not check (a shell left with the old VLLM_EXL3_MOE_KERNEL=lna2)
     env = {k: v for k, v in os.environ.items() if k not in _RUN_CHANNEL and k not in LOG_FORMAT_ENV
+           and k not in ("VLLM_EXL3_MOE_KERNEL", "VLLM_EXL3_MOE_STRICT")
            and not (k == "VLLM_LOGGING_LEVEL" and quiet_level(v))}
     env.update(spec.env)
     return env
@@ -599,8 +602,6 @@ def seat_api_key(runtime: str, argv: list[str], env: dict[str, str]) -> str | No
 def key_fingerprint(key: str | None, salt: str) -> str:
     """A digest that tells two keys apart without recording either ('' for no key). Salted with the
     run id, so it matches nothing outside that run's state file; never printed."""
-    import hashlib
-
     if not key:
         return ""
     return hashlib.sha256(f"{salt}\0{key}".encode("utf-8", "surrogateescape")).hexdigest()[:16]
@@ -612,7 +613,10 @@ def running_seat_key(st: Any) -> str | None:
     (a native seat inherits the key of the shell that ran `up`, which this shell may not have)."""
     key = seat_api_key(st.runtime, st.argv, st.env)
     want = getattr(st, "api_key_fp", None)
-    if want and key_fingerprint(key, st.run_id) != want:
+    # a state written before the salt held sha256(key)[:12]
+    have = key_fingerprint(key, st.run_id) if not want or len(want) != 12 else (
+        hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12] if key else "")
+    if want and have != want:
         raise BadInput(f"seat {st.seat}'s server was started with an API key and this shell "
                        + ("has no VLLM_API_KEY" if not key else "has another one in VLLM_API_KEY"),
                        hint="export the VLLM_API_KEY of the shell that ran `up` (bench also takes --api-key KEY)")

@@ -45,15 +45,15 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # plugin's proof at WARNING): a profile may not set them, and a native seat does not inherit them.
 LOG_FORMAT_ENV = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_STREAM")
 def quiet_level(level: str) -> bool:
-    """Whether a logging level (a name, or a number as logging takes it) drops WARNING lines, the
-    plugin's proof: ERROR, CRITICAL, FATAL, 31.."""
+    """Whether a logging level (a name, or a number as logging takes it) drops INFO lines: the KV
+    cache size and the server's start, which the gates read (the plugin's own go at WARNING)."""
     import logging
 
     text = level.strip().upper()
     n = int(text) if text.isdigit() else logging.getLevelName(text)
-    return isinstance(n, int) and n > logging.WARNING
-LOG_FORMAT_WHY = ("changes the log lines the gates read per rank (vLLM's own format, the plugin's lines at "
-                  "WARNING): leave vLLM's logging as it is")
+    return isinstance(n, int) and n > logging.INFO
+LOG_FORMAT_WHY = ("changes the log lines the gates read (vLLM's own format and its INFO lines, each rank's by "
+                  "its prefix): leave vLLM's logging as it is")
 
 
 def _no_bool(v: Any) -> Any:
@@ -326,7 +326,8 @@ class VllmSection(_Strict):
         for i, a in enumerate(v):
             name, eq, value = a.partition("=")
             name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
-            if len(name) >= len("--log-l") and "--log-level".startswith(name):
+            if (len(name) >= len("--log-l") and "--log-level".startswith(name)) or \
+                    (len(name) >= len("--uv") and "--uvicorn-log-level".startswith(name)):
                 value = value if eq else (v[i + 1] if i + 1 < len(v) else "")
                 if quiet_level(value):
                     raise ValueError(f"{a.split('=', 1)[0]} {value} {LOG_FORMAT_WHY}")

@@ -38,7 +38,8 @@ _LEVEL = re.compile(r"^(?:ERROR|CRITICAL)\b")
 # 404 ...`. It quotes the request line as any client sent it (`GET /?EngineDeadError`), and the client
 # part is X-Forwarded-For as a local client wrote it (spaces, a bar's end, a worker's prefix): known
 # by its level head and its tail, whatever lies between.
-ACCESS_LOG = re.compile(r'^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s.* - "[A-Z]+ \S* HTTP/\d(?:\.\d)?" \d{3}\b')
+ACCESS_LOG = re.compile(r'^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s.* - "[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S* '
+                        r'HTTP/\d(?:\.\d)?" \d{3}\b')  # the method: any HTTP token (M-SEARCH, get)
 _REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+|"
                            r"\bRequest \S+ (?:details|JSON body):|" + ACCESS_LOG.pattern)
 # the end of a tqdm bar (`... 0%|          | 0/67 [00:00<?, ?it/s]`, vLLM's `| 1/1 [00:00<00:00, ...]`)
@@ -57,7 +58,7 @@ _ACTIVE_EXT = re.compile(r"^LNA2 MoE kernel ACTIVE rank=(\d+)/(\d+) .*?\bext=(\S
 SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")
 # not vLLM's "GPU + host KV cache size" (HiSparse): host memory is no GPU KV the gate may count
 KV_TOKENS = re.compile(r"\b(?:(?:GPU|CPU|XPU|TPU|NPU) )?(?<!host )KV cache size: (\d[\d,]*) tokens")
-KV_HOST_TOKENS = re.compile(r"\bGPU \+ host KV cache size: (\d[\d,]*) tokens")  # said instead, with HiSparse
+KV_HOST_TOKENS = re.compile(r"\b[A-Z]+ \+ host KV cache size: (\d[\d,]*) tokens")  # said instead, with HiSparse
 KV_MEMORY = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 MAXLEN_HINT = re.compile(r"estimated maximum model length is (\d+)")
 DIST_ID = re.compile(r"vllm_dist_([0-9a-f]{8,})")

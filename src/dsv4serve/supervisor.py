@@ -926,8 +926,9 @@ class Supervisor:
                     for e in evs:
                         if e["event"] == "fatal":
                             self.display.line(e)
-                else:
-                    self.display.say(ln, markup=False, soft_wrap=True)
+                else:  # a bar's redraws as the last of them, a record's carriage returns as spaces
+                    self.display.say(ln.rstrip("\r").rsplit("\r", 1)[-1] if not ln.startswith("(") else
+                                     ln.replace("\r", " "), markup=False, soft_wrap=True)
             if intr.requested:
                 return self._stop_attached(intr, f"stopped by {intr.label()}", EXIT_OK)
             if self.display.broken is not None:
