@@ -33,13 +33,13 @@ PREFIX = re.compile(r"^\((?P<proc>[A-Za-z][A-Za-z0-9_\- ]*) pid=(?P<pid>\d+)\)\s
 _EMBEDDED_PREFIX = re.compile(r"\([A-Za-z][A-Za-z0-9_\- ]* pid=\d+\)")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # VLLM_LOGGING_COLOR / FORCE_COLOR, inherited from the shell
 _LEVEL = re.compile(r"^(?:ERROR|CRITICAL)\b")
-# vLLM's request log echoes what users sent: text in a prompt is not the seat's own error
 # uvicorn's access log (on by default, no process prefix): `INFO:     <client> - "GET <path> HTTP/1.1"
 # 404 ...`. It quotes the request line as any client sent it (`GET /?EngineDeadError`), and the client
 # part is X-Forwarded-For as a local client wrote it (spaces, a bar's end, a worker's prefix): known
 # by its level head and its tail, whatever lies between.
 ACCESS_LOG = re.compile(r'^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s.* - "[!#$%&\'*+.^_`|~0-9A-Za-z-]+ \S* '
                         r'HTTP/\d(?:\.\d)?" \d{3}\b')  # the method: any HTTP token (M-SEARCH, get)
+# vLLM's request log and the access log echo what users sent: text in a prompt is not the seat's own error
 _REQUEST_ECHO = re.compile(r"\b(?:Received request|Generated response|Added request) \S+|"
                            r"\bRequest \S+ (?:details|JSON body):|" + ACCESS_LOG.pattern)
 # the end of a tqdm bar (`... 0%|          | 0/67 [00:00<?, ?it/s]`, vLLM's `| 1/1 [00:00<00:00, ...]`)
