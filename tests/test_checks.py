@@ -885,6 +885,11 @@ def _counters_row(tmp_path, p, before_calls, now_calls):
 
 def _judge_counters(tmp_path, p, before, tp):
     """The counters row for the files now in tmp_path against `before`, without the live wait."""
+    return _st(_counters_report(tmp_path, p, before, tp), "counters")
+
+
+def _counters_report(tmp_path, p, before, tp):
+    """Every row check-seat's counters step adds for the files now in tmp_path, without the live wait."""
     ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=tp))
     rep = checks.Report(p.name)
     old = checks.COUNTERS_WAIT_S
@@ -893,7 +898,15 @@ def _judge_counters(tmp_path, p, before, tp):
         checks._counters(rep, ctx, before, 0.0)
     finally:
         checks.COUNTERS_WAIT_S = old
-    return _st(rep, "counters")
+    return rep
+
+
+def _lna2_counters(tmp_path, ranks, **per_rank):
+    """An lna2 rank's counters file for each rank, its other keys from per_rank[key](rank)."""
+    for r in range(ranks):
+        state.counters_path(tmp_path, r).write_text(json.dumps(
+            {"rank": r, "tp": ranks, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3}, "declines": {},
+             "final": False, **{k: f(r) for k, f in per_rank.items()}}))
 
 
 def test_lna2_is_asked_to_serve_the_canary_not_only_the_warm_up(tmp_path):
@@ -1156,18 +1169,8 @@ def test_the_parity_row_says_whether_lna2_computed_the_incumbents_moe_on_every_r
     p = load_profile("8x16gb-380k")
 
     def write(parity, declines=None):
-        for r in range(8):
-            state.counters_path(tmp_path, r).write_text(json.dumps(
-                {"rank": r, "tp": 8, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3},
-                 "declines": (declines or {}).get(r, {}), "final": False, "parity": parity(r)}))
-        ctx = checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8))
-        rep = checks.Report(p.name)
-        old, checks.COUNTERS_WAIT_S = checks.COUNTERS_WAIT_S, 0.0
-        try:
-            checks._counters(rep, ctx, state.read_counters(tmp_path, 8), 0.0)
-        finally:
-            checks.COUNTERS_WAIT_S = old
-        return _st(rep, "lna2-parity", "live")
+        _lna2_counters(tmp_path, 8, parity=parity, declines=lambda r: (declines or {}).get(r, {}))
+        return _st(_counters_report(tmp_path, p, state.read_counters(tmp_path, 8), 8), "lna2-parity", "live")
 
     r = write(lambda r: {"layers": 44, "of": 44, "worst": 1.5e-3 if r == 2 else 9e-4})
     assert r.status == "ok" and "r0 44/44" in r.found and "worst row 1.5e-03" in r.found
@@ -1194,19 +1197,11 @@ def test_the_graphs_row_fails_a_decode_size_whose_graph_was_captured_with_the_in
     p = load_profile("8x16gb-380k")  # 4 streams x (1 + 3): decode steps of up to 16 rows
     assert p.decode_rows() == 16
 
+    verified = {"layers": 44, "of": 44, "worst": 1e-3}
+
     def row(graphs, prof=p):
-        for r in range(8):
-            state.counters_path(tmp_path, r).write_text(json.dumps(
-                {"rank": r, "tp": 8, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3}, "declines": {},
-                 "final": False, "parity": {"layers": 44, "of": 44, "worst": 1e-3}, "graphs": graphs(r)}))
-        ctx = checks.Ctx(profile=prof, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8))
-        rep = checks.Report(prof.name)
-        old, checks.COUNTERS_WAIT_S = checks.COUNTERS_WAIT_S, 0.0
-        try:
-            checks._counters(rep, ctx, state.read_counters(tmp_path, 8), 0.0)
-        finally:
-            checks.COUNTERS_WAIT_S = old
-        return _st(rep, "lna2-graphs", "live")
+        _lna2_counters(tmp_path, 8, parity=lambda r: verified, graphs=graphs)
+        return _st(_counters_report(tmp_path, prof, state.read_counters(tmp_path, 8), 8), "lna2-graphs", "live")
 
     def sizes(lna2=(), declined=()):
         g = {str(n): {"lna2": 44, "declined": 0, "incumbent": 0} for n in lna2}
@@ -1226,19 +1221,10 @@ def test_the_graphs_row_fails_a_decode_size_whose_graph_was_captured_with_the_in
     r = row(lambda r: sizes(lna2=(4, 8), declined=(0,) if r == 1 else ()))  # a capture whose rows were unreadable
     assert r.status == "fail" and "rank 1: unknown rows" in r.fix
     # a rank without a counters file fails the counters row; the others' graphs and parity still show
-    for rank in range(8):
-        state.counters_path(tmp_path, rank).write_text(json.dumps(
-            {"rank": rank, "tp": 8, "kernel": "lna2", "calls": {"lna2": 40, "incumbent": 3}, "declines": {},
-             "final": False, "parity": {"layers": 44, "of": 44, "worst": 1e-3},
-             "graphs": sizes(lna2=(4,), declined=(8,) if rank == 2 else ())}))
+    _lna2_counters(tmp_path, 8, parity=lambda r: verified,
+                   graphs=lambda r: sizes(lna2=(4,), declined=(8,) if r == 2 else ()))
     state.counters_path(tmp_path, 5).unlink()
-    rep = checks.Report(p.name)
-    old, checks.COUNTERS_WAIT_S = checks.COUNTERS_WAIT_S, 0.0
-    try:
-        checks._counters(rep, checks.Ctx(profile=p, seat=SimpleNamespace(run_dir=str(tmp_path), tp=8)),
-                         state.read_counters(tmp_path, 8), 0.0)
-    finally:
-        checks.COUNTERS_WAIT_S = old
+    rep = _counters_report(tmp_path, p, state.read_counters(tmp_path, 8), 8)
     assert _st(rep, "counters", "live").status == "fail"
     assert _st(rep, "lna2-graphs", "live").status == "fail" and "rank 2: 8 rows" in _st(rep, "lna2-graphs", "live").fix
     par = _st(rep, "lna2-parity", "live")  # the other ranks matched, but rank 5 proved nothing: not ok (review)
