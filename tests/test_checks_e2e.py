@@ -62,3 +62,22 @@ def test_cli_json_on_the_demo_seat(demo_seat):
     live = [row for row in doc["rows"] if row["section"] == "live"]
     assert {row["check"] for row in live} >= {"seat", "kv-cache", "forbidden", "endpoint", "canary", "counters"}
     assert all(row["status"] == "ok" for row in live), live
+
+
+def test_the_canary_row_holds_the_answer_to_the_profiles_expectation(demo_seat, monkeypatch):
+    """gates.canary.expect on the real seat: the greedy answer of the demo model (gibberish, but the
+    same every time) passes an expectation built from it, and fails one it cannot meet, the row naming
+    the answer it got."""
+    from dsv4serve import readiness
+
+    monkeypatch.setenv("DSV4SERVE_HOME", str(demo_seat.home))
+    p = checks.load_for_check(demo_seat.profile, None)
+    answer = readiness.canary(demo_seat.base_url, demo_seat.model, p.gates.canary, 120.0)
+    exact = "^" + re.escape(answer) + "$"
+    for expect, status in ((exact, "ok"), ("NO-SUCH-ANSWER-[0-9]{40}", "fail")):
+        rep = checks.run_all(checks.load_for_check(demo_seat.profile, [f"gates.canary.expect={json.dumps(expect)}"]))
+        row = rep.row("live", "canary")
+        assert row.status == status and row.expected == f"an answer matching /{expect}/", row
+        if status == "fail":
+            assert row.found.startswith(f"canary answered {answer[:80]!r} (") and "NO-SUCH-ANSWER" in row.found, row
+            assert rep.exit_code() == 1

@@ -274,6 +274,19 @@ def test_a_forbidden_pattern_that_is_not_a_regex_is_refused_at_load():
         load_profile("cpu-demo", ['gates.forbidden=["(unclosed"]'])
 
 
+@pytest.mark.parametrize("value, words", [
+    ('"(unclosed"', r"gates.canary.expect: .*\(unclosed.*not a valid regex"),
+    ('""', "gates.canary.expect: .*an empty pattern matches every answer"),
+])
+def test_a_canary_expectation_that_cannot_be_matched_as_meant_is_refused_at_load(value, words):
+    """The readiness probe searches the canary's answer for gates.canary.expect: a pattern that does
+    not compile would crash the probe mid-bring-up, an empty one would pass any garbage."""
+    with pytest.raises(ProfileError, match=words):
+        load_profile("cpu-demo", [f"gates.canary.expect={value}"])
+    assert load_profile("cpu-demo", ["gates.canary.expect=null"]).gates.canary.expect is None
+    assert load_profile("8x16gb-380k").gates.canary.expect == r"(?i)\bready\b"  # the canon seat's answer
+
+
 def test_nested_yaml_merges_are_not_duplicate_keys():
     """A mapping that merges one which itself merges another is valid YAML: PyYAML folds the merged
     keys in place before the inner mapping's own turn, which must not read as a key given twice.

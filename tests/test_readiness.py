@@ -21,7 +21,8 @@ def probes(monkeypatch):
     monkeypatch.setattr(readiness, "health", lambda base, timeout=5.0: True)
     monkeypatch.setattr(readiness, "served_models", lambda base, timeout=5.0, api_key=None: ["m"])
     monkeypatch.setattr(readiness, "canary_result",
-                        lambda base, model, cfg, timeout, api_key=None: {"text": "ok", "tokens": 2, "seconds": 0.1})
+                        lambda base, model, cfg, timeout, api_key=None: {"text": "ok", "tokens": 2, "seconds": 0.1,
+                                                                          "expect": None})
 
     def set_owners(owners):
         monkeypatch.setattr(readiness, "listeners", lambda port: set(owners))
@@ -167,3 +168,40 @@ def test_a_models_list_of_another_shape_is_a_failure_not_a_crash():
 
     with local_server(Odder) as base, pytest.raises(JobFailed, match="did not answer"):
         readiness.served_models(base)
+
+
+@pytest.mark.parametrize("message, finish, expect, words", [
+    ({"content": "Ready."}, "stop", r"(?i)\bready\b", None),
+    ({"content": "", "reasoning_content": "the user wants ready"}, "stop", "ready", None),  # a reasoning-only answer
+    ({"content": "zxq zxq zxq"}, "length", r"(?i)\bready\b",
+     "canary answered 'zxq zxq zxq' (8 token(s), finish_reason 'length'), which does not match gates.canary.expect"),
+    ({"content": "already"}, "stop", r"(?i)\bready\b", "canary answered 'already'"),
+    ({"content": ""}, "length", "ready", "canary answered '' (8 token(s), finish_reason 'length')"),
+])
+def test_a_canary_answer_must_contain_what_the_profile_expects(message, finish, expect, words):
+    """gates.canary.expect: a seat emitting garbage returned tokens and passed. The answer (content,
+    else the reasoning) must contain the regex; a miss names the answer, and an answer the budget cut
+    before any text says to raise max_tokens or turn thinking off instead of blaming the kernel."""
+    from dsv4serve.profile import Canary
+
+    class Seat(JsonHandler):
+        def do_GET(self):
+            self.send_json(200, {} if self.path == "/health" else {"data": [{"id": "demo"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_json(200, {"choices": [{"message": message, "finish_reason": finish}],
+                                 "usage": {"completion_tokens": 8}})
+
+    cfg = Canary(prompt="Reply with one word: ready", expect=expect)
+    with local_server(Seat) as base:
+        if words is None:
+            res = readiness.check(base, "demo", cfg, timeout=10)
+            assert res["canary_expect"] == expect and res["canary_tokens"] == 8
+            return
+        with pytest.raises(JobFailed, match=re.escape(words)) as e:
+            readiness.check(base, "demo", cfg, timeout=10)
+    if message["content"]:
+        assert e.value.hint == readiness.EXPECT_HINT
+    else:
+        assert "raise gates.canary.max_tokens" in e.value.hint and "thinking_off=true" in e.value.hint

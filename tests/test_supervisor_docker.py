@@ -252,7 +252,7 @@ def test_a_container_of_the_same_name_but_another_seat_is_never_stopped(fake, tm
     assert st["phase"] == "ready", st
     r = fake.run("up", "--profile", str(other), "--skip-checks", "--no-validate")
     assert r.returncode == 2 and f"container {fake.name} belongs to seat fake-docker" in r.stderr, r.stderr
-    assert f"`dsv4serve down --profile fake-docker`" in r.stderr
+    assert "`dsv4serve down --profile fake-docker`" in r.stderr
     assert fake.run("down", "--profile", fake.profile).returncode == 0
 
 
@@ -370,5 +370,30 @@ def test_a_missing_writable_mount_source_is_made_as_this_user(fake, tmp_path):
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert cache.is_dir() and cache.stat().st_uid == os.getuid()
+    finally:
+        assert fake.run("down", "--profile", fake.profile).returncode == 0
+
+
+def test_a_canary_answer_without_the_expected_text_fails_the_bring_up_and_names_the_answer(fake):
+    """Tokens alone passed readiness: a seat emitting garbage (a wrong quant, a kernel computing
+    nonsense) came up READY. The fake engine answers "ok ok"; a profile expecting "ready" must stop
+    the seat, say what it answered, and leave nothing behind."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--json", "--set", "gates.canary.expect=(?i)ready")
+    assert r.returncode == 1, r.stdout + r.stderr
+    failed = json_lines(r.stdout)[-1]
+    assert failed["event"] == "failed" and failed["clean"]
+    assert failed["reason"] == ("readiness: canary answered 'ok ok' (2 token(s), finish_reason 'length'), which does "
+                                "not match gates.canary.expect /(?i)ready/"), failed
+    assert "fix gates.canary.expect" in failed["hint"] and "check-seat" in failed["hint"]
+    assert not (fake.dir / f"{fake.name}.json").exists()  # the container is gone
+    st = json.loads(fake.run("status", "--profile", fake.profile, "--json").stdout)[0]
+    assert st["phase"] == "not running" and st["last_run"]["outcome"] == "failed"
+
+
+def test_a_canary_answer_with_the_expected_text_is_ready_and_says_what_it_matched(fake):
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--set", "gates.canary.expect=^ok\\b")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "canary 2 tokens matching /^ok\\b/" in " ".join(r.stdout.split())
     finally:
         assert fake.run("down", "--profile", fake.profile).returncode == 0

@@ -1398,15 +1398,16 @@ def _canary(rep: Report, ctx: Ctx, timeout: float | None) -> None:
     p, st = ctx.profile, ctx.seat
     t = timeout or min(p.gates.timeouts.ready_s, 120.0)
     cfg = p.gates.canary
+    want = "a completion with tokens" if cfg.expect is None else f"an answer matching /{cfg.expect}/"
     try:
         text = readiness.canary(st.base_url, p.model.served_name, cfg, t, api_key=_seat_key(ctx))
     except JobFailed as e:
-        rep.add("live", "canary", "fail", e.message, "a completion with tokens", e.hint or "")
+        rep.add("live", "canary", "fail", e.message, want, e.hint or "")
         return
     if text:
-        rep.add("live", "canary", "ok", f"{cfg.prompt!r} -> {text[:60]!r}", "a completion with tokens")
+        rep.add("live", "canary", "ok", f"{cfg.prompt!r} -> {text[:60]!r}", want)
     else:
-        rep.add("live", "canary", "warn", "completion returned no text", "a completion with tokens",
+        rep.add("live", "canary", "warn", "completion returned no text", want,
                 "thinking may have eaten max_tokens (trap 6): gates.canary.thinking_off=true")
 
 

@@ -631,6 +631,8 @@ def describe_gates(profile: Profile) -> dict[str, Any]:
         "forbidden": list(profile.gates.forbidden),
         "timeouts": profile.gates.timeouts.model_dump(),
         "readiness": ["/health 200", f"/v1/models lists {profile.model.served_name}",
-                      "a canary chat completion returns tokens"],
+                      "a canary chat completion returns tokens" + (
+                          "" if profile.gates.canary.expect is None
+                          else f" and its answer matches /{profile.gates.canary.expect}/")],
         "ranks": tp,
     }

@@ -460,6 +460,23 @@ class Canary(_Strict):
     prompt: str = "Reply with one word: ready"
     max_tokens: PosInt = 8
     thinking_off: bool = True
+    expect: str | None = Field(None, description="regex the greedy answer must contain (re.search): a seat that "
+                                                 "generates garbage (a wrong quant, a kernel computing nonsense) "
+                                                 "still returns tokens")
+
+    @field_validator("expect")
+    @classmethod
+    def _expect(cls, v: str | None) -> str | None:
+        # compiled here, so --dry-run and check-seat refuse what the readiness probe would trip on
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("an empty pattern matches every answer: remove it (null) or name the answer")
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"/{v}/ is not a valid regex ({e})") from None
+        return v
 
 
 class GatesSection(_Strict):

@@ -4,11 +4,14 @@
 (vllm-cpu-reference §2, head_dim 16), and /v1/models answers while generation is dead
 (vllm#53157). The canary is one greedy chat completion, thinking off where the template has it
 (the deepseek_v4 template reasons by default and can spend the whole budget on it, trap 6); it
-passes when the server reports at least one completion token.
+passes when the server reports at least one completion token and, where the profile names one
+(`gates.canary.expect`), the answer contains the expected text: tokens alone do not tell a seat
+that computes from one that emits garbage.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -57,6 +60,12 @@ def served_models(base_url: str, timeout: float = 5.0, api_key: str | None = Non
         raise JobFailed(f"{base_url}/v1/models did not answer ({type(e).__name__}: {first_line(e)})") from None
 
 
+# A greedy answer that misses the expected text is a seat that generates but computes something else.
+EXPECT_HINT = ("the seat generates, but not the expected answer: a wrong quant or bits stamp, or a MoE kernel "
+               "computing nonsense (`dsv4serve check-seat`, `dsv4serve logs`); if the answer is right, fix "
+               "gates.canary.expect")
+
+
 def canary_body(model: str, canary_cfg: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -101,7 +110,14 @@ def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 1
         raise JobFailed(f"canary completion was answered as model {data.get('model')!r}, not {model}",
                         hint="another server may own this port")
     text = next((v for v in parts if v), "").strip()
-    return {"text": text, "tokens": tokens, "seconds": round(time.monotonic() - t0, 2)}
+    expect = getattr(canary_cfg, "expect", None)
+    if expect is not None and not re.search(expect, text):
+        raise JobFailed(f"canary answered {text[:80]!r} ({tokens} token(s), finish_reason {finish!r}), which does "
+                        f"not match gates.canary.expect /{expect}/",
+                        hint=EXPECT_HINT if text or finish != "length" else
+                        "the answer ran out of max_tokens before any text: raise gates.canary.max_tokens or set "
+                        "gates.canary.thinking_off=true (trap 6)")
+    return {"text": text, "tokens": tokens, "seconds": round(time.monotonic() - t0, 2), "expect": expect}
 
 
 def canary(base_url: str, model: str, canary_cfg: Any, timeout: float = 120.0, api_key: str | None = None) -> str:
@@ -156,4 +172,4 @@ def check(base_url: str, model: str, canary_cfg: Any, timeout: float, port: int 
         owner = sorted(owners & our_pids) or None
     res = canary_result(base_url, model, canary_cfg, timeout, api_key=api_key)
     return {"health": 200, "models": names, "listener": owner, "canary": res["text"][:80],
-            "canary_tokens": res["tokens"], "canary_s": res["seconds"]}
+            "canary_tokens": res["tokens"], "canary_s": res["seconds"], "canary_expect": res["expect"]}

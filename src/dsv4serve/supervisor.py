@@ -349,6 +349,13 @@ def spawn(spec: LaunchSpec, log_path: Path, core_dumps: bool = False, rpc_dir: s
                                 preexec_fn=None if core_dumps else _no_core_dumps)
 
 
+def canary_said(res: dict[str, Any]) -> str:
+    """The canary's evidence in words: its tokens, and the expected answer it matched (when the profile
+    names one)."""
+    said = f"{res.get('canary_tokens')} tokens"
+    return said + (f" matching /{res['canary_expect']}/" if res.get("canary_expect") is not None else "")
+
+
 class Supervisor:
     def __init__(self, profile: Profile, spec: LaunchSpec, *, json_events: bool, foreground: bool,
                  gpu_uuids: list[str] | None = None, overrides: list[str] | None = None):
@@ -635,10 +642,11 @@ class Supervisor:
                 if self._probe_result is not None:
                     if canary_done_at is None:
                         canary_done_at = now
-                        self.display.http = f"canary ok ({self._probe_result.get('canary_tokens')} tokens)"
+                        said = canary_said(self._probe_result)
+                        self.display.http = f"canary ok ({said})"
                         self.display.emit({"event": "readiness", **self._probe_result,
                                            "say": f"readiness: /health 200, /v1/models lists {self.spec.served_name}, "
-                                                  f"canary returned {self._probe_result.get('canary_tokens')} tokens"})
+                                                  f"canary returned {said}"})
                     missing = self._missing_markers()
                     kv_problem = self._kv_problem(final=True)
                     if not missing and not kv_problem:
@@ -817,11 +825,12 @@ class Supervisor:
                            "model": self.spec.served_name, "pid": self.proc.pid if self.proc else None,
                            "markers": {m: sorted(v) for m, v in tr.marker_ranks.items()},
                            "kv_cache_tokens": tr.kv_tokens, "canary": out.readiness.get("canary"),
-                           "canary_tokens": out.readiness.get("canary_tokens")})
+                           "canary_tokens": out.readiness.get("canary_tokens"),
+                           "canary_expect": out.readiness.get("canary_expect")})
         if not self.json_events:
             self.display.say("[bold green]READY[/] " + escape(
                 f"seat {self.seat} in {out.seconds:.1f} s: {self.spec_base_url()}/v1 model {self.spec.served_name}; "
-                f"markers {marks}; KV cache {kv}; canary {out.readiness.get('canary_tokens')} tokens"), soft_wrap=True)
+                f"markers {marks}; KV cache {kv}; canary {canary_said(out.readiness)}"), soft_wrap=True)
 
     def _taken_over_outcome(self, intr: Interrupts, down_knew_pid: bool = True) -> Outcome:
         """`down` owns the teardown now: reap our child so `down`'s reap wait can finish, write nothing.
