@@ -363,3 +363,78 @@ def test_an_index_that_is_a_dead_link_or_a_loop_is_a_failing_row(tmp_path, clean
     (p / pack.INDEX).symlink_to(pack.INDEX)  # itself: a loop
     f = _validate(p, clean).get("index")
     assert f.status == "fail" and "symbolic links" in f.found, f
+
+
+def test_a_lost_draft_overlay_fails_a_seat_that_speculates(tmp_path, clean):
+    """The draft's experts (the MTP overlay) lost and the index rebuilt without them: the pack agreed
+    with itself, layer-modules said "0 draft layers complete", and the one warning ("drop the stale
+    layer_bits keys") would have removed the last sign of it (helper audit). A seat that speculates
+    with the pack's draft needs every draft layer config.json declares; one that does not, none."""
+    p = _copy(clean, tmp_path)
+    _drop(p, lambda n: n.startswith("mtp.") and ".ffn.experts." in n)
+    declared = json.loads((p / "config.json").read_text())["num_nextn_predict_layers"]
+    rep = _validate(p, clean, draft=True)
+    f = rep.get("layer-modules")
+    assert f.status == "fail", f
+    assert all(f"mtp.{j}: all 4 experts" in f.found for j in range(declared)), f.found
+    assert rep.get("routed-bits").status == "ok", rep.get("routed-bits")  # the draft's keys are not stale
+    assert _validate(p, clean, draft=False).get("layer-modules").status == "ok"
+    # the seat's profiles say which they are
+    from dsv4serve.profile import load_profile
+    assert load_profile("8x16gb-380k").drafts_from_pack() and load_profile("cpu-demo").drafts_from_pack()
+    assert not load_profile("8x16gb-ppl").drafts_from_pack()
+    assert not load_profile("cpu-demo", ["vllm.speculative_config={method: ngram, num_speculative_tokens: 2, "
+                                         "prompt_lookup_max: 3}"]).drafts_from_pack()
+
+
+@pytest.mark.parametrize("name, check", [("config.json", "config"), (pack.INDEX, "index")])
+@pytest.mark.parametrize("encode, word", [
+    (lambda t: b"\xef\xbb\xbf" + t.encode(), "starts with a UTF-8 byte-order mark"),
+    (lambda t: t.encode("utf-16"), "not UTF-8 text"),
+])
+def test_json_vllm_cannot_decode_fails_though_python_reads_it(tmp_path, clean, name, check, encode, word):
+    """json.loads(bytes) strips a BOM and reads UTF-16; vLLM's index reader and transformers' config
+    reader refuse both, so the pack passed check-seat and failed at load (helper audit)."""
+    p = _copy(clean, tmp_path)
+    (p / name).write_bytes(encode((p / name).read_text()))
+    f = _validate(p, clean).get(check)
+    assert f.status == "fail" and word in f.found, f
+    if check == "config" and "mark" in word:
+        assert f.fix.startswith("re-save config.json as UTF-8 without a BOM"), f.fix
+
+
+def test_an_empty_non_routed_exl3_with_dense_exl3_modules_fails_like_a_missing_one(tmp_path, clean):
+    p = _copy(clean, tmp_path)
+    cfg = json.loads((p / "config.json").read_text())
+    cfg["quantization_config"]["non_routed_exl3"] = {}
+    (p / "config.json").write_text(json.dumps(cfg))
+    f = _validate(p, clean).get("dense-bits")
+    assert f.status == "fail" and "dense EXL3 modules but non_routed_exl3 has no layers, bits or layer_bits" in f.found, f
+
+
+def test_every_shard_on_disk_and_a_stale_index_is_no_re_download(tmp_path, clean):
+    """shard-count counted the files the index names: all seven shards present, the index naming
+    six, said "re-download it" (86 GB) for what a rebuilt index fixes; it is also the line `up` shows."""
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != "model-layers-k2.safetensors"}
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    f = _validate(p, clean).get("shard-count")
+    n = clean.expect_shards
+    assert f.status == "fail" and f.found == (f"{n} safetensors files on disk, the index names {n - 1} (it leaves out "
+                                              "model-layers-k2.safetensors)"), f
+    assert "rebuild model.safetensors.index.json" in f.fix and "re-download" not in f.fix
+
+
+def test_an_empty_folder_or_the_folder_above_the_pack_is_one_row(tmp_path, clean):
+    """Four failing rows, the first (the one `up` shows) saying "restore config.json", for a
+    model.path one level too high (helper audit)."""
+    (tmp_path / "empty").mkdir()
+    rep = pack.validate(tmp_path / "empty", model_class=VISION)
+    assert [(f.check, f.status) for f in rep.findings] == [("pack-dir", "fail")]
+    assert rep.findings[0].found.endswith("holds no config.json and no .safetensors files")
+    shutil.copytree(clean.path, tmp_path / "models" / "DSV4-Flash")
+    rep = pack.validate(tmp_path / "models", model_class=VISION)
+    assert [(f.check, f.status) for f in rep.findings] == [("pack-dir", "fail")]
+    assert "(its DSV4-Flash/ holds a config.json)" in rep.findings[0].found
+    assert rep.findings[0].fix == f"set model.path to {tmp_path / 'models' / 'DSV4-Flash'}"

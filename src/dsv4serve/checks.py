@@ -565,7 +565,7 @@ def check_pack(rep: Report, ctx: Ctx) -> None:
         pr = pack.validate(path, expect_shards=p.model.expect_shards, model_class=p.model.model_class,
                            wo_a_slices=p.model.wo_a_rank_slices, exl3=p.vllm.quantization == "exl3",
                            mounted_only=p.runtime.kind == "docker", routed_ks=_routed_ks(p),
-                           tp=p.vllm.tensor_parallel_size)
+                           tp=p.vllm.tensor_parallel_size, draft=p.drafts_from_pack())
     ctx.pack_report = pr
     for f in pr.findings:
         rep.add("pack", f.check, f.status, f.found, f.expected, f.fix)

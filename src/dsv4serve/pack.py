@@ -60,6 +60,7 @@ VISION_CLASS = "DeepseekV4ForConditionalGeneration"
 
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d{1,9})\.ffn\.experts\.(\d{1,9})\.(w[123])$")
 _TRUNK = re.compile(r"^layers\.(\d{1,9})\.(.+)$")
+_DRAFT = re.compile(r"^mtp\.(\d{1,9})\.")
 # indices bounded: a 5,000-digit one (a corrupt header or config) made int() raise past Python's limit
 _ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d{1,9})\.(?P<rest>.+)$")
 _SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d{1,9})$")
@@ -197,13 +198,19 @@ def read_json(p: Path) -> Any:
     if size > MAX_JSON:
         raise FileProblem(f"{size:,} bytes, more than a pack's JSON file can be", f"restore {p.name} from the pack's source")
     try:
-        return json.loads(p.read_bytes())
+        raw = p.read_bytes()
+        if raw.startswith(b"\xef\xbb\xbf"):  # json.loads(bytes) strips it; vLLM's and transformers' readers refuse it
+            raise FileProblem("starts with a UTF-8 byte-order mark, which vLLM's JSON reader refuses",
+                              f"re-save {p.name} as UTF-8 without a BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' {p})")
+        # text first, strictly: json.loads(bytes) also takes UTF-16 / UTF-32, which vLLM's readers do not
+        return json.loads(raw.decode("utf-8"))
     except PermissionError:
         raise FileProblem("permission denied", f"make it readable (chmod a+r {p}, or chown it)") from None
     except OSError as e:
         raise FileProblem(e.strerror or str(e), f"restore {p.name} from the pack's source") from None
     except (ValueError, RecursionError) as e:  # RecursionError: a JSON nested deeper than Python parses
-        why = "nested too deep to parse" if isinstance(e, RecursionError) else f"{e.__class__.__name__}: {e}"
+        why = ("nested too deep to parse" if isinstance(e, RecursionError) else
+               "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"{e.__class__.__name__}: {e}")
         raise FileProblem(f"not JSON ({why})"[:200], f"restore {p.name} from the pack's source") from None
 
 
@@ -245,10 +252,11 @@ def _bits_eq(a: Any, b: float) -> bool:
 
 def validate(path: str | Path, *, expect_shards: int | None = None, model_class: str | None = None,
              wo_a_slices: int | None = None, exl3: bool = True, mounted_only: bool = False,
-             routed_ks: tuple[int, ...] | None = None, tp: int | None = None) -> PackReport:
+             routed_ks: tuple[int, ...] | None = None, tp: int | None = None, draft: bool = False) -> PackReport:
     """Every finding about the pack at `path`. `exl3=False` (the demo seat) checks a plain
     safetensors pack: files, headers, index coverage, config, tokenizer; no EXL3 rules.
-    `mounted_only`: the seat sees only this directory (a docker mount), so a link out of it is dead."""
+    `mounted_only`: the seat sees only this directory (a docker mount), so a link out of it is dead.
+    `draft`: the seat speculates with the pack's MTP layers, so each one config.json declares must be whole."""
     root = Path(path)
     rep = PackReport(path=str(root))
     if not root.is_dir():
@@ -259,8 +267,16 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
         rep.add("pack-dir", "fail", f"{root}: permission denied", "a readable pack directory",
                 f"make it readable to this user and the seat's container (chmod a+rx {root}, or chown it)")
         return rep
-    rep.add("pack-dir", "ok", str(root))
     entries = sorted(root.iterdir(), key=lambda p: p.name)
+    if not any(e.name == "config.json" or _SHARD_NAME.search(e.name) for e in entries):
+        # an empty folder, or model.path one level too high: one line, not four rows each with its own fix
+        inner = [e.name for e in entries if os.path.isfile(e / "config.json")]  # os.path: never raises
+        rep.add("pack-dir", "fail", f"{root} holds no config.json and no .safetensors files"
+                + (f" (its {_few(inner, 2)}/ holds a config.json)" if inner else ""), "a pack directory",
+                f"set model.path to {root / inner[0]}" if len(inner) == 1 else
+                "set model.path to the pack directory itself, or download the pack there")
+        return rep
+    rep.add("pack-dir", "ok", str(root))
     # what does not resolve (a dead link, a target behind a directory this user cannot enter),
     # said rather than raised: one entry must not take the whole pack section with it
     unresolved = {e.name: err for e in entries if (err := _stat_error(e))}
@@ -290,7 +306,7 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
                 "leaves this one unable to restart (trap 10)")
     else:
         rep.add("symlinks", "ok", "no symlinks")
-    _shard_count(rep, files, expect_shards)
+    _shard_count(rep, files, expect_shards, on_disk)
     stray: list[str] = []
     if weight_map == {}:  # unreadable (already a failure): nothing to compare the files with
         rep.add("unindexed-files", "n/a", "the index is unreadable (see index)", "", "checked once the index is rebuilt")
@@ -310,7 +326,7 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
                 "checked once config.json is restored")
     elif exl3:
         _exl3_rules(rep, model_class, wo_a_slices, routed_ks, tp)
-        _layer_modules(rep, rep.config or {}, _stray_modules(root, stray))
+        _layer_modules(rep, rep.config or {}, _stray_modules(root, stray), draft)
         _expert_format(rep)
     else:
         qc = (rep.config or {}).get("quantization_config")
@@ -478,7 +494,7 @@ def _resolve(rep: PackReport, root: Path, files: list[str], unresolved: dict[str
                 "remove or repair them (the seat does not read them)")
 
 
-def _shard_count(rep: PackReport, files: list[str], expect: int | None) -> None:
+def _shard_count(rep: PackReport, files: list[str], expect: int | None, on_disk: list[str]) -> None:
     if not files:
         rep.add("shard-count", "fail", "no safetensors files", f"{expect}" if expect else "the pack's weights",
                 "model.path holds no weights: download the pack there, or point model.path at it")
@@ -486,6 +502,12 @@ def _shard_count(rep: PackReport, files: list[str], expect: int | None) -> None:
         rep.add("shard-count", "ok", _n(len(files), "safetensors file"), "(profile sets no model.expect_shards)")
     elif len(files) == expect:
         rep.add("shard-count", "ok", _n(len(files), "safetensors file"), f"{expect}")
+    elif len(on_disk) == expect and set(files) < set(on_disk):
+        # every shard is here and the index is stale (an overlay added without it): no re-download
+        left = sorted(set(on_disk) - set(files))
+        rep.add("shard-count", "fail", f"{_n(len(on_disk), 'safetensors file')} on disk, the index names "
+                f"{len(files)} (it leaves out {_few(left, 2)})", f"{expect} (model.expect_shards)",
+                "rebuild model.safetensors.index.json so that it names every shard (vLLM skips the rest)")
     else:
         rep.add("shard-count", "fail", _n(len(files), "safetensors file"), f"{expect} (model.expect_shards)",
                 "the pack is incomplete or a different pack: re-download it, or fix model.path")
@@ -987,8 +1009,11 @@ def _dense_short_form(rep: PackReport, nr: dict[str, Any], dense: dict[tuple[int
     base = nr.get("bits")
     lb = nr.get("layer_bits") if isinstance(nr.get("layer_bits"), dict) else {}
     if base is None and not lb:
-        rep.add("dense-bits", "warn", "non_routed_exl3 short form without bits or layer_bits; not checked",
-                "bits (and layer_bits) for the dense modules", "restore the merged config.json (dense_bake --merge)")
+        # an empty entry tells vllm-exl3 as little about the dense modules as a missing one does
+        rep.add("dense-bits", "fail" if dense else "warn",
+                (f"{len(dense)} dense EXL3 modules but " if dense else "")
+                + "non_routed_exl3 has no layers, bits or layer_bits", "bits (and layer_bits) for the dense modules",
+                "restore the merged config.json (dense_bake --merge)")
         return
     wrong = []
     checked = 0
@@ -1068,7 +1093,9 @@ def _routed_bits(rep: PackReport, cfg: dict[str, Any], qc: dict[str, Any], mods:
             wrong.append(f"layer {layer}: trellis {_kstr(k)} (last dim {int(k * 16)}), {src} says {want}")
     # with a weight file missing, absent experts are that failure, not stale layer_bits
     # (a trunk layer without experts is layer-modules' failure, not a stale key to drop)
-    orphans = [] if rep.partial else sorted(k for k in lb if k not in per_layer and not 0 <= k < n)
+    # a declared draft layer's key is not stale when its experts are missing: layer-modules says that
+    drafts = {n + j for j in _declared_drafts(cfg, set())}
+    orphans = [] if rep.partial else sorted(k for k in lb if k not in per_layer and not 0 <= k < n and k not in drafts)
     mix = Counter(next(iter(ks)) for ks in per_layer.values() if len(ks) == 1)
     summary = ", ".join(f"{c} layers {_kstr(k)}" for k, c in sorted(mix.items()))
     if wrong or mixed:
@@ -1200,11 +1227,21 @@ def _stray_modules(root: Path, stray: list[str]) -> dict[str, str]:
     return out
 
 
-def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str]) -> None:
+def _declared_drafts(cfg: dict[str, Any], present: set[str]) -> set[int]:
+    """The draft (MTP) layers a seat that speculates loads: those config.json declares
+    (num_nextn_predict_layers) and any whose modules the pack stores."""
+    k = cfg.get("num_nextn_predict_layers")
+    declared = set(range(k)) if isinstance(k, int) and not isinstance(k, bool) and 0 < k <= 64 else set()
+    return declared | {int(d.group(1)) for m in present if (d := _DRAFT.match(m))}
+
+
+def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str], draft: bool = False) -> None:
     """Every module config.json says a layer has: each trunk layer's routed experts, attention, wo_a,
     shared experts, and the compressor and indexer its compress ratio gives it; each draft layer
-    that stores experts, all of them. The index only says where tensors are: a pack whose index
-    was rebuilt after a shard was lost agrees with itself and misses whole modules."""
+    that stores experts, all of them, and with `draft` (the seat speculates) every draft layer
+    config.json declares or the pack holds modules of. The index only says where tensors are: a pack
+    whose index was rebuilt after a shard was lost agrees with itself and misses whole modules (an
+    overlay of the draft's experts lost so passed, with only a stale-layer_bits warning)."""
     n, n_exp = cfg.get("num_hidden_layers"), cfg.get("n_routed_experts")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or not isinstance(n_exp, int) or n_exp <= 0:
         rep.add("layer-modules", "n/a", "config.json gives no num_hidden_layers / n_routed_experts")
@@ -1227,7 +1264,8 @@ def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str]) 
             missing[p].append("attn.wo_a")
         missing[p] += [f"ffn.experts.{e}.{w}" for e in range(n_exp) for w in ("w1", "w2", "w3")
                        if f"{p}ffn.experts.{e}.{w}" not in present]
-    drafts = sorted({int(e.group(2)) for m in present if (e := _EXPERT.match(m)) and e.group(1) == "mtp"})
+    drafts = sorted({int(e.group(2)) for m in present if (e := _EXPERT.match(m)) and e.group(1) == "mtp"}
+                    | (_declared_drafts(cfg, present) if draft else set()))
     for j in drafts:
         p = f"mtp.{j}."
         missing[p] += ([] if p + "ffn.gate" in present else ["ffn.gate"])

@@ -636,6 +636,13 @@ class Profile(_Strict):
         n = sc.get("num_speculative_tokens", 0)
         return int(n) if isinstance(n, (int, float)) else 0
 
+    def drafts_from_pack(self) -> bool:
+        """Whether the seat speculates with the pack's own draft (MTP) layers: mtp / dspark do; an
+        n-gram proposer or a separate draft model (`model` in speculative_config) does not."""
+        sc = self.vllm.speculative_config or {}
+        return self.spec_tokens() > 0 and not sc.get("model") and str(sc.get("method", "")).lower() not in (
+            "ngram", "ngram_gpu", "suffix")
+
     def cuda_graphs(self) -> bool:
         """Whether vLLM captures CUDA graphs on this seat (not eager, and a graph mode other than NONE)."""
         mode = str((self.vllm.compilation_config or {}).get("cudagraph_mode", "")).upper()
