@@ -259,9 +259,12 @@ def test_each_version_has_its_own_diffs() -> None:
 
 
 def _profile(root: Path, sets: str = "[vllm-0.32.0]"):
+    """The demo seat as a docker seat whose image's site-packages copy is `root` (only a docker seat
+    has a patch_root; no container is started here)."""
     from dsv4serve.profile import load_profile
 
-    return load_profile("cpu-demo", [f"patches={sets}", f"runtime.patch_root={root}"])
+    return load_profile("cpu-demo", [f"patches={sets}", "runtime.kind=docker", "runtime.image=fake/vllm:test",
+                                     f"runtime.patch_root={root}"])
 
 
 def test_profile_plan_and_ensure_patched(trees: Path, tmp_path: Path) -> None:

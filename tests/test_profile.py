@@ -154,6 +154,9 @@ def test_set_overrides_are_typed():
     ('runtime.extra_args=["-tie", "X=1"]', "-e is set by the launcher from env.NAME"),
     ("runtime.container_name=a", "runtime.container_name: must be a docker container name"),  # docker wants two
     ("model.served_name=true", 'give text: quote the value (model.served_name: "true")'),  # YAML's, not Python's
+    # a native seat runs the venv's packages: patch, up and check-seat judged the copy (helper audit)
+    ("runtime.patch_root=/tmp", "runtime.patch_root is the host copy of a docker image's site-packages; a native "
+                                "seat runs this environment's own packages"),
 ])
 def test_bad_overrides_are_one_line_errors(override, needle):
     with pytest.raises(ProfileError) as e:

@@ -175,6 +175,16 @@ class RuntimeSection(_Strict):
         None, description="the CUDA version the image's torch is built for (torch 2.13.0+cu130: 13.0); check-seat "
                           "compares the host driver's CUDA with it")
 
+    @model_validator(mode="after")
+    def _patch_root_is_docker_s(self) -> "RuntimeSection":
+        # a native seat runs (and `up --apply-patches` patched) this environment's packages: patch,
+        # up and check-seat judged the copy while vLLM ran the pristine venv (helper audit)
+        if self.kind == "native" and self.patch_root is not None:
+            raise ValueError("runtime.patch_root is the host copy of a docker image's site-packages; a native seat "
+                             "runs this environment's own packages: remove it (`dsv4serve patch apply --root DIR` "
+                             "patches another tree)")
+        return self
+
     @field_validator("patch_root")
     @classmethod
     def _patch_root(cls, v: str | None) -> str | None:
