@@ -12,6 +12,7 @@ import os
 import re
 import py_compile
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -504,6 +505,50 @@ def test_a_revert_of_several_sets_is_all_or_none(trees: Path, tmp_path: Path, mo
     assert err["message"].startswith(f"cannot write {root / vset.files[0].path}: Read-only file system")
     assert ".dsv4tmp" not in err["message"] and err["hint"]
     assert snapshot(root, vset) == before_v and snapshot(root, xset) == before_x  # exllamav3 patched again
+
+
+def test_a_revert_waits_for_a_whole_apply_of_several_sets(trees: Path, tmp_path: Path, monkeypatch) -> None:
+    """Each set took its own lock, so a revert run while an apply stalled between its two sets
+    reverted the first and found the second pristine: both said ok over a half-patched tree (helper
+    audit). One command holds the home's patch lock over all its sets; a command that waits past the
+    timeout changes nothing."""
+    import threading
+
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    shutil.copytree(trees / "exllamav3-1.4.5", root, dirs_exist_ok=True)
+    vset, xset = patches.load_set("vllm-0.32.0"), patches.load_set("exllamav3-1.4.5")
+    first_done, release = threading.Event(), threading.Event()
+    real = patches.apply_set
+
+    def stalling(pset, *a, **k):
+        res = real(pset, *a, **k)
+        if pset is xset and k.get("only") is None:
+            first_done.set()
+            release.wait(30)  # a slow disk between the two sets
+        return res
+
+    monkeypatch.setattr(patches, "apply_set", stalling)
+    applied: list = []
+    t = threading.Thread(target=lambda: applied.append(patches.apply_sets([xset, vset], root)))
+    t.start()
+    assert first_done.wait(30)
+    monkeypatch.setattr(patches, "LOCK_TIMEOUT_S", 0.5)
+    with pytest.raises(JobFailed, match="another dsv4serve patch command has held .*command.lock for 0 s; "
+                                        "nothing was changed"):
+        patches.revert_sets([xset, vset], root)
+    assert {r.state for r in patches.set_status(xset, root)} - {"not-applicable"} == {"patched"}
+    monkeypatch.setattr(patches, "LOCK_TIMEOUT_S", 60.0)
+    reverted: list = []
+    r = threading.Thread(target=lambda: reverted.append(patches.revert_sets([xset, vset], root)))
+    r.start()
+    time.sleep(0.5)
+    assert r.is_alive()  # waiting for the apply, not slipping between its sets
+    release.set()
+    t.join(60)
+    r.join(60)
+    assert [len(x.changed) for x in applied[0]] == [4, 6] and [len(x.changed) for x in reverted[0]] == [4, 6]
+    for pset in (xset, vset):
+        assert {s.state for s in patches.set_status(pset, root)} - {"not-applicable"} == {"pristine"}
 
 
 def test_a_symlinked_target_is_refused_not_replaced_by_a_file(trees: Path, tmp_path: Path) -> None:

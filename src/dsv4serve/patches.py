@@ -891,7 +891,29 @@ def revert_sets(sets: list[PatchSet], root: Path | None = None, *, profile: str 
     return _all_or_none(sets, root, profile, "revert")
 
 
+@contextlib.contextmanager
+def _command_lock(action: str) -> Iterator[None]:
+    """One apply / revert command at a time per DSV4SERVE_HOME, over all its sets: each set's own lock
+    let a revert slip between an apply's two sets, and both said ok over a half-patched tree (helper
+    audit). Commands run with another home (another user, sudo) are not excluded."""
+    path = home.home() / "patches" / "command.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path), timeout=LOCK_TIMEOUT_S):
+            yield
+    except Timeout:
+        raise JobFailed(f"patch {action}: another dsv4serve patch command has held {path} for "
+                        f"{LOCK_TIMEOUT_S:.0f} s; nothing was changed",
+                        hint="let it finish (or end it), then run the command again") from None
+
+
 def _all_or_none(sets: list[PatchSet], root: Path | None, profile: str | None, action: str) -> list[SetResult]:
+    with _command_lock(action):
+        return _all_or_none_locked(sets, root, profile, action)
+
+
+def _all_or_none_locked(sets: list[PatchSet], root: Path | None, profile: str | None,
+                        action: str) -> list[SetResult]:
     check_sets(sets, root, action, profile=profile)
     do = apply_set if action == "apply" else revert_set
     done: list[tuple[PatchSet, SetResult]] = []
