@@ -286,6 +286,26 @@ def test_profile_plan_and_ensure_patched(trees: Path, tmp_path: Path) -> None:
     assert {r["state"] for r in patches.profile_plan(prof)} == {"patched", "not-applicable"}
 
 
+def test_up_apply_patches_says_what_it_rewrote(trees: Path, tmp_path: Path, capsys) -> None:
+    """up --apply-patches rewrote site-packages without a word: no files, no backup, no rebuild
+    notice, no event (helper audit). It says it as `patch apply` does, or as one JSON event."""
+    from dsv4serve import seat
+
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    shutil.copytree(trees / "exllamav3-1.4.5", root, dirs_exist_ok=True)
+    seat._prelaunch(_profile(root, "[exllamav3-1.4.5, vllm-0.32.0]"), apply_patches=True, skip_checks=True,
+                    json_events=True)
+    events = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    applied = {e["set"]: e for e in events if e["event"] == "patches"}
+    assert set(applied) == {"exllamav3-1.4.5", "vllm-0.32.0"}, events
+    x, v = applied["exllamav3-1.4.5"], applied["vllm-0.32.0"]
+    assert x["state"] == "applied" and len(x["changed"]) == 4 and x["rebuild"] and "rebuild needed" in x["message"]
+    assert len(v["changed"]) == 6 and not v["rebuild"] and Path(v["backup_dir"]).is_dir()
+    assert v["message"] == f"vllm-0.32.0: patched 6 file(s) in {v['root']}; backups in {v['backup_dir']}"
+    seat._prelaunch(_profile(root), apply_patches=True, skip_checks=True, json_events=True)
+    assert not [x for x in capsys.readouterr().out.splitlines() if '"patches"' in x]  # nothing to apply, nothing said
+
+
 def test_the_dry_run_lists_the_patch_refusal_up_would_meet(trees: Path, tmp_path: Path) -> None:
     """A pristine tree: up refuses it, so the dry run says so; `--apply-patches` makes up apply it, so
     the dry run with that flag has no refusal; a set apply would refuse stays listed either way.

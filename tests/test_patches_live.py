@@ -160,6 +160,10 @@ def test_demo_seat_serves_on_the_patched_vllm(demo_seat) -> None:
     doc = json.loads(st.stdout)
     states = {row["file"]: row["state"] for row in doc["rows"] if row["set"] == DEMO_PATCH_SET}
     assert states and {v for v in states.values() if v != "not-applicable"} == {"patched"}, states
+    # up rewrote site-packages, and says so as `patch apply` does (it said nothing: helper audit)
+    n = sum(v == "patched" for v in states.values())
+    said = " ".join(demo_seat.up_stdout.split())
+    assert f"{DEMO_PATCH_SET}: patched {n} file(s) in " in said and "; backups in " in said, demo_seat.up_stdout[-3000:]
     r = httpx.post(f"{demo_seat.base_url}/v1/completions", timeout=120,
                    json={"model": demo_seat.model, "prompt": "hello", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text[-500:]

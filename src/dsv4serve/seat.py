@@ -279,7 +279,16 @@ def _prelaunch(profile: Profile, apply_patches: bool, skip_checks: bool, json_ev
             _say("warning: patch support is not installed: the profile's patch sets are not verified", json_events,
                  event="patches", state="unverified")
         else:
-            patches.ensure_patched(profile, apply_patches)  # BadInput names the unpatched file and the fix
+            # BadInput names the unpatched file and the fix; what --apply-patches rewrote is said, as
+            # `patch apply` says it (it changed site-packages: the user must be able to take it back)
+            for res in patches.ensure_patched(profile, apply_patches):
+                if not res.changed:
+                    continue
+                rebuild = (f"; rebuild needed ({', '.join(res.rebuild)}): {res.rebuild_hint}"
+                           if res.rebuild else "")
+                _say(f"{res.set}: patched {len(res.changed)} file(s) in {res.root}; backups in {res.backup_dir}"
+                     f"{rebuild}", json_events, event="patches", state="applied", set=res.set, root=res.root,
+                     changed=list(res.changed), backup_dir=res.backup_dir, rebuild=list(res.rebuild))
     if skip_checks:
         _say("pre-launch checks skipped (--skip-checks)", json_events, event="checks", state="skipped")
         return
