@@ -48,6 +48,21 @@ def test_unreadable_state_is_one_line(home):
         state.load("cpu-demo")
 
 
+@pytest.mark.parametrize("key", ["start_time", "started_at", "ready_at"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_stamp_that_is_not_a_finite_number_makes_the_state_unreadable(home, key, value):
+    """A NaN start_time compared as "within a second" of any process, so down stopped an untagged
+    stranger as the seat's main process; a NaN started_at made down fail after stopping everything
+    (helper audit). Python's json reads both; the state is unreadable (down's tag-only path)."""
+    state.save(make(start_time=time.time()))
+    obj = json.loads(state.state_path("cpu-demo").read_text())
+    obj[key] = float(value.replace("Infinity", "inf"))
+    state.state_path("cpu-demo").write_text(json.dumps(obj))  # Python's json writes NaN / Infinity bare
+    assert f'"{key}": {value}' in state.state_path("cpu-demo").read_text()
+    with pytest.raises(BadInput, match=rf"is unreadable \({key}: "):
+        state.load("cpu-demo")
+
+
 def test_a_state_that_is_a_directory_is_an_unreadable_row_that_down_sets_aside(home):
     state.state_path("cpu-demo").mkdir(parents=True)
     r = cli("status", "--json", home=home, timeout=60)

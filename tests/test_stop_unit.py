@@ -336,6 +336,29 @@ def test_a_run_from_before_the_boot_signals_no_group_that_now_has_its_number():
         os.kill(member, 9)
 
 
+def test_a_group_number_a_stranger_took_in_the_same_boot_is_not_signalled():
+    """The run crashed, its processes died, and the pid space wrapped (pid_max 32768): its pgid now
+    heads a stranger's group whose leader exited (`setsid sh -c 'sleep &'`). "The leader is gone and
+    no process has its number" made the group ours, and down / up's stale clearing killpg'd the
+    stranger (helper audit, a real wrap). Here the stranger's group stands for it: the state records
+    its leader's own pid and start time, so only the leader's exit says the group is not ours."""
+    sh = subprocess.Popen(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], start_new_session=True,
+                          stdout=subprocess.PIPE, text=True)
+    began = psutil.Process(sh.pid).create_time()
+    member = int(sh.stdout.readline())
+    sh.wait()
+    try:
+        assert os.getpgid(member) == sh.pid and psutil.Process(member).create_time() >= began - 1.0
+        st = make_state(pid=sh.pid, pgid=sh.pid, start_time=began, started_at=began)
+        assert procs.group_is_ours(st) is False and procs.run_processes(st) == []
+        rep = procs.stop(st, grace=1.0)
+        assert rep["signalled"] == [] and psutil.Process(member).status() != psutil.STATUS_ZOMBIE
+        # a hand-edited pgid naming another group proves nothing either (a NaN stamp: test_state)
+        assert procs.group_is_ours(make_state(pid=sh.pid, pgid=member, start_time=began, started_at=began)) is False
+    finally:
+        os.kill(member, 9)
+
+
 def test_a_recorded_rank_pid_another_job_now_holds_is_not_ours_on_the_gpu(monkeypatch):
     """A stale seat's rank pid, reused by another user's GPU job, counted as "ours still holding
     GPU memory": down was never clean and up refused for ever with "processes that would not stop:

@@ -2,10 +2,8 @@
 
 A run's processes are found two ways, and the union is taken:
 - its process group: `up` starts vLLM in a new session, so API server, resource tracker,
-  EngineCore and workers share the pgid of the main pid. The group is used only when it is
-  provably still ours: its leader is our recorded process (pid and start time), or the leader is
-  gone and no process carries the pgid as its pid (a pgid number cannot be reused while members
-  of the group exist);
+  EngineCore and workers share the pgid of the main pid. The group is used only while it is
+  provably still ours: its leader is our recorded process (pid and start time);
 - the `DSV4SERVE_RUN_ID` tag in their environment, which every descendant inherits, including
   ones that left the group (setsid) or were orphaned by a SIGKILL of the main process.
 """
@@ -26,24 +24,15 @@ from dsv4serve.state import RUN_ID_ENV, SeatState, liveness
 
 
 def group_is_ours(st: SeatState) -> bool:
-    if st.pgid is None or st.runtime != "native":
+    """The recorded group, only while its leader is our recorded process (pid and start time; running
+    or a zombie not yet reaped, which keeps its number). Once the leader is gone its number is free:
+    a new session whose leader exits (`sh -c 'x &'`, a double-forked daemon) can own it within the
+    same boot, and killpg reached that stranger's group (helper audit, a real pid wrap at pid_max
+    32768). The run's surviving processes carry its tag."""
+    if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or st.start_time is None:
         return False
-    live = liveness(st)
-    if live == "alive":
-        return True
-    if live == "reused":
-        return False
-    # The leader is gone (or a zombie): the number is still ours unless another process now
-    # holds it as its pid, or the machine rebooted since the run began. After a reboot nothing of
-    # the run exists, and the number may head a new group whose leader has exited (a double-forked
-    # daemon's): that group is not ours to signal.
-    if _before_boot(st):
-        return False
-    try:
-        leader = psutil.Process(st.pgid)
-        return st.start_time is not None and abs(leader.create_time() - st.start_time) <= 1.0
-    except psutil.NoSuchProcess:
-        return True
+    try:  # a zombie leader still holds the number (and the stop reports it)
+        return abs(psutil.Process(st.pgid).create_time() - st.start_time) <= 1.0  # NaN compares False
     except psutil.Error:
         return False
 
@@ -51,13 +40,6 @@ def group_is_ours(st: SeatState) -> bool:
 def _began(st: SeatState) -> float:
     """When the run began: its main process's start, else the state's own stamp."""
     return st.start_time if st.start_time is not None else st.started_at
-
-
-def _before_boot(st: SeatState) -> bool:
-    try:
-        return _began(st) < psutil.boot_time() - 1.0
-    except (psutil.Error, OSError):
-        return False
 
 
 def _born_in_run(p: psutil.Process, st: SeatState) -> bool:

@@ -36,6 +36,9 @@ RUN_ID_ENV = "DSV4SERVE_RUN_ID"
 
 TP_MAX = 1024  # vLLM serves at most a few hundred ranks; past this a count is a typo, not a seat
 Pid = Annotated[int, Field(ge=1)]  # a hand-edited 0 or -1 would name a process group to psutil and kill
+# A NaN start time compared as "within a second" of any process's, so down took a stranger for the
+# seat's main process (helper audit): a stamp that is not a finite number makes the state unreadable.
+Stamp = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class SeatState(BaseModel):
@@ -48,7 +51,7 @@ class SeatState(BaseModel):
     runtime: Literal["native", "docker"]
     pid: Pid | None = None
     pgid: Pid | None = None
-    start_time: float | None = Field(None, description="psutil create_time() of pid, seconds since the epoch")
+    start_time: Stamp | None = Field(None, description="psutil create_time() of pid, seconds since the epoch")
     container_name: str | None = None
     argv: list[str]
     env: dict[str, str]
@@ -62,8 +65,8 @@ class SeatState(BaseModel):
     log_path: str
     phase: Phase = "launching"
     phase_detail: str = ""
-    started_at: float = Field(default_factory=time.time)
-    ready_at: float | None = None
+    started_at: Stamp = Field(default_factory=time.time)
+    ready_at: Stamp | None = None
     kv_cache_tokens: int | None = None
     markers: dict[str, list[int]] = Field(default_factory=dict)
     dist_ids: list[str] = Field(default_factory=list)
@@ -438,7 +441,7 @@ def liveness(st: SeatState) -> Literal["alive", "gone", "reused", "unknown"]:
         return "gone"
     except psutil.AccessDenied:
         return "unknown"
-    if st.start_time is not None and abs(created - st.start_time) > 1.0:
+    if st.start_time is not None and not abs(created - st.start_time) <= 1.0:  # NaN: not ours
         return "reused"
     if st.start_time is None:
         # No start time was recorded (the child was already gone when up asked): the run tag
