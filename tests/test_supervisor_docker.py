@@ -397,3 +397,46 @@ def test_a_canary_answer_with_the_expected_text_is_ready_and_says_what_it_matche
         assert "canary 2 tokens matching /^ok\\b/" in " ".join(r.stdout.split())
     finally:
         assert fake.run("down", "--profile", fake.profile).returncode == 0
+
+
+def test_down_with_an_unreadable_state_stops_the_seats_container(fake):
+    """A docker seat whose state file was lost (truncated by a full disk, a hand edit): down stopped
+    only tagged processes, said clean, and the container kept serving with no dsv4serve command
+    able to stop it (helper audit). The container its run was given is stopped by its run label."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_id = json_lines(r.stdout)[-1]["run_id"]
+    path = Path(fake.home) / "seats" / "fake-docker" / "state.json"
+    path.write_text(path.read_text()[:200])  # truncated
+    d = fake.run("down", "--profile", fake.profile, "--json")
+    assert d.returncode == 0, d.stdout + d.stderr
+    rep = json.loads(d.stdout)["seats"][0]
+    assert rep["unreadable_state"] and rep["clean"], rep
+    assert rep["containers_stopped"] == [f"{fake.name} (run {run_id})"] and rep["containers_left"] == []
+    assert ["stop", "-t", "5", fake.name] in fake.calls()
+    assert not (fake.dir / f"{fake.name}.json").exists()  # the container is gone
+    assert_nothing_left(run_id, None, fake.port)
+
+
+def test_down_with_an_unreadable_state_is_not_clean_when_docker_cannot_say_about_the_container(fake, tmp_path):
+    """With the daemon down nothing is stopped on a guess, and the verdict says so (exit 1)."""
+    r = fake.run("up", "--profile", fake.profile, "--skip-checks", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    path = Path(fake.home) / "seats" / "fake-docker" / "state.json"
+    path.write_text("{")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon at "
+                                    "unix:///var/run/docker.sock. Is the docker daemon running?' >&2\nexit 1\n")
+    (bin_dir / "docker").chmod(0o755)
+    try:
+        d = cli("down", "--profile", fake.profile, "--json", home=fake.home, timeout=120,
+                env_extra={**fake.env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+        rep = json.loads(d.stdout)["seats"][0]
+        assert d.returncode == 1 and not rep["clean"] and rep["containers_stopped"] == [], d.stdout + d.stderr
+        assert rep["containers_left"] == [f"{fake.name} (docker cannot say: Cannot connect to the Docker daemon at "
+                                          "unix:///var/run/docker.sock. Is the docker daemon running?)"], rep
+    finally:  # the fake docker removes what is left
+        subprocess.run([str(FAKES / "docker"), "rm", "-f", fake.name], env={**os.environ, **fake.env},
+                       capture_output=True, timeout=60)
+    assert not (fake.dir / f"{fake.name}.json").exists()

@@ -680,11 +680,29 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
     then set the file aside, kept."""
     from dsv4serve import home, leftovers, procs, state, stop
 
+    rep: dict[str, Any] = {"seat": name, "was": "unreadable state", "phase_before": "unknown",
+                           "unreadable_state": True, "signalled": [], "killed": [], "remaining": [], "unreaped": [],
+                           "zombies": [], "leftovers_removed": [], "leftovers_failed": [], "containers_stopped": [],
+                           "containers_left": []}
+    # First the containers: a docker run's outlives the lost state (its `docker run` client carries the
+    # run tag but no run dir tag, the container's processes nothing we may read), and down said clean
+    # while it served (helper audit). Each name the seat's runs gave docker is stopped when its
+    # dsv4serve.run_id label names one of those runs; one docker cannot answer for is not clean.
+    seat_runs = {d.name: d for d in home.runs_dir().glob(f"{name}-*") if procs.run_id_pattern(name).fullmatch(d.name)}
+    for cname in sorted({c for d in seat_runs.values() if (c := _container_of(d))}):
+        exists, owner, _seat, said = stop.container_owner(cname)
+        if exists is None:
+            rep["containers_left"].append(f"{cname} (docker cannot say: {said or 'no answer'})")
+        elif exists and owner in seat_runs:
+            calls = stop.stop_container(cname, stop.STARTUP_GRACE_S, hurry)
+            left, said = stop.container_check(cname, owner)
+            if left is False:
+                rep["containers_stopped"].append(f"{cname} (run {owner})")
+            else:
+                why = "; ".join(c.get("error") or c.get("out") or "" for c in calls if c.get("rc") != 0) or said
+                rep["containers_left"].append(f"{cname} (run {owner}: {why or 'still there'})")
     runs = procs.tagged_runs(name, home.runs_dir())
-    rep: dict[str, Any] = {"seat": name, "run_id": ", ".join(sorted(runs)) or "unknown", "was": "unreadable state",
-                           "phase_before": "unknown", "unreadable_state": True, "signalled": [], "killed": [],
-                           "remaining": [], "unreaped": [], "zombies": [], "leftovers_removed": [],
-                           "leftovers_failed": []}
+    rep["run_id"] = ", ".join(sorted(runs)) or "unknown"
     for run_id in sorted(runs):
         st = _tag_only_state(name, home.runs_dir() / run_id)
         r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
@@ -704,8 +722,25 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
         rep["leftovers_failed"] += failed
     moved = state.set_aside(name)
     rep["set_aside"] = str(moved) if moved else None
-    rep["clean"] = not rep["remaining"] and not rep["unreaped"] and not rep["leftovers_failed"]
+    rep["clean"] = (not rep["remaining"] and not rep["unreaped"] and not rep["leftovers_failed"]
+                    and not rep["containers_left"])
     return rep
+
+
+def _container_of(run_dir: Path) -> str | None:
+    """The container name a docker run was given (`--name` in its run.json argv), or None."""
+    try:
+        argv = json.loads((run_dir / "run.json").read_text()).get("argv") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not argv or not isinstance(argv, list) or Path(str(argv[0])).name != "docker":
+        return None
+    for i, a in enumerate(argv):
+        if a == "--name" and i + 1 < len(argv) and isinstance(argv[i + 1], str):
+            return argv[i + 1]
+        if isinstance(a, str) and a.startswith("--name="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def _tag_only_state(name: str, run_dir: Path) -> SeatState:
@@ -733,8 +768,11 @@ def render_down(report: dict) -> None:
             console.print(f"seat {rep['seat']}: its state file was unreadable, set aside as {rep.get('set_aside')}; "
                           f"stopped {len(rep['signalled'])} processes tagged with its runs ({rep['run_id']}): {verdict}",
                           highlight=False, soft_wrap=True)
-            console.print("  a docker seat's container cannot be named without its state: check `docker ps`",
-                          highlight=False, markup=False, soft_wrap=True)
+            for c in rep.get("containers_stopped", []):
+                console.print(f"  container {c} stopped and removed", highlight=False, markup=False, soft_wrap=True)
+            for c in rep.get("containers_left", []):
+                console.print(f"  [red]container {escape(c)} is not stopped[/]: `docker rm -f` it (or fix docker access), "
+                              "then `dsv4serve down` again", highlight=False, soft_wrap=True)
             if rep.get("remaining"):
                 console.print(f"  [red]still running[/]: {[p.get('pid') for p in rep['remaining']]}", highlight=False,
                               soft_wrap=True)
