@@ -11,6 +11,7 @@ import io
 import os
 import re
 import subprocess
+import socket
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from dsv4serve import leftovers, procs, stop, supervisor
+from dsv4serve import leftovers, ports, procs, stop, supervisor
 from dsv4serve.ranklog import PHASE_LABEL, SeatTracker
 from dsv4serve.state import RUN_ID_ENV, SeatState
 from dsv4serve.testing import fake_nvml
@@ -575,3 +576,24 @@ def test_a_leftover_another_user_owns_is_said_not_a_failed_stop(tmp_path, monkey
     assert theirs.exists() and rep["clean"] is True
     monkeypatch.undo()
     assert leftovers.by_owner([theirs]) == ([theirs], [])  # root removes anyone's
+
+
+@pytest.mark.parametrize("host, said", [("10.255.255.1", "is not an address of this machine"),
+                                        ("no-such-host.invalid", "does not resolve")])
+def test_a_listen_address_that_is_gone_holds_no_port(tmp_path, host, said):
+    """A stale run whose host stopped being this machine's (a NIC gone, a name that no longer
+    resolves): down counted the unbindable address as a port in use by nobody, never clean, and up
+    refused the seat until state.json was deleted by hand (helper audit). Nothing can hold it there."""
+    st = make_state(host=host, port=ports.free_port(), tp=1, log_path=str(tmp_path / "vllm.log"),
+                    run_dir=str(tmp_path))
+    rep = stop.stop_run(st, 0.2)
+    assert rep["port_free"] and rep["clean"], rep
+    assert rep["port_note"].startswith(f"{host} {said}") and f"port {st.port}" in rep["port_note"], rep
+    # a live listener still holds it
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        rep = stop.stop_run(make_state(port=s.getsockname()[1], tp=1, log_path=str(tmp_path / "vllm.log"),
+                                       run_dir=str(tmp_path)), 0.2)
+        assert rep["port_free"] is False and "port_note" not in rep

@@ -790,6 +790,8 @@ def render_down(report: dict) -> None:
                       f"{verdict}", highlight=False, soft_wrap=True)
         if rep.get("note"):
             console.print(f"  {rep['note']}", highlight=False, markup=False, soft_wrap=True)
+        if rep.get("port_note"):
+            console.print(f"  {rep['port_note']}", highlight=False, markup=False, soft_wrap=True)
         if rep.get("container_other"):
             console.print(f"  container {rep.get('container')} is now {rep['container_other']}: not this seat's, "
                           "left running", highlight=False, markup=False, soft_wrap=True)

@@ -190,7 +190,13 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     recorded = {pid for pid in (*st.rank_pids.values(), st.pid) if pid is not None}
     ours = {p["pid"] for p in report["signalled"]} | {pid for pid in recorded if procs.is_tagged(pid, st)}
     report["gpu"] = gpu_check(st, ours)
-    report["port_free"] = not ports.in_use(state.client_host(st.host), st.port)
+    # only a live listener holds the port: an address that is no longer this machine's (a NIC gone,
+    # a name that stopped resolving) holds nothing of ours, and counting it kept the seat unclean
+    # and every later up refused until state.json was deleted by hand (helper audit)
+    problem = ports.bind_problem(state.client_host(st.host), st.port)
+    report["port_free"] = problem is None or problem.kind != "in-use"
+    if problem is not None and problem.kind != "in-use":
+        report["port_note"] = f"{st.host} {problem.detail}: nothing can hold port {st.port} there"
     report["port_owner"] = None if report["port_free"] else ports.owner(st.port)
     report["clean"] = (not report["remaining"] and not report["unreaped"] and not failed
                        and not report["gpu"].get("ours") and report.get("container_left", False) is False
