@@ -11,6 +11,7 @@ import json
 import os
 import re
 import py_compile
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -269,17 +270,29 @@ def _profile(root: Path, sets: str = "[vllm-0.32.0]"):
 
 
 def test_profile_plan_and_ensure_patched(trees: Path, tmp_path: Path) -> None:
+    from dsv4serve.profile import load_profile
+
     root = make_tree(trees, "vllm-0.32.0", tmp_path)
     prof = _profile(root)
     plan = patches.profile_plan(prof)
     assert len(plan) == 11 and all(tuple(row) == patches.PLAN_KEYS for row in plan)
     assert [r["state"] for r in plan[:6]] == ["pristine"] * 6
-    # the root is spelled out: patch takes no --set, and this one came from a --set
-    assert plan[0]["fix"] == f"dsv4serve patch apply --profile cpu-demo --root {root}"
+    # the root and the sets are spelled out: patch takes no --set, and both came from --set here
+    # (`--profile cpu-demo` named no sets: "names no patch sets", helper audit)
+    assert plan[0]["fix"] == f"dsv4serve patch apply --set-name vllm-0.32.0 --root {root}"
     with pytest.raises(BadInput) as e:
         patches.ensure_patched(prof, apply=False)
-    assert plan[0]["file"] in e.value.line() and "--apply-patches" in e.value.line()
-    assert f"run `dsv4serve patch apply --profile cpu-demo --root {root}`" in e.value.line()
+    assert plan[0]["file"] in e.value.line()
+    assert (f"run `dsv4serve patch apply --set-name vllm-0.32.0 --root {root}` or the same `dsv4serve up` (its "
+            "--set options too) with --apply-patches") in e.value.line()
+    # the file's own sets (the canon profile's, via a file extending it): --profile names them
+    canon = load_profile("8x16gb-380k", [f"runtime.patch_root={root}"])
+    assert patches.apply_command(canon) == f"dsv4serve patch apply --profile 8x16gb-380k --root {root}"
+    # the hint works as printed
+    r = _cli(*shlex.split(patches.apply_command(prof))[2:])
+    assert r.exit_code == 0, r.output
+    assert patches.ensure_patched(prof, apply=False) == []
+    assert _cli("revert", "--set-name", "vllm-0.32.0", "--root", str(root)).exit_code == 0
     results = patches.ensure_patched(prof, apply=True)
     assert [len(r.changed) for r in results] == [6]
     assert patches.ensure_patched(prof, apply=False) == []

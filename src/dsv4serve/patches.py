@@ -799,16 +799,34 @@ def _ref(profile: Any) -> str:
     return ref() if callable(ref) else profile.name
 
 
+def _patch_ref(profile: Any) -> str | None:
+    """What `patch --profile` takes to act on this profile's sets, or None when the profile's file
+    names other sets than it has (they came from up's --set, which patch does not take): hints then
+    name the sets. `--profile cpu-demo` in a hint for `--set patches=[..]` was refused with "names no
+    patch sets" (helper audit)."""
+    from dsv4serve.profile import load_profile
+
+    try:
+        return _ref(profile) if list(load_profile(profile.ref()).patches) == list(profile.patches) else None
+    except Exception:  # noqa: BLE001 - the file changed or went away since: name the sets
+        return None
+
+
 def apply_command(profile: Any) -> str:
     """The command that patches this profile's tree."""
-    return _fix_cmd(None, profile_root(profile), _ref(profile))
+    ref, root = _patch_ref(profile), profile_root(profile)
+    if ref is not None:
+        return _fix_cmd(None, root, ref)
+    names = " ".join(f"--set-name {shlex.quote(n)}" for n in profile.patches)
+    return f"dsv4serve patch apply {names}" + (f" --root {shlex.quote(str(root))}" if root else "")
 
 
 def profile_status(profile: Any, root: Path | None = None) -> list[FileStatus]:
     root = root if root is not None else profile_root(profile)
     rows: list[FileStatus] = []
+    ref = _patch_ref(profile)
     for name in profile.patches:
-        rows.extend(set_status(load_set(name), root, profile=_ref(profile)))
+        rows.extend(set_status(load_set(name), root, profile=ref))
     return rows
 
 
@@ -845,12 +863,13 @@ def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
         return []
     if not apply:
         first = next(r for r in rows if r.state not in OK_PATCHED)
+        again = (f"`dsv4serve up --profile {_ref(profile)} --apply-patches`" if _patch_ref(profile) is not None
+                 else "the same `dsv4serve up` (its --set options too) with --apply-patches")
         raise BadInput(f"patch set {first.set}: {first.file} is {first.state}, not patched",
-                       hint=(f"run `{apply_command(profile)}` or "
-                             f"`dsv4serve up --profile {_ref(profile)} --apply-patches`"
+                       hint=(f"run `{apply_command(profile)}` or {again}"
                              + ("" if first.state == "pristine" else f"; first: {first.fix}")))
     root = profile_root(profile)
-    return apply_sets([load_set(n) for n in profile.patches], root, profile=_ref(profile))
+    return apply_sets([load_set(n) for n in profile.patches], root, profile=_patch_ref(profile))
 
 
 def launch_refusal(profile: Any, apply: bool) -> BadInput | PatchRefused | None:
@@ -863,7 +882,7 @@ def launch_refusal(profile: Any, apply: bool) -> BadInput | PatchRefused | None:
         if not apply or patched_in_image(profile):
             return e
     try:
-        check_sets([load_set(n) for n in profile.patches], profile_root(profile), "apply", profile=_ref(profile))
+        check_sets([load_set(n) for n in profile.patches], profile_root(profile), "apply", profile=_patch_ref(profile))
     except (BadInput, PatchRefused) as e:
         return e
     return None
