@@ -438,3 +438,45 @@ def test_an_empty_folder_or_the_folder_above_the_pack_is_one_row(tmp_path, clean
     assert [(f.check, f.status) for f in rep.findings] == [("pack-dir", "fail")]
     assert "(its DSV4-Flash/ holds a config.json)" in rep.findings[0].found
     assert rep.findings[0].fix == f"set model.path to {tmp_path / 'models' / 'DSV4-Flash'}"
+
+
+@pytest.mark.parametrize("how", ["missing", "unindexed"])
+def test_a_lost_dense_overlay_fails_on_the_rows_that_name_its_cause_only(tmp_path, clean, how):
+    """A missing or unindexed dense overlay also failed dense-bits ("check the entry prefixes"),
+    dense-coverage ("rebuild non_routed_exl3.layers") and wo-a-slices ("use the Dense pack"), each a
+    wrong fix, and `up` shows only the first failing row (helper audit)."""
+    p = _copy(clean, tmp_path)
+    if how == "missing":
+        (p / "model-dense-exl3.safetensors").unlink()
+    else:
+        idx = json.loads((p / pack.INDEX).read_text())
+        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != "model-dense-exl3.safetensors"}
+        (p / pack.INDEX).write_text(json.dumps(idx))
+    rep = _validate(p, clean, expect_shards=None)
+    fails = {f.check for f in rep.findings if f.status == "fail"}
+    assert fails == ({"files-resolve", "tensors-missing"} if how == "missing" else {"layer-modules"}), _bad(rep)
+    for row in ("dense-bits", "dense-coverage", "wo-a-slices"):
+        assert rep.get(row).status == "n/a", rep.get(row)
+    if how == "unindexed":
+        assert "leaves out model-dense-exl3.safetensors" in rep.get("layer-modules").fix
+
+
+def test_a_whole_wo_a_still_fails_wo_a_slices_beside_an_unrelated_unindexed_file(tmp_path, clean):
+    """Standing aside is for modules that are absent: wo_a stored whole (not the Dense pack) is the
+    profile's mismatch whatever stray file lies beside it."""
+    from safetensors.torch import load_file, save_file
+
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    f = idx["weight_map"]["layers.0.attn.wo_a.slice.0.trellis"]
+    ts = load_file(str(p / f))
+    renamed = {k.replace(".wo_a.slice.0.", ".wo_a."): v for k, v in ts.items() if ".wo_a.slice." not in k or
+               ".wo_a.slice.0." in k}
+    save_file(renamed, str(p / f), metadata={"format": "pt"})
+    idx["weight_map"] = {k.replace(".wo_a.slice.0.", ".wo_a."): v for k, v in idx["weight_map"].items()
+                         if ".wo_a.slice." not in k or ".wo_a.slice.0." in k}
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    save_file({"stray.weight": __import__("torch").zeros(2)}, str(p / "leftover.safetensors"))
+    rep = _validate(p, clean, expect_shards=None)
+    assert rep.get("unindexed-files").status == "warn"
+    assert rep.get("wo-a-slices").status == "fail" and rep.get("wo-a-slices").found == "no attn.wo_a.slice.R tensors"

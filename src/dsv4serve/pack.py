@@ -93,6 +93,14 @@ class PackReport:
     config: dict[str, Any] | None = None
     files: list[str] = field(default_factory=list)  # the safetensors files the pack loads
     partial: bool = False  # some weight file was missing or unreadable: tensors is incomplete
+    unindexed: dict[str, str] = field(default_factory=dict)  # module -> file of the files the index leaves out
+
+    def held_elsewhere(self) -> bool:
+        """Whether modules may be absent for a reason another row names: a weight file missing or
+        unreadable (files-resolve, headers) or one the index leaves out (layer-modules). Rows that
+        would read absence as a config or profile error stand aside then: their fixes (restamp,
+        rebuild the entries, another pack) were wrong and `up` shows only the first."""
+        return self.partial or bool(self.unindexed)
 
     def add(self, check: str, status: Status, found: str, expected: str = "", fix: str = "") -> Finding:
         f = Finding(check, status, found, expected, fix)
@@ -325,8 +333,9 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
         rep.add("exl3-rules", "n/a", "config.json is missing or unusable (see config)", "",
                 "checked once config.json is restored")
     elif exl3:
+        rep.unindexed = _stray_modules(root, stray)
         _exl3_rules(rep, model_class, wo_a_slices, routed_ks, tp)
-        _layer_modules(rep, rep.config or {}, _stray_modules(root, stray), draft)
+        _layer_modules(rep, rep.config or {}, rep.unindexed, draft)
         _expert_format(rep)
     else:
         qc = (rep.config or {}).get("quantization_config")
@@ -948,6 +957,10 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
         rep.add("dense-bits", "ok", f"{len(entries)} entries match their trellis ("
                 + ", ".join(f"{c} modules {k}" for k, c in ks.most_common()) + ")",
                 "bits = trellis last dim / 16")
+    elif not dense and rep.held_elsewhere():  # the modules are absent, not uncovered
+        rep.add("dense-bits", "n/a", "no non_routed_exl3 entry covers a dense EXL3 module in the files read, and "
+                "weight files are missing, unreadable or left out of the index (files-resolve, layer-modules)", "",
+                "checked once the files are restored and indexed")
     else:
         rep.add("dense-bits", "fail", "no non_routed_exl3 entry covers a dense EXL3 module",
                 "entries covering the dense modules", "check the entry prefixes (dense-prefixes)")
@@ -957,13 +970,14 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
     problems = []
     if uncovered:
         problems.append(f"{len(uncovered)} dense EXL3 modules without an entry: {_few(uncovered, 2)}")
-    if empty and not rep.partial:  # with a weight file gone, its modules' entries are that failure
+    if empty and not rep.held_elsewhere():  # with a weight file gone (or unindexed), that is the failure
         problems.append(f"{len(empty)} entries cover no tensors: {_few(empty, 2)}")
     if unknown:
         problems.append(f"{len(unknown)} entries name an unknown module: {_few(unknown, 2)}")
     if not problems and empty:
-        rep.add("dense-coverage", "n/a", f"{len(empty)} entries cover no tensors, and weight files are missing or "
-                "unreadable (files-resolve, headers)", "", "checked once the files are restored")
+        rep.add("dense-coverage", "n/a", f"{len(empty)} entries cover no tensors, and weight files are missing, "
+                "unreadable or left out of the index (files-resolve, layer-modules)", "",
+                "checked once the files are restored and indexed")
     elif problems:
         rep.add("dense-coverage", "fail", "; ".join(problems), "one entry per fused module, each covering its tensors",
                 "rebuild non_routed_exl3.layers from the pack (an uncovered module loads as plain weights and fails)")
@@ -1145,7 +1159,13 @@ def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None
                 per_layer[int(t.group(1))].add(int(s.group(1)))
     expect = want or cfg.get("o_groups")
     if not per_layer:
-        if want:
+        # absent, not stored whole (a non-Dense pack's wo_a is a failure here whatever else is wrong)
+        whole = any((t := _TRUNK.match(m)) and t.group(2) == "attn.wo_a" for m in mods.parts)
+        if want and not whole and rep.held_elsewhere():
+            rep.add("wo-a-slices", "n/a", "no attn.wo_a.slice.R tensors in the files read, and weight files are "
+                    "missing, unreadable or left out of the index (files-resolve, layer-modules)", "",
+                    "checked once the files are restored and indexed")
+        elif want:
             rep.add("wo-a-slices", "fail", "no attn.wo_a.slice.R tensors", f"{want} rank-local slices per layer",
                     "use the Dense pack, or unset model.wo_a_rank_slices")
         else:
