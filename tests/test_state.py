@@ -869,3 +869,32 @@ def test_logs_follow_of_a_docker_seat_ends_when_its_client_is_gone(home, tmp_pat
     r = cli("logs", "-f", "--profile", "cpu-demo", home=home, timeout=60)
     assert r.returncode == 0 and "INFO started" in r.stdout
     assert "has ended; its docker client is gone" in r.stderr and "`dsv4serve status`" in r.stderr, r.stderr
+
+
+def test_a_stop_that_died_half_way_is_not_shown_as_stopping(home):
+    """A down killed during its grace left the state "stopping" and status said so for good while
+    the seat served on and nothing stopped it (helper audit). The state names the process that
+    marked it; once that one is gone, status says a down is needed."""
+    seat_proc = subprocess.Popen(["sleep", "60"])
+    try:
+        st = make(pid=seat_proc.pid, start_time=psutil.Process(seat_proc.pid).create_time())
+        state.save(st)
+        mark = ("import sys; from dsv4serve import state; "
+                "assert state.mark_stopping('cpu-demo', sys.argv[1], 'dsv4serve down') is not None")
+        r = subprocess.run([sys.executable, "-c", mark, st.run_id], env={**os.environ, "DSV4SERVE_HOME": str(home)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        marked = state.load("cpu-demo")
+        assert marked.phase == "stopping" and marked.stopper_pid not in (None, os.getpid())
+        out = cli("status", "--json", home=home, timeout=60)
+        row = {x["seat"]: x for x in json.loads(out.stdout)}["cpu-demo"]
+        assert row["phase"] == "stopping", row
+        assert row["problem"] == (f"a stop (dsv4serve down, pid {marked.stopper_pid}) did not finish and nothing is "
+                                  "stopping the seat now: `dsv4serve down --profile cpu-demo` finishes it"), row
+        # a stop that is still running (this process) is just that
+        state.mark_stopping("cpu-demo", st.run_id, "dsv4serve down")
+        row = {x["seat"]: x for x in json.loads(cli("status", "--json", home=home, timeout=60).stdout)}["cpu-demo"]
+        assert row["phase"] == "stopping" and row["problem"] == "dsv4serve down", row
+    finally:
+        seat_proc.kill()
+        seat_proc.wait()

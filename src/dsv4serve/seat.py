@@ -885,6 +885,10 @@ def _row(name: str) -> dict[str, Any]:
         phase, stale = "stale", True
         problem = (f"a stop ({st.phase_detail or 'down'}) did not finish and the main process {st.pid} is "
                    f"{'gone' if live == 'gone' else 'now another process'}: `dsv4serve down` clears it")
+    elif st.phase == "stopping" and state.stopper_gone(st):  # the seat serves on, and nobody stops it
+        phase = "stopping"
+        problem = (f"a stop ({st.phase_detail or 'down'}, pid {st.stopper_pid}) did not finish and nothing is "
+                   f"stopping the seat now: `dsv4serve down --profile {name}` finishes it")
     elif st.phase == "stopping":
         phase, problem = "stopping", st.phase_detail or "being stopped"
     elif live == "reused":

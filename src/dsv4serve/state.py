@@ -75,6 +75,9 @@ class SeatState(BaseModel):
                                                               description="TP rank -> worker pid, from the log")
     engine_pid: Pid | None = None
     supervisor_pid: Pid | None = Field(None, description="the `up` process watching the seat, while it runs")
+    stopper_pid: Pid | None = Field(None, description="the process (down, or up tearing down) that marked the "
+                                                      "seat stopping")
+    stopper_start: Stamp | None = Field(None, description="psutil create_time() of stopper_pid")
     gates: dict[str, Any] = Field(default_factory=dict, description="launch.describe_gates() of the run")
     overrides: list[str] = Field(default_factory=list, description="the --set overrides `up` was given")
     lna2_build: dict[str, str | None] | None = Field(
@@ -321,12 +324,33 @@ def mark_stopping(seat: str, run_id: str, why: str) -> SeatState | None:
         st = load(seat)
         if st is None or st.run_id != run_id:
             return None
-        st = st.model_copy(update={"phase": "stopping", "phase_detail": why})
+        st = st.model_copy(update={"phase": "stopping", "phase_detail": why, **_stopper()})
         try:
             atomic_write(state_path(seat), st.model_dump_json(indent=2))
         except OSError:
             pass
         return st
+
+
+def _stopper() -> dict[str, Any]:
+    """This process as the one stopping a seat: a stop killed half way left "stopping" for good
+    while the seat served on, and status could not tell (helper audit)."""
+    me = psutil.Process()
+    return {"stopper_pid": me.pid, "stopper_start": me.create_time()}
+
+
+def stopper_gone(st: SeatState) -> bool:
+    """Whether the process that marked the seat stopping has ended (its number gone or reused)."""
+    if st.phase != "stopping" or st.stopper_pid is None:
+        return False
+    try:
+        proc = psutil.Process(st.stopper_pid)
+        created, zombie = proc.create_time(), proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+    return zombie or (st.stopper_start is not None and not abs(created - st.stopper_start) <= 1.0)
 
 
 def claim_stop(seat: str, run_id: str, why: str) -> SeatState | None:
@@ -336,7 +360,7 @@ def claim_stop(seat: str, run_id: str, why: str) -> SeatState | None:
         st = load(seat)
         if st is None or st.run_id != run_id or st.phase == "stopping":
             return None
-        st = st.model_copy(update={"phase": "stopping", "phase_detail": why})
+        st = st.model_copy(update={"phase": "stopping", "phase_detail": why, **_stopper()})
         atomic_write(state_path(seat), st.model_dump_json(indent=2))
         return st
 
