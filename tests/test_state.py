@@ -205,7 +205,17 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
     sock.bind(str(rpc / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11"))
     sock.close()
     (home / "runs" / run_id).mkdir(parents=True)
-    (home / "runs" / run_id / "run.json").write_text(json.dumps({"run_id": run_id, "rpc_dir": str(rpc)}))
+    (home / "runs" / run_id / "run.json").write_text(json.dumps({"run_id": run_id, "rpc_dir": str(rpc),
+                                                                 "started_at": time.time() - 5}))
+    # its rendezvous files, named by its log: down of a readable state removes them, and of this one
+    # left them (helper audit)
+    hexid = f"{os.getpid():08x}{time.time_ns() % 16**8:08x}"
+    (home / "runs" / run_id / "vllm.log").write_text(
+        f"(Worker pid={orphan.pid}) INFO 12-02 19:15:22 [parallel_state.py:1906] world_size=1 rank=0 local_rank=0 "
+        f"distributed_init_method=file:///tmp/vllm_dist_{hexid} backend=gloo\n")
+    dist = [Path(f"/dev/shm/vllm_dist_{hexid}-tp:0-0-1-cpushm_0"), Path(f"/tmp/vllm_dist_{hexid}")]
+    for f in dist:
+        f.write_bytes(b"x")
     try:
         state.save(make(seat="other"))
         state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
@@ -221,8 +231,9 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         assert seat["clean"] and seat["run_id"] == run_id
         assert [p["pid"] for p in seat["signalled"]] == [orphan.pid]
         orphan.wait(timeout=10)
-        assert seat["leftovers_removed"] == [str(rpc / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11"), str(rpc)]
-        assert not rpc.exists()
+        assert seat["leftovers_removed"] == [str(rpc / "0f4c6f8e-3a53-4c1b-9a43-7d2f6b1e8a11"), str(rpc),
+                                             *map(str, dist)], seat["leftovers_removed"]
+        assert not rpc.exists() and not any(f.exists() for f in dist)
         assert stranger.poll() is None and elsewhere.poll() is None  # not this seat's, not this state dir's
         kept = [p.name for p in state.seat_dir("cpu-demo").iterdir() if p.name.startswith("state.json.unreadable-")]
         assert len(kept) == 1 and not state.state_path("cpu-demo").exists()
@@ -231,6 +242,8 @@ def test_an_unreadable_state_is_a_status_row_and_down_stops_its_tagged_processes
         for p in (orphan, stranger, elsewhere):
             p.kill()
             p.wait()
+        for f in dist:
+            f.unlink(missing_ok=True)
         import shutil
 
         shutil.rmtree(rpc, ignore_errors=True)

@@ -6,6 +6,7 @@ Each step lives in its own module; this one only sequences them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -679,6 +680,8 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
     seat's runs (the tag is all that is left to go by), remove the socket dir its run.json names,
     then set the file aside, kept."""
     from dsv4serve import home, leftovers, procs, state, stop
+    from dsv4serve.errors import DsvError
+    from dsv4serve.ranklog import read_log
 
     rep: dict[str, Any] = {"seat": name, "was": "unreadable state", "phase_before": "unknown",
                            "unreadable_state": True, "signalled": [], "killed": [], "remaining": [], "unreaped": [],
@@ -708,10 +711,20 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
         r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
         for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
-        if not r["remaining"]:  # sockets of a process still alive stay until a down that stops it
+        if not r["remaining"]:  # sockets and files of a process still alive stay until a down that stops it
             removed, failed = leftovers.clear_rpc_dir(st)
-            rep["leftovers_removed"] += removed
-            rep["leftovers_failed"] += failed
+            # the rendezvous files its log names, and the multiprocessing blocks of a run that was
+            # running until now (a readable state's down removes them; this one left them: helper audit)
+            try:
+                tracker = read_log(st.log_path, st.tp, [], []) if st.log_path else None
+            except DsvError:  # unreadable: its rendezvous files stay unnamed
+                tracker = None
+            found = leftovers.find(st, tracker.dist_ids, tracker.dist_paths) if tracker else []
+            found, foreign = leftovers.by_owner(found)
+            more, more_failed = leftovers.remove(found)
+            rep["leftovers_removed"] += removed + more
+            rep["leftovers_failed"] += failed + more_failed
+            rep.setdefault("leftovers_foreign", []).extend(foreign)
     # a run that died before this down (no tagged process left) still has its socket dir on disk
     run_of = procs.run_id_pattern(name)
     for d in sorted(home.runs_dir().glob(f"{name}-*")):
@@ -750,12 +763,23 @@ def _tag_only_state(name: str, run_dir: Path) -> SeatState:
     from dsv4serve import state
 
     try:
-        rpc = json.loads((run_dir / "run.json").read_text()).get("rpc_dir")
-    except (OSError, ValueError, AttributeError):
-        rpc = None
+        doc = json.loads((run_dir / "run.json").read_text())
+        doc = doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        doc = {}
+    rpc, env, began = doc.get("rpc_dir"), doc.get("env"), doc.get("started_at")
+    argv = [a for a in doc.get("argv") or [] if isinstance(a, str)] if isinstance(doc.get("argv"), list) else []
+    tp = next((int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in ("--tensor-parallel-size", "-tp")
+               and argv[i + 1].isdigit()), 1)
+    log = run_dir / "vllm.log"
     return state.SeatState(seat=name, run_id=run_dir.name, profile=name, profile_digest="", runtime="native",
-                           argv=[], env={}, host="127.0.0.1", port=0, served_name="", tp=1, run_dir=str(run_dir),
-                           log_path="", rpc_dir=rpc if isinstance(rpc, str) else None)
+                           argv=[], host="127.0.0.1", port=0, served_name="", run_dir=str(run_dir),
+                           tp=tp if 1 <= tp <= state.TP_MAX else 1,
+                           env={k: v for k, v in env.items() if isinstance(v, str)} if isinstance(env, dict) else {},
+                           # when it began bounds which multiprocessing blocks may be its (leftovers.find)
+                           started_at=float(began) if isinstance(began, (int, float)) and not isinstance(began, bool)
+                           and math.isfinite(began) else time.time(),
+                           log_path=str(log) if log.is_file() else "", rpc_dir=rpc if isinstance(rpc, str) else None)
 
 
 def render_down(report: dict) -> None:
