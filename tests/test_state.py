@@ -331,6 +331,16 @@ def test_a_state_or_last_run_of_another_shape_is_a_row_not_a_crash_of_every_seat
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+def test_logs_of_a_run_whose_files_were_removed_is_one_line_naming_where_logs_remain(home):
+    """The run dir of the last run removed: logs printed a rank-count note and "cannot read ...",
+    exit 2 (bad input) though nothing typed was wrong, and no fix (helper audit)."""
+    gone = home / "runs" / "cpu-demo-20261205-000000-abcd" / "vllm.log"
+    state.save_last("cpu-demo", {"run_id": "cpu-demo-20261205-000000-abcd", "log": str(gone)})
+    r = cli("logs", "--profile", "cpu-demo", home=home, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: seat cpu-demo's last log {gone} is gone") and f"`ls {home / 'runs'}`" in r.stderr
+
+
 def test_an_interrupted_down_reads_as_stale_once_the_process_is_gone(home):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

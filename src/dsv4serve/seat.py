@@ -1056,7 +1056,7 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
     from collections import deque
 
     from dsv4serve import home, state
-    from dsv4serve.errors import BadInput
+    from dsv4serve.errors import BadInput, JobFailed
     from dsv4serve.ranklog import SeatTracker
 
     names = _seat_names(profile_name) if profile_name is not None else state.known_seats()
@@ -1090,6 +1090,9 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
                            hint=(f"known seats: {', '.join(known)}" if known and name not in known
                                  else f"start it with `dsv4serve up --profile {name}`"))
         path, run_id = last["log"], last.get("run_id")
+        if not os.path.exists(path):  # its run dir was removed: said once, before the rank-count note
+            raise JobFailed(f"seat {name}'s last log {path} is gone",
+                            hint=f"the run's files were removed; `ls {home.runs_dir()}` lists the logs that remain")
         tp: int | None = 1
         try:
             import json as _json
@@ -1130,6 +1133,9 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
 
     try:
         f = open(path, "rb")
+    except FileNotFoundError:  # the seat's own record names it: nothing the user typed was wrong
+        raise JobFailed(f"seat {name}'s log {path} is gone",
+                        hint=f"the run's files were removed; `ls {home.runs_dir()}` lists the logs that remain") from None
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}") from None
     try:
