@@ -877,6 +877,15 @@ def test_a_launching_state_without_a_pid_whose_up_is_gone_is_stale(home):
     assert seat._running_refusal(st) is None
     alive = make(pid=None, phase="launching", supervisor_pid=os.getpid())
     assert "is already running" in seat._running_refusal(alive).message
+    # status reads it as up does: it called the orphan plain "launching", with no problem (helper audit)
+    state.save(st)
+    row = seat._row("cpu-demo")
+    assert row["phase"] == "stale" and row["stale"], row
+    assert row["problem"] == (f"the up that was starting it (pid {gone.pid}) is gone before it started anything: "
+                              "`dsv4serve down` clears it")
+    state.save(alive)
+    row = seat._row("cpu-demo")
+    assert row["phase"] == "launching" and not row["stale"] and row["problem"] is None, row
 
 
 def test_logs_follow_of_a_docker_seat_ends_when_its_client_is_gone(home, tmp_path):

@@ -918,6 +918,11 @@ def _row(name: str) -> dict[str, Any]:
     elif live == "reused":
         phase, stale = "stale", True
         problem = f"pid {st.pid} now belongs to another process: the seat is not running (`dsv4serve down` clears it)"
+    elif live == "unknown" and st.runtime == "native" and st.supervisor_pid and not state.pid_alive(st.supervisor_pid):
+        # as up reads it (_running_refusal): an up that died between its state write and the spawn
+        phase, stale = "stale", True
+        problem = (f"the up that was starting it (pid {st.supervisor_pid}) is gone before it started anything: "
+                   "`dsv4serve down` clears it")
     elif live == "gone":
         phase, stale = "failed", True
         first = tr.fatal[0].line if tr.fatal else "no error in its log"
