@@ -288,6 +288,15 @@ def test_hints_name_a_profile_from_a_file_by_its_path(tmp_path):
     prof.write_text(f"name: canon-pr\nextends: 8x16gb-380k\nruntime:\n  patch_root: {tmp_path / 'nowhere'}\n")
     r = cli("patch", "apply", "--profile", str(prof), home=home, timeout=120)
     assert r.returncode == 2 and f"runtime.patch_root {tmp_path / 'nowhere'} is not a directory" in r.stderr, r.stderr
+    # up says it as patch does, with --apply-patches too (it was 'package-missing' rows whose hints
+    # failed on the same path, exit 1 with --apply-patches: helper audit)
+    for extra in ([], ["--apply-patches"]):
+        r = cli("up", "--profile", str(prof), "--skip-checks", "--no-validate", *extra, home=home, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith(
+            f"error: profile canon-pr: runtime.patch_root {tmp_path / 'nowhere'} is not a directory"), r.stderr
+        r = cli("up", "--profile", str(prof), "--dry-run", "--json", "--no-validate", *extra, home=home, timeout=120)
+        refuses = [x for x in json.loads(r.stdout)["up_refuses"] if "patch_root" in x]
+        assert refuses and "is not a directory" in refuses[0] and "package-missing" not in refuses[0], refuses
     assert not (tmp_path / "nowhere").exists()
 
 

@@ -70,10 +70,9 @@ def _targets(profile: Optional[str], set_names: Optional[List[str]], root: Optio
         if refusal is not None:  # the host's packages are not the seat's: acting on them would say nothing
             raise refusal
         r = root if root is not None else patches.profile_root(p)
-        if root is None and r is not None and not r.is_dir():  # as --root's check: not "package missing"
-            raise BadInput(f"profile {p.name}: runtime.patch_root {r} is not a directory",
-                           hint="point it at the site-packages tree to patch (for a docker seat, a `docker cp` "
-                                "of the image's), or pass --root")
+        refusal = patches.root_refusal(p) if root is None else None
+        if refusal is not None:  # as --root's check: not "package missing"
+            raise refusal
         if not p.patches:
             if action == "status":  # a seat that needs no patches is in the state it wants
                 return _Targets([], r, p.cli_ref(), note=f"profile {p.name} names no patch sets: nothing to verify")

@@ -853,9 +853,21 @@ def image_refusal(profile: Any) -> BadInput | None:
                          "then `dsv4serve patch apply --profile ...`; up mounts the patched files from there")
 
 
+def root_refusal(profile: Any) -> BadInput | None:
+    """A runtime.patch_root that is not a directory, said as `patch` says it (exit 2): through up it
+    was 'package-missing' rows whose hints named commands failing on the same path, exit 1 with
+    --apply-patches (helper audit)."""
+    r = profile_root(profile)
+    if r is None or r.is_dir():
+        return None
+    return BadInput(f"profile {profile.name}: runtime.patch_root {r} is not a directory",
+                    hint="point it at the site-packages tree to patch (for a docker seat, a `docker cp` of the "
+                         "image's), or pass --root")
+
+
 def ensure_patched(profile: Any, apply: bool) -> list[SetResult]:
     """No-op when every file of the profile's sets is patched; apply them when `apply`; else refuse."""
-    refusal = image_refusal(profile)
+    refusal = image_refusal(profile) or root_refusal(profile)
     if refusal is not None:
         raise refusal
     rows = profile_status(profile)
@@ -879,7 +891,7 @@ def launch_refusal(profile: Any, apply: bool) -> BadInput | PatchRefused | None:
         ensure_patched(profile, apply=False)
         return None
     except BadInput as e:
-        if not apply or patched_in_image(profile):
+        if not apply or patched_in_image(profile) or root_refusal(profile) is not None:
             return e
     try:
         check_sets([load_set(n) for n in profile.patches], profile_root(profile), "apply", profile=_patch_ref(profile))
