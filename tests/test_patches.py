@@ -385,6 +385,19 @@ def _cli(*args: str):
     return CliRunner().invoke(app, ["patch", *args])
 
 
+def test_a_revert_table_asks_no_fix_of_the_files_it_restored(trees: Path, tmp_path: Path) -> None:
+    """After a successful revert every restored file said `patch apply ...` as its fix, beside the
+    patched hash as "expected" (helper audit)."""
+    root = make_tree(trees, "vllm-0.32.0", tmp_path)
+    pset = patches.load_set("vllm-0.32.0")
+    assert _cli("apply", "--set-name", "vllm-0.32.0", "--root", str(root)).exit_code == 0
+    r = _cli("revert", "--set-name", "vllm-0.32.0", "--root", str(root))
+    assert r.exit_code == 0, r.output
+    assert "patch apply" not in r.stdout, r.stdout
+    spec = pset.files[0]
+    assert r.stdout.count(spec.pristine_sha256[:10]) >= 2 and spec.patched_sha256[:10] not in r.stdout, r.stdout
+
+
 def test_cli_status_apply_revert_json(trees: Path, tmp_path: Path) -> None:
     root = make_tree(trees, "vllm-0.32.0", tmp_path)
     r = _cli("status", "--set-name", "vllm-0.32.0", "--root", str(root), "--json")

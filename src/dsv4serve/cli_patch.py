@@ -117,8 +117,10 @@ def _common_dir(paths: list[str]) -> str:
     return common + "/" if common else ""
 
 
-def _render(rows: list[Any], title: str) -> None:
-    """One table per set; file paths are shown below the set's common folder (in the title)."""
+def _render(rows: list[Any], title: str, wanted: str = "patched") -> None:
+    """One table per set; file paths are shown below the set's common folder (in the title). A row in
+    the `wanted` state needs no fix, and is compared with that state's hash: after a revert every
+    restored file said 'patch apply' beside a found/expected mismatch (helper audit)."""
     for set_name in dict.fromkeys(r.set for r in rows):
         mine = [r for r in rows if r.set == set_name]
         prefix = _common_dir([r.file for r in mine])
@@ -130,8 +132,9 @@ def _render(rows: list[Any], title: str) -> None:
         t.add_column("expected", no_wrap=True)
         t.add_column("fix", overflow="fold", ratio=1)
         for r in mine:
+            expected = r.pristine_sha256 if wanted == "pristine" else r.expected_sha256
             t.add_row(escape(r.file[len(prefix):]), f"[{_STYLE.get(r.state, '')}]{r.state}[/]", _short(r.found_sha256),
-                      _short(r.expected_sha256), "" if r.state == "patched" else escape(r.fix))
+                      _short(expected), "" if r.state == wanted else escape(r.fix))
         console.print(t)
 
 
@@ -220,7 +223,7 @@ def _change(action: str, profile: Optional[str], set_name: Optional[List[str]], 
                         console.print("  a docker seat runs its image's extension: build one from these sources and "
                                       "pass it as runtime.exl3_extension (check-seat's exl3-extension row reads it)",
                                       highlight=False, markup=False, soft_wrap=True)
-            _render(rows, f"patch {action}")
+            _render(rows, f"patch {action}", "patched" if action == "apply" else "pristine")
     _exit(rows, wanted)
 
 
