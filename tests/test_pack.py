@@ -429,8 +429,25 @@ def test_a_shard_linked_from_outside_the_pack_is_dead_in_the_container(tmp_path,
     (p / name).symlink_to(outside / name)
     kw = {"expect_shards": clean.expect_shards, "model_class": VISION, "wo_a_slices": 8}
     row = pack.validate(p, mounted_only=True, **kw).get("symlinks")
-    assert row.status == "fail" and f"1 symlinked out of the pack: {name}" in row.found and "mounts only" in row.fix
+    assert row.status == "fail" and row.found == f"1 symlinked to paths the container does not mount: {name} -> {outside}"
+    assert "inside the container these links are dead" in row.fix and "runtime.mounts" in row.fix
     assert pack.validate(p, **kw).get("symlinks").status == "warn"
+    # the same link with its directory mounted at the same path is live there: it was refused (helper audit)
+    mounted = [(str(p), str(p)), (str(outside), str(outside))]
+    assert pack.validate(p, mounted_only=True, mounts=mounted, **kw).get("symlinks").status == "warn"
+    assert pack.validate(p, mounted_only=True, mounts=[(str(p), str(p)), (str(outside), "/elsewhere")],
+                         **kw).get("symlinks").status == "fail"  # mounted, but not where the link points
+    # model.path a symlink to the real folder, a shard an absolute link into that folder: only
+    # model.path is mounted, so the link is dead in the container; it passed as inside the pack
+    real = tmp_path / "real"
+    shutil.copytree(clean.path, real)
+    (real / "store").mkdir()
+    shutil.move(str(real / name), str(real / "store" / name))
+    (real / name).symlink_to(real / "store" / name)
+    current = tmp_path / "current"
+    current.symlink_to(real)
+    row = pack.validate(current, mounted_only=True, mounts=[(str(current), str(current))], **kw).get("symlinks")
+    assert row.status == "fail" and row.found.endswith(f"{name} -> {real / 'store'}"), row
     inside = tmp_path / "q"
     shutil.copytree(clean.path, inside)
     (inside / "sub").mkdir()
@@ -522,3 +539,29 @@ def test_bf16_shards_on_a_layer_split_across_ranks_fails_at_tp_above_one(tmp_pat
     assert "a pack baked for TP 8" in f.fix
     assert _validate(sp, tp=1).get("bf16-shards").status == "ok"
     assert _validate(write_pack(tmp_path / "q", SynthSpec()), tp=8).get("bf16-shards") is None  # none set: no row
+
+
+def test_check_seat_judges_a_docker_seats_links_by_the_mounts_its_launch_gives(tmp_path, clean):
+    """check-seat passes the docker seat's own `-v` pairs (as launch builds them) to the pack check:
+    a shard linked into a directory the profile mounts at the same path is no refusal."""
+    import shutil
+
+    from dsv4serve import checks
+    from dsv4serve.profile import load_profile
+
+    p = tmp_path / "p"
+    shutil.copytree(clean.path, p)
+    name = sorted(x.name for x in p.glob("*.safetensors"))[2]
+    base = tmp_path / "base"
+    base.mkdir()
+    shutil.move(str(p / name), str(base / name))
+    (p / name).symlink_to(base / name)
+    model = ["model.demo=false", f"model.path={p}", f"model.expect_shards={clean.expect_shards}"]
+    mounts = ('runtime.mounts=[{host: "{model_path}", container: "{model_path}", read_only: true}, '
+              f'{{host: {base}, container: {base}, read_only: true}}]')
+    for extra, want in (([], "fail"), ([mounts], "warn")):
+        prof = load_profile("8x16gb-380k", [*model, *extra])
+        assert (str(base), str(base)) in (checks._docker_mounts(prof) or []) or not extra
+        rep = checks.Report(profile=prof.name)
+        checks.check_pack(rep, checks.Ctx(profile=prof))
+        assert rep.row("pack", "symlinks").status == want, rep.row("pack", "symlinks")

@@ -565,7 +565,8 @@ def check_pack(rep: Report, ctx: Ctx) -> None:
         pr = pack.validate(path, expect_shards=p.model.expect_shards, model_class=p.model.model_class,
                            wo_a_slices=p.model.wo_a_rank_slices, exl3=p.vllm.quantization == "exl3",
                            mounted_only=p.runtime.kind == "docker", routed_ks=_routed_ks(p),
-                           tp=p.vllm.tensor_parallel_size, draft=p.drafts_from_pack())
+                           tp=p.vllm.tensor_parallel_size, draft=p.drafts_from_pack(),
+                           mounts=_docker_mounts(p) if p.runtime.kind == "docker" else None)
     ctx.pack_report = pr
     for f in pr.findings:
         rep.add("pack", f.check, f.status, f.found, f.expected, f.fix)
@@ -1031,6 +1032,17 @@ def _docker(rep: Report, ctx: Ctx) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # plan
+
+
+def _docker_mounts(p: Profile) -> list[tuple[str, str]] | None:
+    """(host, container) of every `-v` the docker seat's launch gives (None when the plan itself
+    fails: that is the launch-plan row's to say, and the pack is then judged as mounted alone)."""
+    try:
+        argv = launch.build(p, run_id="<run-id>", run_dir=home.runs_dir() / "<run-id>").argv
+    except DsvError:
+        return None
+    pairs = [argv[i + 1].split(":") for i, a in enumerate(argv[:-1]) if a == "-v"]
+    return [(x[0], x[1]) for x in pairs if len(x) >= 2]
 
 
 def check_plan(rep: Report, ctx: Ctx) -> None:

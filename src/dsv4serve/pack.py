@@ -260,10 +260,12 @@ def _bits_eq(a: Any, b: float) -> bool:
 
 def validate(path: str | Path, *, expect_shards: int | None = None, model_class: str | None = None,
              wo_a_slices: int | None = None, exl3: bool = True, mounted_only: bool = False,
-             routed_ks: tuple[int, ...] | None = None, tp: int | None = None, draft: bool = False) -> PackReport:
+             routed_ks: tuple[int, ...] | None = None, tp: int | None = None, draft: bool = False,
+             mounts: list[tuple[str, str]] | None = None) -> PackReport:
     """Every finding about the pack at `path`. `exl3=False` (the demo seat) checks a plain
     safetensors pack: files, headers, index coverage, config, tokenizer; no EXL3 rules.
-    `mounted_only`: the seat sees only this directory (a docker mount), so a link out of it is dead.
+    `mounted_only`: the seat sees the pack through docker mounts (`mounts`, (host, container) pairs;
+    default: this directory at its own path), so a link whose target no mount holds is dead there.
     `draft`: the seat speculates with the pack's MTP layers, so each one config.json declares must be whole."""
     root = Path(path)
     rep = PackReport(path=str(root))
@@ -298,14 +300,17 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
     files = sorted(set(weight_map.values())) if weight_map else sorted(on_disk)
     rep.files = files
     _resolve(rep, root, files, unresolved)
-    real_root = root.resolve()
-    escaping = [e for e in live_links if not Path(os.path.realpath(e)).is_relative_to(real_root)]
-    if mounted_only and escaping:
-        targets = sorted({str(Path(os.path.realpath(e)).parent) for e in escaping})
-        rep.add("symlinks", "fail", f"{len(escaping)} symlinked out of the pack: {_few(e.name for e in escaping)} -> "
-                f"{_few(targets, 2)}", "files inside the mounted pack directory",
-                "the container mounts only model.path, where these links are dead: copy the targets in "
-                "(cp --remove-destination) or hardlink them")
+    if mounted_only:
+        seen = mounts if mounts is not None else [(str(root), str(root))]
+        escaping = [e for e in live_links if not _live_in_container(e, root, seen)]
+    else:
+        escaping = []
+    if escaping:
+        targets = sorted({os.path.dirname(os.readlink(e)) or "." for e in escaping})
+        rep.add("symlinks", "fail", f"{len(escaping)} symlinked to paths the container does not mount: "
+                f"{_few(e.name for e in escaping)} -> {_few(targets, 2)}", "files inside the mounted pack directory",
+                "inside the container these links are dead: copy the targets in (cp --remove-destination), "
+                "hardlink them, or mount their directory at the same path (runtime.mounts)")
     elif live_links:
         targets = sorted({str(Path(os.path.realpath(e)).parent) for e in live_links})
         rep.add("symlinks", "warn", f"{len(live_links)} symlinked: {_few(e.name for e in live_links)} -> {_few(targets, 2)}",
@@ -501,6 +506,24 @@ def _resolve(rep: PackReport, root: Path, files: list[str], unresolved: dict[str
     if other:
         rep.add("other-files", "warn", f"{len(other)} unresolvable: {_few(other, 3)}", "entries that resolve",
                 "remove or repair them (the seat does not read them)")
+
+
+def _live_in_container(link: Path, root: Path, mounts: list[tuple[str, str]]) -> bool:
+    """Whether `link` resolves inside a container that mounts (host, container) pairs: its text is
+    what the container resolves, against the pack's container path, not the host's chain. A link
+    into a directory mounted at the same path is live (it was refused); an absolute link into the
+    real folder behind a symlinked model.path is dead (it passed: only model.path is mounted)."""
+    norm = [(os.path.normpath(h), os.path.normpath(c)) for h, c in mounts]
+    cont_root = next((c for h, c in norm if h == os.path.normpath(root)), os.path.normpath(root))
+    try:
+        text = os.readlink(link)
+    except OSError:
+        return False
+    target = os.path.normpath(text if os.path.isabs(text) else os.path.join(cont_root, text))
+    for h, c in norm:
+        if target == c or target.startswith(c.rstrip("/") + "/"):
+            return os.path.exists(h + target[len(c):])  # the file is there on the host side of that mount
+    return False
 
 
 def _shard_count(rep: PackReport, files: list[str], expect: int | None, on_disk: list[str]) -> None:
