@@ -480,3 +480,63 @@ def test_a_whole_wo_a_still_fails_wo_a_slices_beside_an_unrelated_unindexed_file
     rep = _validate(p, clean, expect_shards=None)
     assert rep.get("unindexed-files").status == "warn"
     assert rep.get("wo-a-slices").status == "fail" and rep.get("wo-a-slices").found == "no attn.wo_a.slice.R tensors"
+
+
+def _plain_dense(p: Path, keep_overlay_unindexed: bool) -> None:
+    """The dense modules as plain bf16 weights in an indexed file (a non-Dense pack), wo_a whole, and
+    non_routed_exl3 gone; with `keep_overlay_unindexed` the EXL3 dense overlay stays on disk, unindexed
+    (downloaded, index not rebuilt)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dense_file = "model-dense-exl3.safetensors"
+    idx = json.loads((p / pack.INDEX).read_text())
+    plain = {}
+    for k in load_file(str(p / dense_file)):
+        if k.endswith(".trellis"):
+            plain[k[: -len(".trellis")].split(".slice.")[0] + ".weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    if not keep_overlay_unindexed:
+        (p / dense_file).unlink()
+    save_file(plain, str(p / "model-dense-plain.safetensors"), metadata={"format": "pt"})
+    wm = {k: v for k, v in idx["weight_map"].items() if v != dense_file}
+    wm.update({k: "model-dense-plain.safetensors" for k in plain})
+    idx["weight_map"] = wm
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    cfg = json.loads((p / "config.json").read_text())
+    if not keep_overlay_unindexed:
+        cfg["quantization_config"].pop("non_routed_exl3")
+    (p / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("overlay", [False, True])
+def test_a_stray_file_beside_a_pack_hides_no_row_that_fails_it(tmp_path, clean, overlay):
+    """The stand-aside for absent modules took any unindexed file as the cause: a non-Dense pack for
+    a seat that wants wo_a slices passed beside an unrelated leftover, and a Dense overlay downloaded
+    without rebuilding the index (the base holding plain copies, which vLLM would load) passed with
+    every dense row n/a (review). Only a file holding modules the indexed files lack stands them aside."""
+    import torch
+    from safetensors.torch import save_file
+
+    p = _copy(clean, tmp_path)
+    _plain_dense(p, keep_overlay_unindexed=overlay)
+    save_file({"stray.weight": torch.zeros(2)}, str(p / "leftover.safetensors"))
+    rep = _validate(p, clean, expect_shards=None)
+    assert rep.get("wo-a-slices").status == "fail" and rep.get("wo-a-slices").found == "no attn.wo_a.slice.R tensors"
+    if overlay:
+        assert rep.get("dense-bits").status == "fail" and rep.get("dense-coverage").status == "fail", _bad(rep)
+
+
+def test_a_lost_shard_beside_a_stray_file_is_not_called_a_stale_index(tmp_path, clean):
+    """A shard lost with its index entries, and an unrelated file on disk making the count match:
+    shard-count (the row `up` shows) said "rebuild the index", naming the stray file (review)."""
+    import torch
+    from safetensors.torch import save_file
+
+    p = _copy(clean, tmp_path)
+    idx = json.loads((p / pack.INDEX).read_text())
+    (p / "model-layers-k2.safetensors").unlink()
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != "model-layers-k2.safetensors"}
+    (p / pack.INDEX).write_text(json.dumps(idx))
+    save_file({"x.weight": torch.zeros(2)}, str(p / "notes-backup.safetensors"))
+    f = _validate(p, clean).get("shard-count")
+    assert f.status == "fail" and "re-download it" in f.fix and "rebuild" not in f.fix, f

@@ -21,7 +21,7 @@ import struct
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 Status = str  # "ok" | "warn" | "fail" | "n/a"
 
@@ -61,6 +61,13 @@ VISION_CLASS = "DeepseekV4ForConditionalGeneration"
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d{1,9})\.ffn\.experts\.(\d{1,9})\.(w[123])$")
 _TRUNK = re.compile(r"^layers\.(\d{1,9})\.(.+)$")
 _DRAFT = re.compile(r"^mtp\.(\d{1,9})\.")
+_WHOLE_WO_A = re.compile(r"^layers\.\d{1,9}\.attn\.wo_a$")
+
+
+def _dense_module(m: str) -> bool:
+    """A trunk layer's module other than a routed expert (what non_routed_exl3 describes), but a
+    wo_a slice: a Dense overlay's slices stand for a whole wo_a the base may hold (wo-a-slices's)."""
+    return bool(_TRUNK.match(m)) and ".ffn.experts." not in m and ".attn.wo_a.slice." not in m
 # indices bounded: a 5,000-digit one (a corrupt header or config) made int() raise past Python's limit
 _ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d{1,9})\.(?P<rest>.+)$")
 _SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d{1,9})$")
@@ -95,12 +102,17 @@ class PackReport:
     partial: bool = False  # some weight file was missing or unreadable: tensors is incomplete
     unindexed: dict[str, str] = field(default_factory=dict)  # module -> file of the files the index leaves out
 
-    def held_elsewhere(self) -> bool:
-        """Whether modules may be absent for a reason another row names: a weight file missing or
-        unreadable (files-resolve, headers) or one the index leaves out (layer-modules). Rows that
-        would read absence as a config or profile error stand aside then: their fixes (restamp,
-        rebuild the entries, another pack) were wrong and `up` shows only the first."""
-        return self.partial or bool(self.unindexed)
+    def held_elsewhere(self, relevant: Callable[[str], bool]) -> bool:
+        """Whether the `relevant` modules may be absent for a reason another row names: a weight file
+        missing or unreadable (files-resolve, headers), or a file the index leaves out holding such a
+        module the indexed files lack (layer-modules). Rows that would read that absence as a config
+        or profile error stand aside then: their fixes (restamp, rebuild the entries, another pack)
+        were wrong and `up` shows only the first. Any unindexed file beside the pack was too broad:
+        a wrong pack passed beside a stray file (review)."""
+        if self.partial:
+            return True
+        present = _present(self.tensors)
+        return any(relevant(m) and m not in present for m in self.unindexed)
 
     def add(self, check: str, status: Status, found: str, expected: str = "", fix: str = "") -> Finding:
         f = Finding(check, status, found, expected, fix)
@@ -319,7 +331,7 @@ def validate(path: str | Path, *, expect_shards: int | None = None, model_class:
                 "leaves this one unable to restart (trap 10)")
     else:
         rep.add("symlinks", "ok", "no symlinks")
-    _shard_count(rep, files, expect_shards, on_disk)
+    _shard_count(rep, files, expect_shards, on_disk, root, weight_map)
     stray: list[str] = []
     if weight_map == {}:  # unreadable (already a failure): nothing to compare the files with
         rep.add("unindexed-files", "n/a", "the index is unreadable (see index)", "", "checked once the index is rebuilt")
@@ -526,7 +538,16 @@ def _live_in_container(link: Path, root: Path, mounts: list[tuple[str, str]]) ->
     return False
 
 
-def _shard_count(rep: PackReport, files: list[str], expect: int | None, on_disk: list[str]) -> None:
+def _holds_unindexed(root: Path, left: list[str], weight_map: dict[str, str] | None) -> bool:
+    """Whether the files the index leaves out hold modules the index does not name: then the index
+    is stale. A stray file beside a pack that lost a shard is not (review: a notes backup made the
+    count match and the lost shard read as a stale index)."""
+    indexed = _present((weight_map or {}).keys())
+    return any((_TRUNK.match(m) or _DRAFT.match(m)) and m not in indexed for m in _stray_modules(root, left))
+
+
+def _shard_count(rep: PackReport, files: list[str], expect: int | None, on_disk: list[str],
+                 root: Path | None = None, weight_map: dict[str, str] | None = None) -> None:
     if not files:
         rep.add("shard-count", "fail", "no safetensors files", f"{expect}" if expect else "the pack's weights",
                 "model.path holds no weights: download the pack there, or point model.path at it")
@@ -534,7 +555,8 @@ def _shard_count(rep: PackReport, files: list[str], expect: int | None, on_disk:
         rep.add("shard-count", "ok", _n(len(files), "safetensors file"), "(profile sets no model.expect_shards)")
     elif len(files) == expect:
         rep.add("shard-count", "ok", _n(len(files), "safetensors file"), f"{expect}")
-    elif len(on_disk) == expect and set(files) < set(on_disk):
+    elif len(on_disk) == expect and set(files) < set(on_disk) and root is not None and _holds_unindexed(
+            root, sorted(set(on_disk) - set(files)), weight_map):
         # every shard is here and the index is stale (an overlay added without it): no re-download
         left = sorted(set(on_disk) - set(files))
         rep.add("shard-count", "fail", f"{_n(len(on_disk), 'safetensors file')} on disk, the index names "
@@ -980,7 +1002,7 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
         rep.add("dense-bits", "ok", f"{len(entries)} entries match their trellis ("
                 + ", ".join(f"{c} modules {k}" for k, c in ks.most_common()) + ")",
                 "bits = trellis last dim / 16")
-    elif not dense and rep.held_elsewhere():  # the modules are absent, not uncovered
+    elif not dense and rep.held_elsewhere(_dense_module):  # the modules are absent, not uncovered
         rep.add("dense-bits", "n/a", "no non_routed_exl3 entry covers a dense EXL3 module in the files read, and "
                 "weight files are missing, unreadable or left out of the index (files-resolve, layer-modules)", "",
                 "checked once the files are restored and indexed")
@@ -993,7 +1015,7 @@ def _dense(rep: PackReport, cfg: dict[str, Any], mods: _Modules, nr: dict[str, A
     problems = []
     if uncovered:
         problems.append(f"{len(uncovered)} dense EXL3 modules without an entry: {_few(uncovered, 2)}")
-    if empty and not rep.held_elsewhere():  # with a weight file gone (or unindexed), that is the failure
+    if empty and not rep.held_elsewhere(_dense_module):  # a weight file gone (or unindexed) is the failure
         problems.append(f"{len(empty)} entries cover no tensors: {_few(empty, 2)}")
     if unknown:
         problems.append(f"{len(unknown)} entries name an unknown module: {_few(unknown, 2)}")
@@ -1183,8 +1205,8 @@ def _wo_a(rep: PackReport, cfg: dict[str, Any], mods: _Modules, want: int | None
     expect = want or cfg.get("o_groups")
     if not per_layer:
         # absent, not stored whole (a non-Dense pack's wo_a is a failure here whatever else is wrong)
-        whole = any((t := _TRUNK.match(m)) and t.group(2) == "attn.wo_a" for m in mods.parts)
-        if want and not whole and rep.held_elsewhere():
+        whole = any(_WHOLE_WO_A.match(m) for m in _present(rep.tensors))  # EXL3 or plain
+        if want and not whole and rep.held_elsewhere(lambda m: ".attn.wo_a.slice." in m):
             rep.add("wo-a-slices", "n/a", "no attn.wo_a.slice.R tensors in the files read, and weight files are "
                     "missing, unreadable or left out of the index (files-resolve, layer-modules)", "",
                     "checked once the files are restored and indexed")
