@@ -279,7 +279,9 @@ def test_a_forbidden_pattern_that_is_not_a_regex_is_refused_at_load():
 
 @pytest.mark.parametrize("value, words", [
     ('"(unclosed"', r"gates.canary.expect: .*\(unclosed.*not a valid regex"),
-    ('""', "gates.canary.expect: .*an empty pattern matches every answer"),
+    ('""', r"gates.canary.expect: .*/\/ matches an empty answer, so any answer"),
+    ('".*"', r"gates.canary.expect: .*/\.\*/ matches an empty answer"),  # and so would garbage (review)
+    ('"ready|"', r"matches an empty answer"),
 ])
 def test_a_canary_expectation_that_cannot_be_matched_as_meant_is_refused_at_load(value, words):
     """The readiness probe searches the canary's answer for gates.canary.expect: a pattern that does
@@ -739,3 +741,22 @@ def test_a_native_seat_does_not_inherit_what_would_hide_its_log_lines(monkeypatc
     assert env.get("VLLM_EXL3_MOE_STRICT") == spec.env.get("VLLM_EXL3_MOE_STRICT")  # the launcher's, not the shell's
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")
     assert launch.env_for_child(spec)["VLLM_LOGGING_LEVEL"] == "debug"
+
+
+@pytest.mark.parametrize("spec, drafts", [
+    ("{method: dspark, num_speculative_tokens: 3}", True),
+    ("{method: deepseek_mtp, num_speculative_tokens: 1}", True),  # vLLM maps the *_mtp names to mtp
+    ("{method: dspark}", True),  # the count left to vLLM, which fills it in
+    ("{method: mtp, model: /srv/pack, num_speculative_tokens: 3}", True),  # the pack itself, named
+    ("{method: mtp, model: /srv/other, num_speculative_tokens: 3}", False),
+    ("{method: eagle3, model: /srv/eagle, num_speculative_tokens: 3}", False),
+    ("{method: ngram, num_speculative_tokens: 2, prompt_lookup_max: 3}", False),
+    ("{method: '[ngram]', num_speculative_tokens: 2}", False),
+    ("{method: extract_hidden_states, num_speculative_tokens: 1}", False),
+    ("null", False),
+])
+def test_which_speculation_loads_the_packs_draft_layers(spec, drafts):
+    """check-seat requires the pack's draft layers (and counts their weights) only where vLLM loads
+    them: a missing count and `model` naming the pack still do; proposers without a draft do not (review)."""
+    p = load_profile("8x16gb-380k", ["model.path=/srv/pack", f"vllm.speculative_config={spec}"])
+    assert p.drafts_from_pack() is drafts

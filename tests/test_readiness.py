@@ -177,6 +177,9 @@ def test_a_models_list_of_another_shape_is_a_failure_not_a_crash():
      "canary answered 'zxq zxq zxq' (8 token(s), finish_reason 'length'), which does not match gates.canary.expect"),
     ({"content": "already"}, "stop", r"(?i)\bready\b", "canary answered 'already'"),
     ({"content": ""}, "length", "ready", "canary answered '' (8 token(s), finish_reason 'length')"),
+    # the budget cut the reasoning before any answer: said as reasoning, with the budget's hint (review)
+    ({"content": None, "reasoning_content": "Okay, the user asks me to"}, "length", "ready",
+     "canary reasoned (no answer) 'Okay, the user asks me to' (8 token(s), finish_reason 'length')"),
 ])
 def test_a_canary_answer_must_contain_what_the_profile_expects(message, finish, expect, words):
     """gates.canary.expect: a seat emitting garbage returned tokens and passed. The answer (content,
@@ -201,7 +204,7 @@ def test_a_canary_answer_must_contain_what_the_profile_expects(message, finish, 
             return
         with pytest.raises(JobFailed, match=re.escape(words)) as e:
             readiness.check(base, "demo", cfg, timeout=10)
-    if message["content"]:
+    if message.get("content"):
         assert e.value.hint == readiness.EXPECT_HINT
     else:
         assert "raise gates.canary.max_tokens" in e.value.hint and "thinking_off=true" in e.value.hint

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -930,3 +931,22 @@ def test_a_stop_that_died_half_way_is_not_shown_as_stopping(home):
     finally:
         seat_proc.kill()
         seat_proc.wait()
+
+
+@pytest.mark.parametrize("doc", [{"started_at": 10**400}, {"argv": ["vllm", "-tp", "²"]},
+                                 {"argv": ["vllm", "-tp", "9" * 5000]}, {"started_at": True}, [1, 2],
+                                 {"env": "x", "argv": "vllm"}])
+def test_an_odd_old_run_json_makes_no_down_of_an_unreadable_state_crash(home, doc):
+    """down of an unreadable state reads every past run.json of the seat: a started_at of 10**400
+    (OverflowError), a rank count of '²' or 5,000 digits (ValueError) made every down crash (review)."""
+    from dsv4serve import seat
+
+    d = home / "runs" / "cpu-demo-20261205-000000-abcd"
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps(doc))
+    st = seat._tag_only_state("cpu-demo", d)
+    assert st.tp == 1 and math.isfinite(st.started_at) and st.started_at > 1e9
+    state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
+    state.state_path("cpu-demo").write_text("{")
+    r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["seats"][0]["clean"], r.stdout + r.stderr

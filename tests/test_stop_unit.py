@@ -7,6 +7,7 @@ starts, vllm-cpu-reference §5) and its `sleep` child, in their own session like
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -597,3 +598,69 @@ def test_a_listen_address_that_is_gone_holds_no_port(tmp_path, host, said):
         rep = stop.stop_run(make_state(port=s.getsockname()[1], tp=1, log_path=str(tmp_path / "vllm.log"),
                                        run_dir=str(tmp_path)), 0.2)
         assert rep["port_free"] is False and "port_note" not in rep
+
+
+# A vLLM worker as the stop sees it: it sets its process title (setproctitle), which by default
+# writes over the environment block /proc/PID/environ shows, so its run tag cannot be read.
+TITLED_WORKER = ("import os, time, setproctitle; setproctitle.setproctitle('VLLM::Worker_TP0 ' + 'x' * 64); "
+                 "print(os.getpid(), flush=True); time.sleep(60)")
+LEADER = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+          "stdout=subprocess.PIPE, text=True); print(c.stdout.readline().strip(), flush=True); time.sleep(60)")
+
+
+@pytest.mark.parametrize("noenv", [False, True])
+def test_a_titled_worker_of_a_run_whose_main_process_died_is_still_stopped(noenv):
+    """With the group used only while its leader lives, a worker left by a crashed main process was
+    found by its tag alone, which setproctitle had wiped: down said clean over a worker still on the
+    GPU (review). SPT_NOENV=1 (what spawn sets) keeps the tag readable; without it the rank pid the
+    log named, still in the run's group and born in it, is the seat's."""
+    run_id = f"unit-stop-{os.getpid()}-{time.time_ns()}"
+    env = {**{k: v for k, v in os.environ.items() if k != "SPT_NOENV"}, RUN_ID_ENV: run_id,
+           **({"SPT_NOENV": "1"} if noenv else {})}
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, TITLED_WORKER], env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, text=True)
+    worker = int(leader.stdout.readline())
+    try:
+        began = psutil.Process(leader.pid).create_time()
+        st = make_state(run_id=run_id, pid=leader.pid, pgid=leader.pid, start_time=began, started_at=began,
+                        rank_pids={} if noenv else {0: worker})
+        time.sleep(0.3)
+        assert procs.is_tagged(worker, st) is noenv  # the title wrote over the tag unless SPT_NOENV
+        leader.kill()
+        leader.wait()  # reaped, as up reaps its child: the group's number is free now
+        rep = procs.stop(st, grace=1.0)
+        assert [p["pid"] for p in rep["signalled"]] == [worker], rep
+        assert not rep["remaining"] and not psutil.pid_exists(worker) or \
+            psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, 9)
+
+
+def test_spawn_keeps_the_run_tag_readable_through_a_process_title(tmp_path):
+    """The seat's processes are spawned with SPT_NOENV=1: a worker that sets its title keeps the tag."""
+    from dsv4serve import launch
+    from dsv4serve.profile import load_profile
+
+    spec = launch.build(load_profile("cpu-demo"), run_id=f"unit-spawn-{os.getpid()}-{time.time_ns()}",
+                        run_dir=tmp_path / "run")
+    spec = spec.model_copy(update={"argv": [sys.executable, "-c", TITLED_WORKER]})
+    proc = supervisor.spawn(spec, tmp_path / "run" / "vllm.log")
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (tmp_path / "run" / "vllm.log").read_text().strip():
+            time.sleep(0.1)
+        st = make_state(run_id=spec.run_id)
+        assert psutil.Process(proc.pid).cmdline()[0].startswith("VLLM::Worker_TP0")  # the title took
+        assert procs.is_tagged(proc.pid, st)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_bind_error_other_than_a_gone_address_still_holds_the_port(tmp_path, monkeypatch):
+    """Only an address that is not this machine's holds nothing: EACCES (a port below 1024 for a
+    user) says nothing about a holder, and counting it free let a live listener pass (review)."""
+    monkeypatch.setattr(ports, "bind_problem", lambda host, port: ports.BindProblem("other", "Permission denied"))
+    rep = stop.stop_run(make_state(tp=1, log_path=str(tmp_path / "vllm.log"), run_dir=str(tmp_path)), 0.2)
+    assert rep["port_free"] is False and "port_note" not in rep

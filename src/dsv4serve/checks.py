@@ -1122,11 +1122,12 @@ def _weights(rep: Report, ctx: Ctx) -> None:
         rep.add("plan", "weights-per-gpu", "n/a", "pack headers unavailable (see the pack rows)")
         rep.add("plan", "kv-window", "n/a", "needs the weights figure")
         return
-    draft = p.spec_tokens() > 0
+    draft = p.drafts_from_pack()  # what vLLM loads: an n-gram seat loads no mtp.* weights
     by_cat = pack.rank_weights(pr.tensors, tp, include_draft=draft)
     w = sum(by_cat.values())
     detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1]) if v)
-    draft_note = "" if draft else "; draft (mtp.*) not loaded: speculation off"
+    draft_note = "" if draft else ("; draft (mtp.*) not loaded: " + (
+        "the proposer loads none of its layers" if p.vllm.speculative_config else "speculation off"))
     data = {"bytes_per_rank": by_cat, "tp": tp, "draft_loaded": draft}
     if pr.partial:
         draft_note += "; pack incomplete, figure is low"

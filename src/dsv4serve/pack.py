@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import stat
 import struct
 from collections import Counter, defaultdict
@@ -221,7 +222,8 @@ def read_json(p: Path) -> Any:
         raw = p.read_bytes()
         if raw.startswith(b"\xef\xbb\xbf"):  # json.loads(bytes) strips it; vLLM's and transformers' readers refuse it
             raise FileProblem("starts with a UTF-8 byte-order mark, which vLLM's JSON reader refuses",
-                              f"re-save {p.name} as UTF-8 without a BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' {p})")
+                              f"re-save {p.name} as UTF-8 without a BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' "
+                              f"{shlex.quote(str(p))})")
         # text first, strictly: json.loads(bytes) also takes UTF-16 / UTF-32, which vLLM's readers do not
         return json.loads(raw.decode("utf-8"))
     except PermissionError:
@@ -1365,6 +1367,8 @@ def _layer_modules(rep: PackReport, cfg: dict[str, Any], stray: dict[str, str], 
     else:
         fix = ("restore the shards that held them (re-download the pack or its overlay), then rebuild the index; "
                "served without them the layers load garbage or fail")
+        if all(p.startswith("mtp.") for p, _ in gone):  # only the draft: the seat may also go without it
+            fix += "; or serve without speculation (vllm.speculative_config: null)"
     rep.add("layer-modules", "fail", found, expected, fix)
 
 

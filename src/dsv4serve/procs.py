@@ -28,13 +28,35 @@ def group_is_ours(st: SeatState) -> bool:
     or a zombie not yet reaped, which keeps its number). Once the leader is gone its number is free:
     a new session whose leader exits (`sh -c 'x &'`, a double-forked daemon) can own it within the
     same boot, and killpg reached that stranger's group (helper audit, a real pid wrap at pid_max
-    32768). The run's surviving processes carry its tag."""
+    32768). The run's surviving processes carry its tag (SPT_NOENV keeps it readable), and the
+    ranks the log named are found by pid (_recorded_members)."""
     if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or st.start_time is None:
         return False
     try:  # a zombie leader still holds the number (and the stop reports it)
         return abs(psutil.Process(st.pgid).create_time() - st.start_time) <= 1.0  # NaN compares False
     except psutil.Error:
         return False
+
+
+def _recorded_members(st: SeatState) -> list[psutil.Process]:
+    """With the recorded leader gone: the processes still in its group whose pid the run's log named
+    (a rank's, the engine's) and that were born in the run. A vLLM worker's run tag is unreadable
+    once it sets its title (setproctitle writes over /proc/PID/environ: seats started before
+    SPT_NOENV=1, or a child that clears it), so the tag alone missed them; the group alone took a
+    stranger's whose leader had exited (a pid wrap)."""
+    # only when the leader is gone: a recorded pid now another process's ("reused") says the
+    # recorded pids are not the run's any more, and a group other than the leader's was never ours
+    if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or liveness(st) != "gone":
+        return []
+    out = []
+    for pid in {p for p in (*st.rank_pids.values(), st.engine_pid) if p}:
+        try:
+            p = psutil.Process(pid)
+            if _pgid(pid) == st.pgid and _born_in_run(p, st):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
 
 
 def _began(st: SeatState) -> float:
@@ -118,6 +140,9 @@ def run_processes(st: SeatState, include_zombies: bool = False) -> list[psutil.P
         for p in psutil.process_iter():
             if p.pid != me and _pgid(p.pid) == st.pgid and _born_in_run(p, st):
                 found[p.pid] = p
+    else:
+        for p in _recorded_members(st):
+            found.setdefault(p.pid, p)
     for p in tagged(st.run_id):
         found.setdefault(p.pid, p)
     main = _main_process(st)

@@ -480,12 +480,12 @@ class Canary(_Strict):
         # compiled here, so --dry-run and check-seat refuse what the readiness probe would trip on
         if v is None:
             return v
-        if not v:
-            raise ValueError("an empty pattern matches every answer: remove it (null) or name the answer")
         try:
-            re.compile(v)
+            pattern = re.compile(v)
         except re.error as e:
             raise ValueError(f"/{v}/ is not a valid regex ({e})") from None
+        if pattern.search(""):  # "", ".*", "x?", "ready|": garbage would pass
+            raise ValueError(f"/{v}/ matches an empty answer, so any answer: remove it (null) or name the answer")
         return v
 
 
@@ -647,11 +647,16 @@ class Profile(_Strict):
         return int(n) if isinstance(n, (int, float)) else 0
 
     def drafts_from_pack(self) -> bool:
-        """Whether the seat speculates with the pack's own draft (MTP) layers: mtp / dspark do; an
-        n-gram proposer or a separate draft model (`model` in speculative_config) does not."""
+        """Whether the seat speculates with the pack's own draft (MTP) layers: dspark and the mtp
+        family (mtp, deepseek_mtp, ...: vLLM maps them to mtp) do, also with the count left to vLLM
+        and with `model` naming the pack itself; an n-gram or suffix proposer, a hidden-state
+        extractor and the drafters that load a model of their own (eagle, medusa, draft_model) do not."""
         sc = self.vllm.speculative_config or {}
-        return self.spec_tokens() > 0 and not sc.get("model") and str(sc.get("method", "")).lower() not in (
-            "ngram", "ngram_gpu", "suffix")
+        method = str(sc.get("method") or "").lower()
+        if not sc or not (method == "dspark" or method.endswith("mtp")):
+            return False
+        model = sc.get("model")
+        return not model or os.path.normpath(str(model)) == os.path.normpath(self.model.path or "")
 
     def cuda_graphs(self) -> bool:
         """Whether vLLM captures CUDA graphs on this seat (not eager, and a graph mode other than NONE)."""

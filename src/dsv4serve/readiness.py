@@ -110,13 +110,15 @@ def canary_result(base_url: str, model: str, canary_cfg: Any, timeout: float = 1
         raise JobFailed(f"canary completion was answered as model {data.get('model')!r}, not {model}",
                         hint="another server may own this port")
     text = next((v for v in parts if v), "").strip()
+    reasoned = not parts[0] and bool(text)  # no answer, only reasoning: what the budget cut, not the answer
     expect = getattr(canary_cfg, "expect", None)
     if expect is not None and not re.search(expect, text):
-        raise JobFailed(f"canary answered {text[:80]!r} ({tokens} token(s), finish_reason {finish!r}), which does "
+        what = "reasoned (no answer)" if reasoned else "answered"
+        raise JobFailed(f"canary {what} {text[:80]!r} ({tokens} token(s), finish_reason {finish!r}), which does "
                         f"not match gates.canary.expect /{expect}/",
-                        hint=EXPECT_HINT if text or finish != "length" else
-                        "the answer ran out of max_tokens before any text: raise gates.canary.max_tokens or set "
-                        "gates.canary.thinking_off=true (trap 6)")
+                        hint="the answer ran out of max_tokens before it was given: raise gates.canary.max_tokens "
+                             "or set gates.canary.thinking_off=true (trap 6)"
+                        if finish == "length" and (reasoned or not text) else EXPECT_HINT)
     return {"text": text, "tokens": tokens, "seconds": round(time.monotonic() - t0, 2), "expect": expect}
 
 

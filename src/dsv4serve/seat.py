@@ -676,22 +676,22 @@ def _cancel_starting(name: str) -> dict[str, Any] | None:
 
 
 def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """`down` of a seat whose state file does not parse: stop every process tagged with one of the
-    seat's runs (the tag is all that is left to go by), remove the socket dir its run.json names,
-    then set the file aside, kept."""
+    """`down` of a seat whose state file does not parse: stop the containers of the seat's runs (by
+    their run label) and every process tagged with one of its runs (the tag is all that is left to go
+    by), remove the files its runs left, then set the file aside, kept; while a container or process
+    is left, the file stays, so the next `down` tries again."""
     from dsv4serve import home, leftovers, procs, state, stop
-    from dsv4serve.errors import DsvError
-    from dsv4serve.ranklog import read_log
 
     rep: dict[str, Any] = {"seat": name, "was": "unreadable state", "phase_before": "unknown",
                            "unreadable_state": True, "signalled": [], "killed": [], "remaining": [], "unreaped": [],
-                           "zombies": [], "leftovers_removed": [], "leftovers_failed": [], "containers_stopped": [],
-                           "containers_left": []}
+                           "zombies": [], "leftovers_removed": [], "leftovers_failed": [], "leftovers_foreign": [],
+                           "containers_stopped": [], "containers_left": []}
     # First the containers: a docker run's outlives the lost state (its `docker run` client carries the
     # run tag but no run dir tag, the container's processes nothing we may read), and down said clean
     # while it served (helper audit). Each name the seat's runs gave docker is stopped when its
     # dsv4serve.run_id label names one of those runs; one docker cannot answer for is not clean.
     seat_runs = {d.name: d for d in home.runs_dir().glob(f"{name}-*") if procs.run_id_pattern(name).fullmatch(d.name)}
+    stopped_runs: set[str] = set()
     for cname in sorted({c for d in seat_runs.values() if (c := _container_of(d))}):
         exists, owner, _seat, said = stop.container_owner(cname)
         if exists is None:
@@ -701,43 +701,53 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
             left, said = stop.container_check(cname, owner)
             if left is False:
                 rep["containers_stopped"].append(f"{cname} (run {owner})")
+                stopped_runs.add(owner)
             else:
                 why = "; ".join(c.get("error") or c.get("out") or "" for c in calls if c.get("rc") != 0) or said
                 rep["containers_left"].append(f"{cname} (run {owner}: {why or 'still there'})")
     runs = procs.tagged_runs(name, home.runs_dir())
-    rep["run_id"] = ", ".join(sorted(runs)) or "unknown"
+    rep["run_id"] = ", ".join(sorted(set(runs) | stopped_runs)) or "unknown"
     for run_id in sorted(runs):
         st = _tag_only_state(name, home.runs_dir() / run_id)
         r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
         for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
         if not r["remaining"]:  # sockets and files of a process still alive stay until a down that stops it
-            removed, failed = leftovers.clear_rpc_dir(st)
-            # the rendezvous files its log names, and the multiprocessing blocks of a run that was
-            # running until now (a readable state's down removes them; this one left them: helper audit)
-            try:
-                tracker = read_log(st.log_path, st.tp, [], []) if st.log_path else None
-            except DsvError:  # unreadable: its rendezvous files stay unnamed
-                tracker = None
-            found = leftovers.find(st, tracker.dist_ids, tracker.dist_paths) if tracker else []
-            found, foreign = leftovers.by_owner(found)
-            more, more_failed = leftovers.remove(found)
-            rep["leftovers_removed"] += removed + more
-            rep["leftovers_failed"] += failed + more_failed
-            rep.setdefault("leftovers_foreign", []).extend(foreign)
+            _clear_run_files(st, rep)
+    for run_id in sorted(stopped_runs - set(runs)):  # a container stopped here: its run's files too
+        _clear_run_files(_tag_only_state(name, seat_runs[run_id]), rep)
     # a run that died before this down (no tagged process left) still has its socket dir on disk
-    run_of = procs.run_id_pattern(name)
-    for d in sorted(home.runs_dir().glob(f"{name}-*")):
-        if d.name in runs or not run_of.fullmatch(d.name):
+    for run_id, d in sorted(seat_runs.items()):
+        if run_id in runs or run_id in stopped_runs:
             continue
         removed, failed = leftovers.clear_rpc_dir(_tag_only_state(name, d))
         rep["leftovers_removed"] += removed
         rep["leftovers_failed"] += failed
-    moved = state.set_aside(name)
+    left = rep["remaining"] or rep["unreaped"] or rep["containers_left"]
+    moved = None if left else state.set_aside(name)  # kept: the next down tries again (review)
     rep["set_aside"] = str(moved) if moved else None
-    rep["clean"] = (not rep["remaining"] and not rep["unreaped"] and not rep["leftovers_failed"]
-                    and not rep["containers_left"])
+    rep["clean"] = not left and not rep["leftovers_failed"]
     return rep
+
+
+def _clear_run_files(st: SeatState, rep: dict[str, Any]) -> None:
+    """A stopped run's socket dir, the rendezvous files its log names and the multiprocessing blocks
+    it may have left, as a readable state's down removes them (this one left them: helper audit)."""
+    from dsv4serve import leftovers
+    from dsv4serve.errors import DsvError
+    from dsv4serve.ranklog import read_log
+
+    removed, failed = leftovers.clear_rpc_dir(st)
+    try:
+        tracker = read_log(st.log_path, st.tp, [], []) if st.log_path else None
+    except DsvError:  # unreadable: its rendezvous files stay unnamed
+        tracker = None
+    found = leftovers.find(st, tracker.dist_ids, tracker.dist_paths) if tracker else []
+    found, foreign = leftovers.by_owner(found)
+    more, more_failed = leftovers.remove(found)
+    rep["leftovers_removed"] += removed + more
+    rep["leftovers_failed"] += failed + more_failed
+    rep["leftovers_foreign"] += foreign
 
 
 def _container_of(run_dir: Path) -> str | None:
@@ -769,16 +779,19 @@ def _tag_only_state(name: str, run_dir: Path) -> SeatState:
         doc = {}
     rpc, env, began = doc.get("rpc_dir"), doc.get("env"), doc.get("started_at")
     argv = [a for a in doc.get("argv") or [] if isinstance(a, str)] if isinstance(doc.get("argv"), list) else []
+    # bounded before int() and isfinite(): "²" is a digit to isdigit, 5,000 digits exceed int()'s
+    # limit and 10**400 overflows a float; one odd old run.json made every down crash (review)
     tp = next((int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in ("--tensor-parallel-size", "-tp")
-               and argv[i + 1].isdigit()), 1)
+               and argv[i + 1].isascii() and argv[i + 1].isdigit() and len(argv[i + 1]) <= 6), 1)
+    if isinstance(began, int) and not isinstance(began, bool) and abs(began) < 10**12:
+        began = float(began)
     log = run_dir / "vllm.log"
     return state.SeatState(seat=name, run_id=run_dir.name, profile=name, profile_digest="", runtime="native",
                            argv=[], host="127.0.0.1", port=0, served_name="", run_dir=str(run_dir),
                            tp=tp if 1 <= tp <= state.TP_MAX else 1,
                            env={k: v for k, v in env.items() if isinstance(v, str)} if isinstance(env, dict) else {},
                            # when it began bounds which multiprocessing blocks may be its (leftovers.find)
-                           started_at=float(began) if isinstance(began, (int, float)) and not isinstance(began, bool)
-                           and math.isfinite(began) else time.time(),
+                           started_at=began if isinstance(began, float) and math.isfinite(began) else time.time(),
                            log_path=str(log) if log.is_file() else "", rpc_dir=rpc if isinstance(rpc, str) else None)
 
 
@@ -789,7 +802,9 @@ def render_down(report: dict) -> None:
     for rep in report["seats"]:
         verdict = "[bold green]clean[/]" if rep.get("clean") else "[bold red]NOT clean[/]"
         if rep.get("unreadable_state"):
-            console.print(f"seat {rep['seat']}: its state file was unreadable, set aside as {rep.get('set_aside')}; "
+            kept = (f"set aside as {rep['set_aside']}" if rep.get("set_aside") else
+                    "kept until nothing of it is left (`dsv4serve down` again then)")
+            console.print(f"seat {rep['seat']}: its state file was unreadable, {kept}; "
                           f"stopped {len(rep['signalled'])} processes tagged with its runs ({rep['run_id']}): {verdict}",
                           highlight=False, soft_wrap=True)
             for c in rep.get("containers_stopped", []):

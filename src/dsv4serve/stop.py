@@ -194,8 +194,8 @@ def stop_run(st: SeatState, grace: float, escalate: Callable[[], bool] | None = 
     # a name that stopped resolving) holds nothing of ours, and counting it kept the seat unclean
     # and every later up refused until state.json was deleted by hand (helper audit)
     problem = ports.bind_problem(state.client_host(st.host), st.port)
-    report["port_free"] = problem is None or problem.kind != "in-use"
-    if problem is not None and problem.kind != "in-use":
+    report["port_free"] = problem is None or problem.kind == "host"  # EACCES & co. say nothing of a holder
+    if problem is not None and problem.kind == "host":
         report["port_note"] = f"{st.host} {problem.detail}: nothing can hold port {st.port} there"
     report["port_owner"] = None if report["port_free"] else ports.owner(st.port)
     report["clean"] = (not report["remaining"] and not report["unreaped"] and not failed

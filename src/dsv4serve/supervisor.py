@@ -341,6 +341,10 @@ def spawn(spec: LaunchSpec, log_path: Path, core_dumps: bool = False, rpc_dir: s
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = env_for_child(spec)
     env[RUN_ID_ENV] = spec.run_id  # also on the docker client, whose env delta is passed with -e
+    # vLLM's engine and workers set their process title, which by default writes over the environment
+    # block /proc/PID/environ shows: their run tag would vanish, and with the main process gone they
+    # were found by nothing (review)
+    env["SPT_NOENV"] = "1"
     if rpc_dir:
         env[leftovers.RPC_ENV] = rpc_dir
     with open(log_path, "ab", buffering=0) as log:
