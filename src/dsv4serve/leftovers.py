@@ -80,9 +80,9 @@ def held_shm() -> tuple[set[str], set[tuple[int, int]]]:
     return names, inodes
 
 
-def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SHM, mp_blocks: bool = True) -> list[Path]:
-    """The run's rendezvous files (by the dist ids and paths of its log) and, with `mp_blocks`, the
-    multiprocessing blocks it may have left (by owner, time and no live holder)."""
+def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SHM) -> list[Path]:
+    """The run's rendezvous files (by the dist ids and paths of its log) and the multiprocessing
+    blocks it may have left (by owner, time and no live holder)."""
     found: set[Path] = set()
     for did in dist_ids:
         found.update(shm.glob(f"vllm_dist_{did}*"))
@@ -96,8 +96,6 @@ def find(st: SeatState, dist_ids: set[str], dist_paths: set[str], shm: Path = SH
         if os.path.basename(p).startswith("vllm_dist_") and os.path.realpath(os.path.dirname(p)) in homes:
             found.add(Path(p))
     found = {p for p in found if _plain_file(p)}
-    if not mp_blocks:
-        return sorted(found)
     held, held_inodes = held_shm()
     me = os.getuid()
     for pat in MP_PATTERNS:
