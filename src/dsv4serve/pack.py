@@ -63,16 +63,16 @@ _EXPERT = re.compile(r"^(layers|mtp)\.(\d{1,9})\.ffn\.experts\.(\d{1,9})\.(w[123
 _TRUNK = re.compile(r"^layers\.(\d{1,9})\.(.+)$")
 _DRAFT = re.compile(r"^mtp\.(\d{1,9})\.")
 _WHOLE_WO_A = re.compile(r"^layers\.\d{1,9}\.attn\.wo_a$")
+# indices bounded: a 5,000-digit one (a corrupt header or config) made int() raise past Python's limit
+_ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d{1,9})\.(?P<rest>.+)$")
+_SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d{1,9})$")
+_SHARD_NAME = re.compile(r"\.safetensors$")
 
 
 def _dense_module(m: str) -> bool:
     """A trunk layer's module other than a routed expert (what non_routed_exl3 describes), but a
     wo_a slice: a Dense overlay's slices stand for a whole wo_a the base may hold (wo-a-slices's)."""
     return bool(_TRUNK.match(m)) and ".ffn.experts." not in m and ".attn.wo_a.slice." not in m
-# indices bounded: a 5,000-digit one (a corrupt header or config) made int() raise past Python's limit
-_ENTRY = re.compile(r"^(?P<root>.*?)layers\.(?P<n>\d{1,9})\.(?P<rest>.+)$")
-_SLICE = re.compile(r"^attn\.wo_a\.slice\.(\d{1,9})$")
-_SHARD_NAME = re.compile(r"\.safetensors$")
 
 
 @dataclass
