@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -933,20 +934,69 @@ def test_a_stop_that_died_half_way_is_not_shown_as_stopping(home):
         seat_proc.wait()
 
 
-@pytest.mark.parametrize("doc", [{"started_at": 10**400}, {"argv": ["vllm", "-tp", "²"]},
-                                 {"argv": ["vllm", "-tp", "9" * 5000]}, {"started_at": True}, [1, 2],
-                                 {"env": "x", "argv": "vllm"}])
-def test_an_odd_old_run_json_makes_no_down_of_an_unreadable_state_crash(home, doc):
+@pytest.mark.parametrize("text", [json.dumps(x) for x in (
+    {"started_at": 10**400}, {"argv": ["vllm", "-tp", "²"]}, {"argv": ["vllm", "-tp", "9" * 5000]},
+    {"started_at": True}, [1, 2], {"env": "x", "argv": "vllm"})] + ["[" * 200000])
+def test_an_odd_old_run_json_makes_no_down_of_an_unreadable_state_crash(home, text):
     """down of an unreadable state reads every past run.json of the seat: a started_at of 10**400
-    (OverflowError), a rank count of '²' or 5,000 digits (ValueError) made every down crash (review)."""
+    (OverflowError), a rank count of '²' or 5,000 digits (ValueError), JSON nested past the parser
+    (RecursionError) made every down crash (review)."""
     from dsv4serve import seat
 
     d = home / "runs" / "cpu-demo-20261205-000000-abcd"
     d.mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps(doc))
+    (d / "run.json").write_text(text)
     st = seat._tag_only_state("cpu-demo", d)
     assert st.tp == 1 and math.isfinite(st.started_at) and st.started_at > 1e9
     state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
     state.state_path("cpu-demo").write_text("{")
     r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["seats"][0]["clean"], r.stdout + r.stderr
+
+
+def test_down_of_an_unreadable_state_stops_the_group_of_a_tagged_leader_titled_workers_too(home):
+    """With the state lost only tagged processes were stopped: a worker whose tag its process title
+    wiped (a seat started before SPT_NOENV) ran on under a clean verdict (review). A tagged process
+    leading its own group is the run's main process, and its group is stopped whole."""
+    from .test_stop_unit import LEADER, TITLED_WORKER
+
+    run_id = f"cpu-demo-20261205-000000-{os.getpid() % 9999:04d}"
+    (home / "runs" / run_id).mkdir(parents=True)
+    env = {**{k: v for k, v in os.environ.items() if k != "SPT_NOENV"}, state.RUN_ID_ENV: run_id,
+           "DSV4SERVE_RUN_DIR": str(home / "runs" / run_id)}
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, TITLED_WORKER], env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, text=True)
+    worker = int(leader.stdout.readline())
+    try:
+        time.sleep(0.3)
+        assert psutil.Process(worker).environ().get(state.RUN_ID_ENV) is None  # the title wiped the tag
+        state.state_path("cpu-demo").parent.mkdir(parents=True, exist_ok=True)
+        state.state_path("cpu-demo").write_text("{")
+        r = cli("down", "--profile", "cpu-demo", "--json", home=home, timeout=60)
+        seat = json.loads(r.stdout)["seats"][0]
+        assert r.returncode == 0 and seat["clean"], r.stdout + r.stderr
+        leader.wait(timeout=10)
+        deadline = time.time() + 10
+        while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE \
+                and time.time() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    finally:
+        leader.kill()
+        leader.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, 9)
+
+
+def test_a_state_naming_this_process_group_or_an_ancestor_never_gets_it_signalled():
+    """A hand-edited state naming the group of the shell or test runner above down, with its real
+    start time, made down killpg its own caller (review)."""
+    from dsv4serve import procs
+
+    me = psutil.Process()
+    for leader in [me, *me.parents()]:
+        st = make(pid=leader.pid, pgid=leader.pid, start_time=leader.create_time())
+        assert procs.group_is_ours(st) is False
+    grp = os.getpgrp()
+    if psutil.pid_exists(grp):
+        assert procs.group_is_ours(make(pid=grp, pgid=grp, start_time=psutil.Process(grp).create_time())) is False

@@ -357,6 +357,13 @@ def test_a_group_number_a_stranger_took_in_the_same_boot_is_not_signalled():
         assert rep["signalled"] == [] and psutil.Process(member).status() != psutil.STATUS_ZOMBIE
         # a hand-edited pgid naming another group proves nothing either (a NaN stamp: test_state)
         assert procs.group_is_ours(make_state(pid=sh.pid, pgid=member, start_time=began, started_at=began)) is False
+        # nor a recorded rank pid the stranger's member now has: without the start time recorded when
+        # the log named it, or with another one, it is not the run's (review)
+        for starts in ({}, {member: began - 3600}):
+            st = make_state(pid=sh.pid, pgid=sh.pid, start_time=began, started_at=began, rank_pids={0: member},
+                            pid_starts=starts)
+            assert procs.run_processes(st) == [] and procs.stop(st, grace=1.0)["signalled"] == []
+        assert psutil.Process(member).status() != psutil.STATUS_ZOMBIE
     finally:
         os.kill(member, 9)
 
@@ -623,15 +630,15 @@ def test_a_titled_worker_of_a_run_whose_main_process_died_is_still_stopped(noenv
     try:
         began = psutil.Process(leader.pid).create_time()
         st = make_state(run_id=run_id, pid=leader.pid, pgid=leader.pid, start_time=began, started_at=began,
-                        rank_pids={} if noenv else {0: worker})
+                        rank_pids={} if noenv else {0: worker},
+                        pid_starts={} if noenv else {worker: psutil.Process(worker).create_time()})
         time.sleep(0.3)
         assert procs.is_tagged(worker, st) is noenv  # the title wrote over the tag unless SPT_NOENV
         leader.kill()
         leader.wait()  # reaped, as up reaps its child: the group's number is free now
         rep = procs.stop(st, grace=1.0)
         assert [p["pid"] for p in rep["signalled"]] == [worker], rep
-        assert not rep["remaining"] and not psutil.pid_exists(worker) or \
-            psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+        assert not rep["remaining"], rep
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, 9)

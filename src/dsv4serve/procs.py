@@ -23,6 +23,15 @@ from dsv4serve.launch import PLUGIN_ENV_RUN_DIR as RUN_DIR_ENV
 from dsv4serve.state import RUN_ID_ENV, SeatState, liveness
 
 
+def _mine_or_above(pgid: int) -> bool:
+    """Whether `pgid` is this process's, its group's or an ancestor's (a shell, a test runner): a state
+    file, however it reads, never makes down signal those (review)."""
+    try:
+        return pgid in (os.getpid(), os.getpgrp()) or pgid in {p.pid for p in psutil.Process().parents()}
+    except psutil.Error:
+        return True
+
+
 def group_is_ours(st: SeatState) -> bool:
     """The recorded group, only while its leader is our recorded process (pid and start time; running
     or a zombie not yet reaped, which keeps its number). Once the leader is gone its number is free:
@@ -30,7 +39,8 @@ def group_is_ours(st: SeatState) -> bool:
     same boot, and killpg reached that stranger's group (helper audit, a real pid wrap at pid_max
     32768). The run's surviving processes carry its tag (SPT_NOENV keeps it readable), and the
     ranks the log named are found by pid (_recorded_members)."""
-    if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or st.start_time is None:
+    if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or st.start_time is None \
+            or _mine_or_above(st.pgid):
         return False
     try:  # a zombie leader still holds the number (and the stop reports it)
         return abs(psutil.Process(st.pgid).create_time() - st.start_time) <= 1.0  # NaN compares False
@@ -40,19 +50,23 @@ def group_is_ours(st: SeatState) -> bool:
 
 def _recorded_members(st: SeatState) -> list[psutil.Process]:
     """With the recorded leader gone: the processes still in its group whose pid the run's log named
-    (a rank's, the engine's) and that were born in the run. A vLLM worker's run tag is unreadable
+    (a rank's, the engine's) with the start time recorded then. A vLLM worker's run tag is unreadable
     once it sets its title (setproctitle writes over /proc/PID/environ: seats started before
     SPT_NOENV=1, or a child that clears it), so the tag alone missed them; the group alone took a
     stranger's whose leader had exited (a pid wrap)."""
     # only when the leader is gone: a recorded pid now another process's ("reused") says the
     # recorded pids are not the run's any more, and a group other than the leader's was never ours
-    if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or liveness(st) != "gone":
+    if st.pgid is None or st.runtime != "native" or st.pgid != st.pid or liveness(st) != "gone" \
+            or _mine_or_above(st.pgid):
         return []
     out = []
     for pid in {p for p in (*st.rank_pids.values(), st.engine_pid) if p}:
         try:
             p = psutil.Process(pid)
-            if _pgid(pid) == st.pgid and _born_in_run(p, st):
+            # the start time read when the log named it: a pid (and group number) a stranger took
+            # after a wrap or a reboot has another (review); a state without it proves nothing
+            if _pgid(pid) == st.pgid and pid in st.pid_starts and \
+                    abs(p.create_time() - st.pid_starts[pid]) <= 1.0:
                 out.append(p)
         except psutil.Error:
             continue

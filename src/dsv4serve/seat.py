@@ -680,6 +680,8 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
     their run label) and every process tagged with one of its runs (the tag is all that is left to go
     by), remove the files its runs left, then set the file aside, kept; while a container or process
     is left, the file stays, so the next `down` tries again."""
+    import psutil
+
     from dsv4serve import home, leftovers, procs, state, stop
 
     rep: dict[str, Any] = {"seat": name, "was": "unreadable state", "phase_before": "unknown",
@@ -709,6 +711,16 @@ def _down_unreadable(name: str, hurry: Callable[[], bool] | None = None) -> dict
     rep["run_id"] = ", ".join(sorted(set(runs) | stopped_runs)) or "unknown"
     for run_id in sorted(runs):
         st = _tag_only_state(name, home.runs_dir() / run_id)
+        # a tagged process leading its own group is the run's main process (no stranger can join
+        # another session's group): its group is then stopped whole, workers whose tag their
+        # process title wiped included (down said clean over one: review)
+        for p in runs[run_id]:
+            try:
+                if os.getpgid(p.pid) == p.pid:
+                    st = st.model_copy(update={"pid": p.pid, "pgid": p.pid, "start_time": p.create_time()})
+                    break
+            except (OSError, psutil.Error):
+                continue
         r = procs.stop(st, stop.STARTUP_GRACE_S, hurry)
         for k in ("signalled", "killed", "remaining", "unreaped", "zombies"):
             rep[k] += r[k]
@@ -754,7 +766,7 @@ def _container_of(run_dir: Path) -> str | None:
     """The container name a docker run was given (`--name` in its run.json argv), or None."""
     try:
         argv = json.loads((run_dir / "run.json").read_text()).get("argv") or []
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: nested past the parser
         return None
     if not argv or not isinstance(argv, list) or Path(str(argv[0])).name != "docker":
         return None
@@ -775,7 +787,7 @@ def _tag_only_state(name: str, run_dir: Path) -> SeatState:
     try:
         doc = json.loads((run_dir / "run.json").read_text())
         doc = doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         doc = {}
     rpc, env, began = doc.get("rpc_dir"), doc.get("env"), doc.get("started_at")
     argv = [a for a in doc.get("argv") or [] if isinstance(a, str)] if isinstance(doc.get("argv"), list) else []
@@ -1122,7 +1134,7 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
             for flag in ("--tensor-parallel-size", "-tp"):
                 if flag in argv:
                     tp = int(argv[argv.index(flag) + 1])
-        except (OSError, ValueError, IndexError, AttributeError, TypeError):  # also JSON that is not a dict
+        except (OSError, ValueError, IndexError, AttributeError, TypeError, RecursionError):  # JSON not a dict too
             tp = None
         if tp is None or not 1 <= tp <= TP_MAX:  # as the profile bounds it: the router allocates per rank
             print(f"note: {Path(path).parent / 'run.json'} does not give the run's rank count; ranks up to "

@@ -74,6 +74,8 @@ class SeatState(BaseModel):
     rank_pids: dict[Annotated[int, Field(ge=0)], Pid] = Field(default_factory=dict,
                                                               description="TP rank -> worker pid, from the log")
     engine_pid: Pid | None = None
+    pid_starts: dict[Pid, Stamp] = Field(default_factory=dict, description="create_time() of each rank / engine "
+                                                                     "pid when the log named it (the run alive)")
     supervisor_pid: Pid | None = Field(None, description="the `up` process watching the seat, while it runs")
     stopper_pid: Pid | None = Field(None, description="the process (down, or up tearing down) that marked the "
                                                       "seat stopping")

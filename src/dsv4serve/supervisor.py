@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 from filelock import Timeout
 from rich.markup import escape
 
@@ -385,6 +386,7 @@ class Supervisor:
         self._probe_started = 0.0
         self._last_state_poll = 0.0
         self._saved: dict[str, Any] = {}
+        self._starts: dict[int, float] = {}  # rank / engine pid -> its start time (native seats)
         self._tearing_down = False  # set once a teardown began: a crash after it must not start another
         self._attached_ready = False  # --foreground, past ready: a `down` then is the user's stop, not a failure
         self._failing: Outcome | None = None  # the failure _fail is stopping the seat for
@@ -441,9 +443,23 @@ class Supervisor:
             return False
         return cur is None or cur.run_id != self.spec.run_id or cur.phase == "stopping"
 
+    def _pid_starts(self) -> dict[int, float]:
+        """Each rank / engine pid's start time, read when the log first names it (the run is alive
+        then): what proves a recorded pid still the run's once the main process is gone (procs)."""
+        tr = self.tracker
+        if self.spec.runtime != "native":  # a container's pids are of its own namespace
+            return {}
+        for pid in {p for p in (*tr.rank_pids().values(), tr.engine_pid) if p} - set(self._starts):
+            try:
+                self._starts[pid] = psutil.Process(pid).create_time()
+            except psutil.Error:  # gone already, or a container's pid: nothing to prove it by
+                continue
+        return dict(self._starts)
+
     def _sync_tracker_to_state(self) -> bool:
         tr = self.tracker
-        facts = {"rank_pids": tr.rank_pids(), "engine_pid": tr.engine_pid, "dist_ids": sorted(tr.dist_ids),
+        facts = {"rank_pids": tr.rank_pids(), "engine_pid": tr.engine_pid, "pid_starts": self._pid_starts(),
+                 "dist_ids": sorted(tr.dist_ids),
                  "dist_paths": sorted(tr.dist_paths), "kv_cache_tokens": tr.kv_tokens,
                  "markers": {m: sorted(v) for m, v in tr.marker_ranks.items()}}
         changed = {k: v for k, v in facts.items() if self._saved.get(k) != v}
@@ -805,7 +821,8 @@ class Supervisor:
     def _ready(self, out: Outcome) -> Outcome:
         tr = self.tracker
         ok = self._update(phase="ready", ready_at=time.time(), phase_detail=f"ready in {out.seconds:.0f} s",
-                          rank_pids=tr.rank_pids(), engine_pid=tr.engine_pid, kv_cache_tokens=tr.kv_tokens,
+                          rank_pids=tr.rank_pids(), engine_pid=tr.engine_pid, pid_starts=self._pid_starts(),
+                          kv_cache_tokens=tr.kv_tokens,
                           markers={m: sorted(v) for m, v in tr.marker_ranks.items()},
                           dist_ids=sorted(tr.dist_ids), dist_paths=sorted(tr.dist_paths),
                           supervisor_pid=os.getpid() if self.foreground else None)
