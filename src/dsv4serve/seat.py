@@ -762,12 +762,34 @@ def _clear_run_files(st: SeatState, rep: dict[str, Any]) -> None:
     rep["leftovers_foreign"] += foreign
 
 
+def _run_json(run_dir: Path) -> dict[str, Any] | None:
+    """A run's run.json as a mapping, or None when it cannot be read as one (a past run's file may be
+    anything, and one odd file must not stop a down or logs)."""
+    try:
+        doc = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the parser
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _run_tp(doc: dict[str, Any]) -> int | None:
+    """The rank count a run's argv gives (1 when it names none, vLLM's default), or None when its
+    argv is no list or the value is no count. Bounded before int(): '²' is a digit to isdigit, and 5,000
+    digits exceed int()'s limit (one odd past run.json made every down crash: review)."""
+    argv = doc.get("argv", [])
+    if not isinstance(argv, list):
+        return None
+    for i, a in enumerate(argv):
+        if a in ("--tensor-parallel-size", "-tp"):
+            v = argv[i + 1] if i + 1 < len(argv) else None
+            ok = isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 6 and 1 <= int(v) <= TP_MAX
+            return int(v) if ok else None  # type: ignore[arg-type]
+    return 1
+
+
 def _container_of(run_dir: Path) -> str | None:
     """The container name a docker run was given (`--name` in its run.json argv), or None."""
-    try:
-        argv = json.loads((run_dir / "run.json").read_text()).get("argv") or []
-    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: nested past the parser
-        return None
+    argv = (_run_json(run_dir) or {}).get("argv") or []
     if not argv or not isinstance(argv, list) or Path(str(argv[0])).name != "docker":
         return None
     for i, a in enumerate(argv):
@@ -784,23 +806,16 @@ def _tag_only_state(name: str, run_dir: Path) -> SeatState:
     names, if it does."""
     from dsv4serve import state
 
-    try:
-        doc = json.loads((run_dir / "run.json").read_text())
-        doc = doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError, RecursionError):
-        doc = {}
+    doc = _run_json(run_dir) or {}
     rpc, env, began = doc.get("rpc_dir"), doc.get("env"), doc.get("started_at")
-    argv = [a for a in doc.get("argv") or [] if isinstance(a, str)] if isinstance(doc.get("argv"), list) else []
-    # bounded before int() and isfinite(): "²" is a digit to isdigit, 5,000 digits exceed int()'s
-    # limit and 10**400 overflows a float; one odd old run.json made every down crash (review)
-    tp = next((int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in ("--tensor-parallel-size", "-tp")
-               and argv[i + 1].isascii() and argv[i + 1].isdigit() and len(argv[i + 1]) <= 6), 1)
+    tp = _run_tp(doc) or 1
+    # bounded before isfinite(): 10**400 overflows a float (one odd old run.json made every down crash)
     if isinstance(began, int) and not isinstance(began, bool) and abs(began) < 10**12:
         began = float(began)
     log = run_dir / "vllm.log"
     return state.SeatState(seat=name, run_id=run_dir.name, profile=name, profile_digest="", runtime="native",
                            argv=[], host="127.0.0.1", port=0, served_name="", run_dir=str(run_dir),
-                           tp=tp if 1 <= tp <= state.TP_MAX else 1,
+                           tp=tp,
                            env={k: v for k, v in env.items() if isinstance(v, str)} if isinstance(env, dict) else {},
                            # when it began bounds which multiprocessing blocks may be its (leftovers.find)
                            started_at=began if isinstance(began, float) and math.isfinite(began) else time.time(),
@@ -1125,21 +1140,11 @@ def logs(profile_name: str | None, rank: str | None = None, follow: bool = False
         if not os.path.exists(path):  # its run dir was removed: said once, before the rank-count note
             raise JobFailed(f"seat {name}'s last log {path} is gone",
                             hint=f"the run's files were removed; `ls {home.runs_dir()}` lists the logs that remain")
-        tp: int | None = 1
-        try:
-            import json as _json
-            from pathlib import Path
-
-            argv = _json.loads((Path(path).parent / "run.json").read_text()).get("argv", [])
-            for flag in ("--tensor-parallel-size", "-tp"):
-                if flag in argv:
-                    tp = int(argv[argv.index(flag) + 1])
-        except (OSError, ValueError, IndexError, AttributeError, TypeError, RecursionError):  # JSON not a dict too
-            tp = None
-        if tp is None or not 1 <= tp <= TP_MAX:  # as the profile bounds it: the router allocates per rank
+        doc = _run_json(Path(path).parent)
+        tp = _run_tp(doc) if doc is not None else None  # bounded as the profile bounds it: the router allocates per rank
+        if tp is None:
             print(f"note: {Path(path).parent / 'run.json'} does not give the run's rank count; ranks up to "
                   f"{TP_MAX - 1} are read", file=sys.stderr)
-            tp = None
     want: str | None = None
     if rank is not None:
         if rank.isascii() and rank.isdigit():  # "²" and "١" are digits to str.isdigit, not to int()
