@@ -13,6 +13,9 @@ cannot cover (barriers, DSMEM ordering, the async copies, the hardware MMA) is t
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +39,33 @@ def geometry(H, I, C):
     return {"nblk": nblk, "kpc": 8 * nblk, "kpw": kpw, "wpb": wpb, "n_ib": I // 128}
 
 
-def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False):
+def fx_constants() -> dict[str, float]:
+    """lna2_v7.cu's fixed-point constants (FXA), read from the source so the model uses the kernel's."""
+    src = (Path(__file__).resolve().parent.parent / "kernels" / "lna2" / "lna2_v7.cu").read_text()
+    one = float(re.search(r"constexpr float FX_ONE = ([\d.]+)f;", src).group(1))
+    lim = float(re.search(r"constexpr float FX_LIM = ([\d.]+)f;", src).group(1))
+    bad, bad_sum = (1 << int(n) for n in re.search(r"FX_BAD = 1ll << (\d+), FX_BAD_SUM = 1ll << (\d+);", src).groups())
+    return {"one": one, "lim": lim, "bad": bad, "bad_sum": bad_sum}
+
+
+def fx_add(words: np.ndarray, c: np.ndarray, need: int, fx: dict) -> np.ndarray:
+    """FXA contributions c (fp32) to elements' 64-bit words (uint64, updated in place), as fx_add does
+    it: the outputs the adds complete (NaN elsewhere; a completed word returns to zero)."""
+    c = np.asarray(c, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ok = np.abs(c) <= np.float32(fx["lim"])  # False for NaN too
+        q = np.where(ok, np.rint(np.where(ok, c, 0) * np.float32(fx["one"])).astype(np.int64), np.int64(fx["bad"]))
+    words += (q.view(np.uint64) << np.uint64(6)) + np.uint64(1)  # unsigned 64-bit wrap
+    done = (words & np.uint64(63)) == np.uint64(need)
+    total = words.view(np.int64) >> np.int64(6)
+    vals = np.where(np.abs(total) >= fx["bad_sum"], np.float32(np.nan), total.astype(np.float32) / np.float32(fx["one"]))
+    out = np.where(done, vals, np.float32(np.nan))
+    words[done] = 0
+    return out
+
+
+def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=False, rcap=False, sb=False, rg=False,
+             fxa=False, order=None):
     K, H, I = layer.K, layer.hidden, layer.inter
     geo = geometry(H, I, C)
     assert geo is not None
@@ -81,7 +110,14 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
         for row in range(m):
             if need[row] == 0:
                 out[row] = 0.0
-    for u in range(units):  # the clusters' order does not matter: nothing crosses units but y
+    # fxa (v58, v59): per output element an int64 word, fixed-point sum << 6 plus its arrival count
+    fx = fx_constants() if fxa else None
+    words64 = np.zeros((m, H), dtype=np.uint64) if fxa else None
+    if fxa and len(groups):  # cluster 0 zeroes the rows no expert serves
+        for row in range(m):
+            if need[row] == 0:
+                out[row] = 0.0
+    for u in (range(units) if order is None else order):  # nothing crosses units but y (fxa: the words)
         gi, ib = divmod(u, n_ib)
         e, ent0, rws = groups[gi]
         rows = len(rws)
@@ -175,7 +211,19 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                 v = sum(red[bsel * wpb + kq][j] for kq in range(wpb))
                 c0 = (r * nblk + bsel) * 128
                 y[ib, ent0 + j, c0:c0 + 128] = fwht128(v) / np.sqrt(128) * svh["down"][e, c0:c0 + 128]
+                if fxa:  # the row's slots on expert e, weights summed in slot order, times this y row
+                    row = rws[j]
+                    wt = np.float32(0.0)
+                    for s_ in range(top_k):
+                        if int(ids[row, s_]) == e:
+                            wt = np.float32(wt + np.float32(w[row, s_]))
+                    got = fx_add(words64[row, c0:c0 + 128], wt * y[ib, ent0 + j, c0:c0 + 128].astype(np.float32),
+                                 need[row], fx)
+                    done_at = (words64[row, c0:c0 + 128] == 0) & ~np.isnan(got)
+                    out[row, c0:c0 + 128][done_at] = got[done_at]
             assert sorted(covered) == [(b, j) for b in range(nblk) for j in range(rows)]
+            if fxa:
+                continue
             if rg:  # the unit that completes a row on slice r sums that row there
                 for row in rws:
                     cnt[r, row] += 1
@@ -187,7 +235,9 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
             if done[r] == units:  # the last unit over slice r gathers it: blocks, then slots
                 for row in range(m):
                     gather_row(r, row)
-    if rg:
+    if fxa:
+        assert not words64.any()  # every word back at zero for the next launch
+    if rg and not fxa:
         assert not cnt.any()  # every counter back at zero for the next launch
         assert (gathered == np.array([[1 if need[row] else 0 for row in range(m)]] * C)).all()
     if units == 0:
@@ -310,3 +360,61 @@ def test_v40_rows_summed_by_the_unit_that_completes_them():
     got, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
     assert (got[10] == 0).all()
     _check(layer, ids[:10], w[:10], x[:10], "mcg", True, C=2, fin_local=True, epi=True, rcap=True, sb=True, rg=True)
+
+
+def test_v58_v59_fixed_point_sums_match_reference_in_any_unit_order():
+    """Variants 58 / 59: each unit adds its rows' weighted contributions into one int64 word per
+    output element (fixed-point sum and arrival count), and the add that completes an element writes
+    it. Routes like v40's, smaller (an expert twice in a row, a row with nothing in range, a
+    four-row expert): the output is bitwise the same whatever order the units arrive in, every word
+    returns to zero, the unserved row is zero, and it matches the fp64 reference."""
+    H, I, E = 1024, 256, 6
+    layer = random_expert_layer(E, H, I, 2, "mcg", seed=51)
+    gen = torch.Generator().manual_seed(52)
+    m = 6
+    ids = hot_routes(E, m, 4, gen)
+    ids[5] = torch.tensor([E + 1, E + 3])
+    w = torch.rand(m, 2, generator=gen)
+    x = torch.randn(m, H, generator=gen).half()
+    flags = dict(fin_local=True, epi=True, rcap=True, sb=True, rg=True)  # v59 (v46's flags); v58 is v26's
+    got, cfg = model_v7(x, ids, w, layer, "mcg", True, C=2, fxa=True, **flags)
+    order = list(range(cfg["units"]))[::-1]
+    rev, _ = model_v7(x, ids, w, layer, "mcg", True, C=2, fxa=True, order=order, **flags)
+    assert np.array_equal(got, rev)
+    assert (got[5] == 0).all()
+    ref_w = w.clone()
+    ref_w[ids >= E] = 0.0
+    ref = moe_reference(x, layer, ids.clamp(max=E - 1), ref_w).numpy()
+    rel = np.linalg.norm(got[:5] - ref[:5], axis=1) / np.linalg.norm(ref[:5], axis=1)
+    assert rel.max() < 2e-3, rel
+    one, _ = model_v7(x[:1], ids[:1], w[:1], layer, "mcg", True, C=2, fxa=True, fin_local=True, epi=True)
+    assert np.array_equal(one[0], got[0])  # v58 (v26's flags) at one row: the same words, the same bits
+
+
+def test_fx_word_bounds():
+    """The fixed-point word's bounds as lna2_v7.cu sets them: 32 contributions (top-k 8 x 4 blocks)
+    at the limit of either sign sum exactly without touching the count bits or the sign, the count
+    says "complete" only at the last add whatever the order, and one contribution out of range or
+    not finite turns the element NaN even beside 31 at the opposite limit."""
+    fx = fx_constants()
+    lim = np.float32(fx["lim"])
+    word = np.zeros(2, dtype=np.uint64)
+    for i in range(32):
+        o = fx_add(word, np.array([lim, -lim]), 32, fx)
+        assert np.isnan(o).all() if i < 31 else (o.tolist() == [32 * lim, -32 * lim] and not word.any())
+    gen = np.random.default_rng(3)
+    vals = (gen.standard_normal((12, 64)) * 10.0).astype(np.float32)
+    outs = []
+    for _ in range(4):
+        word = np.zeros(64, dtype=np.uint64)
+        for i, k in enumerate(gen.permutation(12)):
+            o = fx_add(word, vals[k], 12, fx)
+            assert np.isnan(o).all() == (i < 11)
+        outs.append(o)
+    assert all(np.array_equal(outs[0], o) for o in outs)
+    assert np.abs(outs[0] - vals.astype(np.float64).sum(axis=0)).max() < 1e-5
+    word = np.zeros(3, dtype=np.uint64)
+    for _ in range(31):
+        fx_add(word, np.full(3, -lim), 32, fx)
+    o = fx_add(word, np.array([2 * lim, np.inf, np.nan], dtype=np.float32), 32, fx)
+    assert np.isnan(o).all() and not word.any()

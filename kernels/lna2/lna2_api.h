@@ -37,7 +37,13 @@ enum DType : int { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 // region has the same place and size for every geometry and every kernel variant, so one scratch
 // can serve layers of different shapes and variants one after another; concurrent launches need
 // separate scratches.
-constexpr size_t CTRL_BYTES = 72 * 1024;     // >= either variant family's control words (asserted below)
+constexpr size_t CTRL_WORDS = 72 * 1024;     // >= either variant family's control words (asserted below)
+// FXA builds (variants 58, 59): per output element one int64 holding the fixed-point sum of its
+// top-k contributions (scaled by 2^FX_FRAC, shifted left by 6) plus, in its low 6 bits, how many
+// have arrived. Zero like the control words; the element's last contributor stores it back to zero.
+constexpr int FX_MAX_HIDDEN = 8192;          // the cluster kernel's widest hidden size
+constexpr size_t FX_ACC = CTRL_WORDS;
+constexpr size_t CTRL_BYTES = FX_ACC + size_t(MAX_ROWS) * FX_MAX_HIDDEN * sizeof(long long);
 
 struct Layout {
     int ib;            // 128-wide blocks of the expert intermediate (gate/up output, down input)
@@ -103,7 +109,7 @@ inline __host__ __device__ LayoutV2 make_layout_v2(int hidden, int inter) {
     return L;
 }
 
-static_assert((64 + MAX_PAIRS * MAX_IB + 2 * MAX_PAIRS + MAX_CB) * sizeof(int) <= CTRL_BYTES,
+static_assert((64 + MAX_PAIRS * MAX_IB + 2 * MAX_PAIRS + MAX_CB) * sizeof(int) <= CTRL_WORDS,
               "control words must fit the shared control region");
 
 // Bytes a scratch needs to serve every variant at this geometry.
@@ -149,14 +155,17 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // 31 is 26 with partial buffers of min(8, m) rows, which keeps K3 at two CTAs per SM up to six rows;
 // 36 is 31 with one partial buffer (a split cluster barrier guards its reuse), two K3 CTAs per SM to
 // eighteen rows; 40 is 36 with arrivals counted per (column slice, row) and each row summed by the unit
-// that completes it; 46 is 40 with a relaxed arrive after the finisher's reads.
+// that completes it; 46 is 40 with a relaxed arrive after the finisher's reads. 58 and 59 are 26
+// and 46 whose top-k sum is one returning 64-bit integer atomic per output element (fixed-point sum
+// and arrival count in one word: the contribution that completes an element writes it), in place of
+// the y rows, the arrival counter and the gather.
 // (32-35 were session 17's experiments, 37-39 session 18's, 41-44 session 19's, 45 session 20's and
 // 47-49 session 21's and 56 session 33's, measured and retired: kernels/lna2/NOTES.md, "The variants".)
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
 // copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;
 constexpr int V7_EPI_VARIANT = 26, V7_RCAP_VARIANT = 31, V7_SB_VARIANT = 36, V7_RG_VARIANT = 40;
-constexpr int V7_RLX_VARIANT = 46;
+constexpr int V7_RLX_VARIANT = 46, V7_FXA_VARIANT = 58, V7_RGFXA_VARIANT = 59;
 constexpr int V7_ABLATION_BASE = 17, V7_ABLATIONS = 3;
 inline bool is_ablation(int v) {
     return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) ||
@@ -165,6 +174,7 @@ inline bool is_ablation(int v) {
 inline bool is_cluster_variant(int v) {
     return v == V7_VARIANT || v == V7_BULK_VARIANT || v == V7_PRM_VARIANT || v == V7_FIN_VARIANT || v == V7_EPI_VARIANT ||
            v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT ||
+           v == V7_FXA_VARIANT || v == V7_RGFXA_VARIANT ||
            (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
 // Variant 50 is v4 (the ticket-scheduled v2 kernel at 2 CTAs per SM) with v20's byte-permute state

@@ -265,6 +265,17 @@ __device__ __forceinline__ void store_out4(const Args& a, size_t o, const float4
     }
 }
 
+// One output at element offset o, in the caller's output dtype (store_out4's roundings).
+__device__ __forceinline__ void store_out1(const Args& a, size_t o, float v) {
+    if (a.out_dtype == DT_F32) {
+        reinterpret_cast<float*>(a.out)[o] = v;
+    } else if (a.out_dtype == DT_BF16) {
+        reinterpret_cast<__nv_bfloat16*>(a.out)[o] = __float2bfloat16_rn(v);
+    } else {
+        reinterpret_cast<__half*>(a.out)[o] = __float2half_rn(v);
+    }
+}
+
 // Output columns [128 cb, 128 cb + 128) of every row: the routing-weighted sum of the row's top-k
 // slots in slot order (no atomics: bitwise repeatable). `y` holds one fp32 row per routed entry;
 // with a k-split down projection it holds `nsplit` such partials `split_stride` floats apart, and

@@ -128,16 +128,34 @@ enum Event7 : int {
 // once after the plan (a per-unit count through shared memory cost ~1 us a unit in session 18 run 6);
 // rows with none are zeroed by cluster 0 at the end. The counters live in v2's `arr` region (C7 x MAX_ROWS
 // ints), which v7 does not otherwise use, and return to zero by their last user.
+// FXA (variants 58 on 26, 59 on 46; with EPI): no y rows, arrival counters or gather. Each
+// (row, expert, 128-block) contribution to an output element, routing weight applied, goes into
+// the element's int64 word (scratch FX_ACC) by one returning atomic add of (fixed point << 6) + 1:
+// the low six bits count the arrivals, the rest sums exactly (integer adds commute, so the result is
+// bitwise repeatable). The add that brings the count to the row's expected arrivals writes the
+// output and zeroes the word. This replaces a release (the y rows' stores acknowledged), an arrival
+// atomic and the gather's loads after it, three L2 round trips, by one. A contribution past
+// +-FX_LIM (or not finite) turns its element NaN instead of wrapping.
 // RLX (variant 46, with SB): the arrive that says "this CTA has read its peers' partials" is relaxed:
 // it guards only a later overwrite (SB's wait) and the exit, and the values read were consumed by
 // then; a release arrive is a GPU-scope MEMBAR (session 20's SASS), paid once per unit.
 // Variants measured against these and retired (27, 37-39, 41-45, 47-49), with their commits and
 // figures: kernels/lna2/NOTES.md, "The variants".
+// FXA's fixed point: a contribution q = round(c 2^26) (resolution 1.5e-8) for |c| <= 2^17, so
+// |q| <= 2^43 and an element's <= 32 contributions (top-k 8 x 4 blocks) sum to <= 2^48; one out of
+// range adds 2^50, so a sum past 2^49 says "not representable" (32 of them stay below 2^57, and the
+// word's 6-bit shift keeps them inside 63 bits).
+constexpr float FX_ONE = 67108864.f;
+constexpr float FX_LIM = 131072.f;
+constexpr long long FX_BAD = 1ll << 50, FX_BAD_SUM = 1ll << 49;
+static_assert(MAX_TOPK * 4 < 64, "an element's arrivals (top-k x <= 4 blocks of a <= 512 intermediate) fit six bits");
+
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool FXA = false>
 struct V7Kernel {
     static_assert(!SB || FIN, "SB's split barrier pairs with the local finisher's arrive, not cluster.sync");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
+    static_assert(!FXA || EPI, "the fixed-point sum is written by the dealt epilogue");
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
@@ -328,6 +346,49 @@ struct V7Kernel {
         store_out4(a, size_t(row) * a.hidden + c, acc);
     }
 
+    // FXA: row `row`'s contribution from expert e (its slots' weights summed in slot order) to the
+    // 128 columns of a block (lane l holds columns 4l .. 4l + 3 from blk), each a returning atomic
+    // on the element's word; the arrival that completes an element stores it and zeroes the word.
+    // The values are first turned across the warp so that atomic i of lane l is column 32 i + l:
+    // each atomic instruction then covers eight whole 32-byte sectors, not one word in each of 32
+    // (session 44's trace: 1.6 us of returning atomics at one row with the 4l layout).
+    __device__ __forceinline__ void fx_add(int row, int e, int blk, const float (&v)[4], const float (&sv)[4]) {
+        const int lane = threadIdx.x & 31;
+        float wt = 0.f;
+        for (int sl = 0; sl < a.top_k; sl++)
+            if (s.rid[row * a.top_k + sl] == e) wt += s.rw[row * a.top_k + sl];
+        float c[4], t[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[i] = wt * (v[i] * RSQRT128 * sv[i]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {  // column 32 i + lane sits in lane 8 i + lane / 4, value lane % 4
+            const int src = 8 * i + (lane >> 2);
+            const float g0 = __shfl_sync(FULL, c[0], src), g1 = __shfl_sync(FULL, c[1], src);
+            const float g2 = __shfl_sync(FULL, c[2], src), g3 = __shfl_sync(FULL, c[3], src);
+            const int k = lane & 3;
+            t[i] = k == 0 ? g0 : k == 1 ? g1 : k == 2 ? g2 : g3;
+        }
+        const unsigned long long need = static_cast<unsigned long long>(rneed[row]);
+        const size_t o = size_t(row) * a.hidden + blk + lane;
+        unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.scratch + FX_ACC) + o;
+        unsigned long long tot[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const long long q = fabsf(t[i]) <= FX_LIM ? __float2ll_rn(t[i] * FX_ONE) : FX_BAD;
+            const unsigned long long add = (static_cast<unsigned long long>(q) << 6) + 1ull;
+            tot[i] = atomicAdd(acc + 32 * i, add) + add;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if ((tot[i] & 63ull) == need) {
+                const long long sum = static_cast<long long>(tot[i]) >> 6;
+                const bool bad = sum >= FX_BAD_SUM || sum <= -FX_BAD_SUM;
+                store_out1(a, o + 32 * i, bad ? __int_as_float(0x7fc00000) : __ll2float_rn(sum) * (1.f / FX_ONE));
+                acc[32 * i] = 0ull;  // its last user in this launch; the launch boundary publishes it
+            }
+        }
+    }
+
     // RG: each row's expected arrivals on a slice (its distinct in-range experts x n_ib), from
     // registers, into shared memory that the unit loop's barriers publish.
     __device__ void count_row_needs() {
@@ -396,7 +457,7 @@ struct V7Kernel {
             if (cid == 0) gather(y);
             return;
         }
-        if constexpr (RG) count_row_needs();
+        if constexpr (RG || FXA) count_row_needs();
         if (cid < units) {
             if constexpr (BULK) {
                 issue_gu(cid, 0, EARLY_STEPS);  // the rest, and down, once x and suh have landed (rotate)
@@ -562,10 +623,14 @@ struct V7Kernel {
                             v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
                         }
                         fwht128(v, lane);
-                        __stcg(reinterpret_cast<float4*>(y + (size_t(ib) * MAX_PAIRS + ent0 + j) * a.hidden +
-                                                         (r * g.nblk + bsel) * 128 + 4 * lane),
-                               make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1], v[2] * RSQRT128 * sv[2],
-                                           v[3] * RSQRT128 * sv[3]));
+                        if constexpr (FXA) {
+                            fx_add(s.grows[gi][j], s.gexp[gi], (r * g.nblk + bsel) * 128, v, sv);
+                        } else {
+                            __stcg(reinterpret_cast<float4*>(y + (size_t(ib) * MAX_PAIRS + ent0 + j) * a.hidden +
+                                                             (r * g.nblk + bsel) * 128 + 4 * lane),
+                                   make_float4(v[0] * RSQRT128 * sv[0], v[1] * RSQRT128 * sv[1],
+                                               v[2] * RSQRT128 * sv[2], v[3] * RSQRT128 * sv[3]));
+                        }
                     }
                 } else {
 #pragma unroll
@@ -591,6 +656,7 @@ struct V7Kernel {
             // ---- the last unit over column slice r sums it
             __syncthreads();
             trace(E7_Y, u);
+            if constexpr (FXA) continue;  // the epilogue's atomics wrote every completed element
             if constexpr (RG) {
                 static_assert(C7 * MAX_ROWS <= MAX_PAIRS * MAX_IB, "per-(slice, row) counters fit v2's arr region");
                 __shared__ int rflag[GR];  // this unit completed row j of its group on slice r
@@ -628,7 +694,7 @@ struct V7Kernel {
                 trace(E7_GATHERED, u);
             }
         }
-        if constexpr (RG) {
+        if constexpr (RG || FXA) {
             if (cid == 0) zero_unrouted_rows();
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -640,26 +706,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool FXA = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool RLX = false>
+          bool SB = false, bool RG = false, bool RLX = false, bool FXA = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, FXA>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, FXA>;
     return nullptr;
 }
 
@@ -668,19 +734,21 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, rlx;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, fxa;
 };
 constexpr Build7 BUILDS7[] = {
-    //                 bulk   prm    fin    epi    rcap   sb     rg     rlx
-    {V7_VARIANT,      false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT, true,  false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,  true,  true,  false, false, false, false, false, false},
-    {V7_FIN_VARIANT,  true,  true,  true,  false, false, false, false, false},
-    {V7_EPI_VARIANT,  true,  true,  true,  true,  false, false, false, false},
-    {V7_RCAP_VARIANT, true,  true,  true,  true,  true,  false, false, false},
-    {V7_SB_VARIANT,   true,  true,  true,  true,  true,  true,  false, false},
-    {V7_RG_VARIANT,   true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_RLX_VARIANT,  true,  true,  true,  true,  true,  true,  true,  true},
+    //                  bulk   prm    fin    epi    rcap   sb     rg     rlx    fxa
+    {V7_VARIANT,       false, false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT,  true,  false, false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,   true,  true,  false, false, false, false, false, false, false},
+    {V7_FIN_VARIANT,   true,  true,  true,  false, false, false, false, false, false},
+    {V7_EPI_VARIANT,   true,  true,  true,  true,  false, false, false, false, false},
+    {V7_RCAP_VARIANT,  true,  true,  true,  true,  true,  false, false, false, false},
+    {V7_SB_VARIANT,    true,  true,  true,  true,  true,  true,  false, false, false},
+    {V7_RG_VARIANT,    true,  true,  true,  true,  true,  true,  true,  false, false},
+    {V7_RLX_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_FXA_VARIANT,   true,  true,  true,  true,  false, false, false, false, true},
+    {V7_RGFXA_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -690,7 +758,7 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.fxa>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }

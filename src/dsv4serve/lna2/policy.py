@@ -146,7 +146,7 @@ ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
 # binding launches (lna2_api.h's variant_known) less the ablations and the cooperative v0 / v1,
 # which lna2_moe_fit cannot size. An unknown number "fits" in the binding's sizing and is refused
 # only at launch, mid-serving.
-TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55})
+TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59})
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 ONE_ROW_VARIANT = 26  # one row at any bits
 CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
