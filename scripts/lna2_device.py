@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 OUT = Path(os.environ.get("OUT", REPO / ".device-out"))
 E, TOPK, H, L_SWIGLU = 256, 6, 4096, 10.0
-DEFAULT_VARIANTS = "46,26,36,55,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
+DEFAULT_VARIANTS = "59,55,58,46,26,36,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0"  # the policy's builds first (lna2_device.sh has the same list)
 VARIANTS = [int(v) for v in os.environ.get("LNA2_VARIANTS", DEFAULT_VARIANTS).split(",")]
 SHAPES = {"tp8": 256, "tp1": 2048}
 # Builds that run another build's arithmetic in its order, so parity records whether their outputs

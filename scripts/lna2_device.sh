@@ -136,7 +136,7 @@ PY
   cat "$OUT/checkseat.log" | tee -a "$LOG"
 fi
 
-export LNA2_VARIANTS=${LNA2_VARIANTS:-46,26,36,55,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0}
+export LNA2_VARIANTS=${LNA2_VARIANTS:-59,55,58,46,26,36,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0}
 if has smoke; then
   step "smoke (variants $LNA2_VARIANTS)"
   timeout 60 python3 scripts/lna2_device.py smoke > "$OUT/smoke.log" 2>&1; echo "exit $?" >> "$OUT/smoke.log"
@@ -185,7 +185,7 @@ if has trace && [ "$(left)" -gt 240 ]; then
   done
 fi
 
-BV=${BENCH_VARIANTS:-46,26,36,55,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0}
+BV=${BENCH_VARIANTS:-59,55,58,46,26,36,54,53,50,40,31,4,21,20,9,7,1,6,2,3,0}
 MS=${BENCH_MS:-1,2,4,8,16,24}
 SWEEP_BITS=${SWEEP_BITS:-2}
 if has sweep && [ "$(left)" -gt 240 ]; then

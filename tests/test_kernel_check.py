@@ -121,8 +121,9 @@ def test_a_device_fault_stops_the_check_where_it_happened():
 
 def test_bench_times_only_correct_builds_and_names_the_fastest():
     """The timer is a stand-in too (no GPU clock here): it returns set medians per variant, so what is
-    tested is which builds get timed and what the report concludes."""
-    set_us = {26: 20.0, 55: 25.0, 46: 18.0, 36: 30.0}
+    tested is which builds get timed and what the report concludes. `--also 46,36` adds two builds
+    beside the policy's (v59, v55); v36 computes wrong."""
+    set_us = {59: 20.0, 55: 25.0, 46: 18.0, 36: 30.0}
     timed: list[set[int]] = []
 
     def timer(fns):
@@ -132,14 +133,14 @@ def test_bench_times_only_correct_builds_and_names_the_fastest():
         return {v: set_us[v] for v in fns}
 
     def wrong_36(v, out, n):
-        if v == policy.TWO_ROW_VARIANT:
+        if v == 36:
             out.mul_(1.1)
 
-    rep = run_check([1], fault=wrong_36, timer=timer)
+    rep = run_check([1], fault=wrong_36, timer=timer, also=[46, 36])
     (c,) = rep.cases
-    assert c.variant == policy.ONE_ROW_VARIANT and c.ok
-    assert c.failed_variants == [policy.TWO_ROW_VARIANT] and not rep.ok  # a served build is wrong here
-    assert timed == [{26, 55, 46}] and c.timings_us == {26: 20.0, 55: 25.0, 46: 18.0}
+    assert c.variant == policy.ONE_ROW_VARIANT == 59 and c.ok
+    assert c.failed_variants == [36] and not rep.ok  # a build the check ran is wrong here
+    assert timed == [{59, 55, 46}] and c.timings_us == {59: 20.0, 55: 25.0, 46: 18.0}
     assert c.fastest == 46
     assert selfcheck.table_rows(rep)[0][-2:] == ["20.0", "v46 18.0 (1.11x); off: v36"]
 
@@ -152,8 +153,8 @@ def test_when_the_pick_is_fastest_the_report_says_so():
 
 def test_candidates_are_the_pick_then_the_other_served_builds_that_take_the_shape():
     spec = selfcheck.CheckSpec()
-    assert selfcheck.candidates(1, spec, 2) == [26, 55, 46, 36]
-    assert selfcheck.candidates(24, spec, 3) == [55, 26, 46, 36]  # K3 past 8 rows: the fallback serves
+    assert selfcheck.candidates(1, spec, 2) == [59, 55]
+    assert selfcheck.candidates(24, spec, 3) == [55, 59]  # K3 past 8 rows: the fallback serves
     tp1 = selfcheck.CheckSpec(inter=2048)
     assert selfcheck.candidates(8, tp1, 2) == [policy.SEAT_VARIANT]  # the cluster kernel does not take TP1
 
@@ -163,8 +164,8 @@ def test_also_adds_builds_the_policy_does_not_serve_where_they_fit():
     where the card's fit says it cannot launch, it is left out like any other."""
     spec = selfcheck.CheckSpec(also=[53, 53, 54])
     assert spec.also == [53, 54]
-    assert selfcheck.candidates(16, spec, 2) == [55, 26, 46, 36, 53, 54]
-    assert selfcheck.candidates(16, spec, 2, {55: 32, 26: 24, 46: 32, 36: 32, 53: 16, 54: 0}) == [55, 26, 46, 36, 53]
+    assert selfcheck.candidates(16, spec, 2) == [55, 59, 53, 54]
+    assert selfcheck.candidates(16, spec, 2, {55: 32, 59: 32, 53: 16, 54: 0}) == [55, 59, 53]
     with pytest.raises(BadInput, match="--also times other builds beside the policy's: it needs --bench"):
         selfcheck.parse_spec(4096, 256, 256, 6, "2", "mcg", "16", 0, False, 30, "53")
     with pytest.raises(BadInput, match="--also"):
@@ -186,21 +187,21 @@ def test_every_build_the_policy_serves_for_the_shape_is_a_candidate():
 
 def test_on_a_99_kb_card_the_check_runs_what_the_dispatch_would():
     """With the card's fit (an sm_120's, where the cluster kernel's K3 builds do not fit), the pick is
-    the dispatch's (v46 at one K3 row, v55 from two) and builds that cannot launch are not candidates."""
-    spec = selfcheck.CheckSpec()
-    fit3 = {26: 0, 36: 1, 46: 1, 55: 24}
-    assert selfcheck.candidates(1, spec, 3, fit3) == [46, 55, 36]
+    the dispatch's (v59 at one K3 row, v55 from two) and builds that cannot launch are not candidates."""
+    spec = selfcheck.CheckSpec(also=[26, 36])
+    fit3 = {26: 0, 36: 1, 59: 1, 55: 24}
+    assert selfcheck.candidates(1, spec, 3, fit3) == [59, 55, 36]
     assert selfcheck.candidates(2, spec, 3, fit3) == [55]
     asked = []
 
     def fitter(K, cb):
         asked.append((K, cb))
-        return fit3 if K == 3 else {26: 24, 36: 24, 46: 24, 55: 24}
+        return fit3 if K == 3 else {26: 24, 36: 24, 59: 24, 55: 24}
 
     spec = selfcheck.CheckSpec(hidden=1024, inter=256, experts=8, bits=[3], codebooks=["mcg"], rows=[1, 2])
     rep = selfcheck.check(spec, torch.device("cpu"), lambda layer: ReferenceRunner(layer, None), None, "cpu",
                           fitter=fitter)
-    assert asked == [(3, "mcg")] and [c.variant for c in rep.cases] == [46, 55] and rep.ok
+    assert asked == [(3, "mcg")] and [c.variant for c in rep.cases] == [59, 55] and rep.ok
     # where even v55 does not fit, the case says so and launches nothing, as the dispatch declines
     launched = []
 
@@ -208,9 +209,9 @@ def test_on_a_99_kb_card_the_check_runs_what_the_dispatch_would():
         inner = ReferenceRunner(layer, None)
         return lambda *a: (launched.append(a[-1]), inner(*a))[1]
 
-    rep = selfcheck.check(spec, torch.device("cpu"), runner, None, "cpu", fitter=lambda K, cb: {55: 1, 46: 1})
+    rep = selfcheck.check(spec, torch.device("cpu"), runner, None, "cpu", fitter=lambda K, cb: {55: 1, 59: 1})
     (one, two) = rep.cases
-    assert one.ok and one.variant == 46 and launched and set(launched) == {46}
+    assert one.ok and one.variant == 59 and launched and set(launched) == {59}
     assert not two.ok and two.variant == 55 and not rep.ok
     assert two.pick.error == ("v55 does not fit this card's shared memory per block at 2 rows (it fits 1); the "
                               "dispatch declines such calls to the incumbent")

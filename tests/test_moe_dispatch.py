@@ -244,10 +244,10 @@ def test_variant_follows_the_policy():
     for rows in (1, 2, 3, 9):
         h.call(0, rows)
     # the dispatch hands the policy the layer's hidden size: this 128-wide harness layer is not one
-    # the cluster kernel takes, so v55 serves it even at one row, where a 4096-wide slice gets v26
-    # (and v46 from two to twelve K2 rows)
+    # the cluster kernel takes, so v55 serves it even at one row, where a 4096-wide slice gets v59
+    # (to twelve K2 rows)
     assert [s["variant"] for s in h.ext.seen] == [55, 55, 55, 55]
-    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9, 13, 25)] == [26, 46, 46, 46, 55, 55]
+    assert [variant_for(r, I, 2) for r in (1, 2, 3, 9, 13, 25)] == [59, 59, 59, 59, 55, 55]
 
 
 def test_flat_ids_are_reshaped(tmp_path):
@@ -644,11 +644,11 @@ def test_rows_past_what_fits_are_declined_not_launched(tmp_path):
 
 
 def test_on_a_99_kb_card_a_k3_layer_goes_to_the_builds_that_fit(monkeypatch):
-    """A shape the cluster kernel takes (1024 wide) at K3 with an sm_120's fit: one row goes to v46
-    (v26 does not fit), two and more to v55 (v36 and v46 fit one row only), as policy.variant_for says,
-    and every call is computed."""
+    """A shape the cluster kernel takes (1024 wide) at K3 with an sm_120's fit: one row goes to v59,
+    two and more to v55 (v59 fits one row only), as policy.variant_for says, and every call is
+    computed."""
     monkeypatch.setattr(sys.modules[__name__], "H", 1024)
-    h = Harness(fit={26: 0, 36: 1, 46: 1, 55: 32}, n_layers=1)
+    h = Harness(fit={59: 1, 55: 32}, n_layers=1)
     m3, el3 = make_layer(K=3, seed=5)  # the harness's layer is K2: this test's one layer is K3
     m3.quant_method = Exl3MoEMethod()
     h.layers = [("model.layers.1.mlp.experts", m3, el3)]
@@ -657,10 +657,9 @@ def test_on_a_99_kb_card_a_k3_layer_goes_to_the_builds_that_fit(monkeypatch):
     for rows in (1, 2, 3):
         out, want = h.call(0, rows)
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
-    assert [s["variant"] for s in h.ext.seen] == [46, 55, 55]
-    assert h.grep("lna2 fit") == ["dsv4serve plugin lna2 fit rank=0/1 bits=3 hidden=1024 intermediate=128: v26 fits 0 "
-                                  "of 24 rows, v46 fits 1 of 24 rows, v36 fits 1 of 24 rows (shared memory per block); "
-                                  "the policy serves the next build that fits"]
+    assert [s["variant"] for s in h.ext.seen] == [59, 55, 55]
+    assert h.grep("lna2 fit") == ["dsv4serve plugin lna2 fit rank=0/1 bits=3 hidden=1024 intermediate=128: v59 fits 1 "
+                                  "of 24 rows (shared memory per block); the policy serves the next build that fits"]
 
 
 def test_the_worker_recounts_decode_rows_from_the_config_vllm_resolved():

@@ -21,6 +21,13 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
   the first unit's trellis requested around x and suh, an acquire-release arrival, byte-permute
   state extraction at K2 (v20), and the down epilogue's tasks dealt to the warps in turn through one
   rolled copy of its code (session 15: 2-12 % at every K2 point, against v21).
+  - **Since session 44 one build serves every cluster point below: v59**, which is v46 whose top-k
+    sum is one returning 64-bit atomic per output element (a fixed-point sum with the arrival count
+    in its low bits; the add that completes an element writes it), in place of the y rows, the
+    arrival counter and the gather: 1.1-3.2 us faster than the build each point had at one to eight
+    TP8 rows, K2 and K3 (an H100, same process: one K2 row 18.58 against v26's 19.68, eight K3 rows
+    69.14 against v46's 72.30; kernels/lna2/NOTES.md, session 44). The H200 has not timed it yet.
+    What follows is how v26 / v36 / v46 came to hold those points, and the ranges v59 inherits.
   - One row, K2 or K3: v26, where every CTA also finishes the activation itself (no second cluster
     barrier) and every unit's cluster has SMs of its own. Session 19 run 2: 19.3 / 20.6 us at one
     K2 / K3 row against v40's 19.3 / 21.2 (v40's per-row bookkeeping buys nothing at one row).
@@ -127,7 +134,8 @@ v26 115,824 B at one row, v36 and v46 101,920 / 102,080 B from two rows (at one 
 to 32), and v55 fits every shape to 32 rows (the binding's answers on an H100 at that limit, session
 33). So each point has a list of builds in preference order
 (`preference`), and the dispatch serves the first whose launch fits the device (the binding's
-`lna2_moe_fit`, per layer shape, at load): on sm_120 one K3 row goes to v46 and more to v55, and
+`lna2_moe_fit`, per layer shape, at load): on sm_120 one K3 row goes to v59 (v46's shared memory)
+and more to v55, and
 nothing that cannot launch is picked (session 33 found it; before, every K3 launch there would have
 failed)."""
 
@@ -148,10 +156,13 @@ ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
 # only at launch, mid-serving.
 TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59})
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
-ONE_ROW_VARIANT = 26  # one row at any bits
-CLUSTER_VARIANT = 46  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
-TWO_ROW_VARIANT = 36  # K3 (and any bits but 2), two rows
-CLUSTER_VARIANT_K2 = 46  # K2, two to CLUSTER_MAX_ROWS_K2 rows
+# v59 (v46 whose top-k sum is one fixed-point atomic per output element) serves every cluster point
+# since session 44: 1.1-3.2 us faster than the build that served each (v26 / v36 / v46) at one to
+# eight TP8 rows, K2 and K3, on an H100 (kernels/lna2/NOTES.md, session 44)
+ONE_ROW_VARIANT = 59  # one row at any bits
+CLUSTER_VARIANT = 59  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
+TWO_ROW_VARIANT = 59  # K3 (and any bits but 2), two rows
+CLUSTER_VARIANT_K2 = 59  # K2, two to CLUSTER_MAX_ROWS_K2 rows
 CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_ROWS_K2 = 12
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
@@ -169,15 +180,16 @@ def preference(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -
     takes every shape. The first whose shared memory fits the device serves (`variant_for`)."""
     if inter > CLUSTER_MAX_INTER or not cluster_kernel_takes(hidden, inter):
         return [SEAT_VARIANT]
+    def best(*vs: int) -> list[int]:  # in order, once each (the constants may name one build)
+        return list(dict.fromkeys(vs))
+
     if rows == 1:
-        # v46 at one row is within 1 us of v26 on the H200 (session 32: 19.3 / 21.5 against 19.1 /
-        # 20.6) and still fits a 99 KB block at K3 where v26 does not
-        return [ONE_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT]
+        return best(ONE_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT)
     if bits == 2 and rows <= CLUSTER_MAX_ROWS_K2:
-        return [CLUSTER_VARIANT_K2, SEAT_VARIANT]
+        return best(CLUSTER_VARIANT_K2, SEAT_VARIANT)
     if rows == 2:
-        return [TWO_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT]
-    return [CLUSTER_VARIANT, SEAT_VARIANT] if rows <= CLUSTER_MAX_ROWS else [SEAT_VARIANT]
+        return best(TWO_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT)
+    return best(CLUSTER_VARIANT, SEAT_VARIANT) if rows <= CLUSTER_MAX_ROWS else [SEAT_VARIANT]
 
 
 def served(inter: int = 256, hidden: int = 4096) -> list[int]:
@@ -203,7 +215,7 @@ def variant_for(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096,
     """The build that serves `rows` rows. `fit`: per build, the most rows whose launch fits this
     device's shared memory per block (the binding's lna2_moe_fit); None takes every build to fit,
     as on the H100 / H200. On sm_120 cards (99 KB a block) the cluster kernel's K3 builds do not fit
-    from one row (v26) or two (v36, v46), and v55 serves them (kernels/lna2/NOTES.md, session 33).
+    from two rows (v59 fits one), and v55 serves them (kernels/lna2/NOTES.md, sessions 33 and 44).
     `tuned`: rows -> build, this card's own measurements (lna2/tuning.py), which decide the row
     counts they hold wherever their build fits; the table above decides the rest."""
     if tuned is not None and rows in tuned and (fit is None or fit.get(tuned[rows], 0) >= rows):
