@@ -415,18 +415,27 @@ def test_the_short_form_dense_stamp_is_checked_too(tmp_path, clean):
     assert row.status == "fail" and 'non_routed_exl3.layers is ["x"], not a map' in row.found
 
 
-def test_a_shard_linked_from_outside_the_pack_is_dead_in_the_container(tmp_path, clean):
-    """A docker seat mounts only model.path: a symlink to a file outside it resolves on the host
-    and is dead in the container, so there it fails; a native seat only gets trap 10's warning."""
+def _shard_linked_out(clean, tmp_path):
+    """A copy of the clean pack at tmp_path/p whose third shard lives in tmp_path/base and is linked
+    back by an absolute symlink: (pack dir, shard name, base dir)."""
     import shutil
 
     p = tmp_path / "p"
     shutil.copytree(clean.path, p)
     name = sorted(x.name for x in p.glob("*.safetensors"))[2]
-    outside = tmp_path / "base"
-    outside.mkdir()
-    shutil.move(str(p / name), str(outside / name))
-    (p / name).symlink_to(outside / name)
+    base = tmp_path / "base"
+    base.mkdir()
+    shutil.move(str(p / name), str(base / name))
+    (p / name).symlink_to(base / name)
+    return p, name, base
+
+
+def test_a_shard_linked_from_outside_the_pack_is_dead_in_the_container(tmp_path, clean):
+    """A docker seat mounts only model.path: a symlink to a file outside it resolves on the host
+    and is dead in the container, so there it fails; a native seat only gets trap 10's warning."""
+    import shutil
+
+    p, name, outside = _shard_linked_out(clean, tmp_path)
     kw = {"expect_shards": clean.expect_shards, "model_class": VISION, "wo_a_slices": 8}
     row = pack.validate(p, mounted_only=True, **kw).get("symlinks")
     assert row.status == "fail" and row.found == f"1 symlinked to paths the container does not mount: {name} -> {outside}"
@@ -544,18 +553,10 @@ def test_bf16_shards_on_a_layer_split_across_ranks_fails_at_tp_above_one(tmp_pat
 def test_check_seat_judges_a_docker_seats_links_by_the_mounts_its_launch_gives(tmp_path, clean):
     """check-seat passes the docker seat's own `-v` pairs (as launch builds them) to the pack check:
     a shard linked into a directory the profile mounts at the same path is no refusal."""
-    import shutil
-
     from dsv4serve import checks
     from dsv4serve.profile import load_profile
 
-    p = tmp_path / "p"
-    shutil.copytree(clean.path, p)
-    name = sorted(x.name for x in p.glob("*.safetensors"))[2]
-    base = tmp_path / "base"
-    base.mkdir()
-    shutil.move(str(p / name), str(base / name))
-    (p / name).symlink_to(base / name)
+    p, name, base = _shard_linked_out(clean, tmp_path)
     model = ["model.demo=false", f"model.path={p}", f"model.expect_shards={clean.expect_shards}"]
     mounts = ('runtime.mounts=[{host: "{model_path}", container: "{model_path}", read_only: true}, '
               f'{{host: {base}, container: {base}, read_only: true}}]')
