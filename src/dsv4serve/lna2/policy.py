@@ -46,8 +46,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
     run 2, 27.6-28.0 in all six of session 18's runs, and 27.9 against v46's 28.3 in session 24.
     At 24 K3 rows (one CTA per SM for every cluster build) v4 takes 180 us against v40's 219.
   It takes hidden sizes 1024, 2048, 4096 and 8192 and intermediates up to 512 (the
-  binding refuses others). The choice was measured on the H200 (132 SMs): a card with fewer SMs
-  fits fewer clusters per pass, and nothing here has been timed on one.
+  binding refuses others). The choice was measured on the H200 (132 SMs; v59's on an H100, 132
+  SMs too): a card with fewer SMs fits fewer clusters per pass, and nothing here has been timed on one.
 * v55 serves everything else, every TP1 point included, and from session 28 also 13-24 K2 and 9-24
   K3 rows of the TP8 slice. It is v54 with gate/up chunks of 32 k-tiles wherever one-chunk items
   would still be enough items (TP1 from one row, TP8 from ~4 rows): a warp runs four ring rows
@@ -120,8 +120,8 @@ group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 
 v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
 an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26.
-v0-v4, v6, v7, v9, v20, v21, v31, v40, v50, v53 and v54 stay available for the benchmark and the parity
-grid; v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53, 54 and 55 run for MUL1
+v0-v4, v6, v7, v9, v20, v21, v26, v31, v36, v40, v46, v50, v53, v54 and v58 (v26 with v59's top-k sum)
+stay available for the benchmark, the parity grid and `kernel check --also`; v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53, 54 and 55 run for MUL1
 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
