@@ -219,7 +219,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                             wt = np.float32(wt + np.float32(w[row, s_]))
                     got = fx_add(words64[row, c0:c0 + 128], wt * y[ib, ent0 + j, c0:c0 + 128].astype(np.float32),
                                  need[row], fx)
-                    done_at = (words64[row, c0:c0 + 128] == 0) & ~np.isnan(got)
+                    done_at = words64[row, c0:c0 + 128] == 0  # only a completed word is zero after an add
                     out[row, c0:c0 + 128][done_at] = got[done_at]
             assert sorted(covered) == [(b, j) for b in range(nblk) for j in range(rows)]
             if fxa:

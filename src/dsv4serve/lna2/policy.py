@@ -121,8 +121,8 @@ group) tied from eight K2 rows and lost below and at K3. Those four are retired.
 v52 (session 24: v50 with one CTA barrier per gate/up chunk, aimed at TP1) tied v50 (session 25, on
 an H100; v5 had tied the same way on 2026-12-03) and was retired in session 26.
 v0-v4, v6, v7, v9, v20, v21, v26, v31, v36, v40, v46, v50, v53, v54 and v58 (v26 with v59's top-k sum)
-stay available for the benchmark, the parity grid and `kernel check --also`; v3 (the format's fp16 lo+hi rounding) is also what variants 2 to 4, 50, 53, 54 and 55 run for MUL1
-layers.
+stay available for the benchmark, the parity grid and `kernel check --also`; v3 (the format's fp16
+lo+hi rounding) is also what variants 2 to 4, 50, 53, 54 and 55 run for MUL1 layers.
 
 Every variant reads x with vector loads and the binding refuses an x that is not 16-byte aligned;
 the dispatch hands an offset view over as an aligned copy (v0 faulted on one, 2026-12-03).
