@@ -126,25 +126,34 @@ def b_regs(cb, dup, v):
     return [(x, y)]
 
 
+def _frag_index():
+    """Where each fp16 half of a lane's A (8 halves), B (4) and C / D (4) registers sits in the
+    16x16, 16x8 and 16x8 matrices of mma.sync.m16n8k16 (PTX ISA's fragment layouts)."""
+    g, t = np.arange(32)[:, None] >> 2, np.arange(32)[:, None] & 3
+    a_r = np.hstack([g, g, g + 8, g + 8, g, g, g + 8, g + 8])
+    a_c = np.hstack([2 * t, 2 * t + 1, 2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9, 2 * t + 8, 2 * t + 9])
+    b_r = np.hstack([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9])
+    b_c = np.hstack([g, g, g, g])
+    c_r = np.hstack([g, g, g + 8, g + 8])
+    c_c = np.hstack([2 * t, 2 * t + 1, 2 * t, 2 * t + 1])
+    return a_r, a_c, b_r, b_c, c_r, c_c
+
+
+_FRAG = _frag_index()
+
+
 def mma(A_regs, B_regs, C):
-    """mma.sync.m16n8k16 f32.f16.f16.f32 on per-lane registers: A_regs[32][4], B_regs[32][2], C [32][4]."""
+    """mma.sync.m16n8k16 f32.f16.f16.f32 on per-lane registers: A_regs[32][4], B_regs[32][2], C [32][4]
+    (uint32 registers, each two fp16 halves, low half first); returns D as [32][4]."""
+    a_r, a_c, b_r, b_c, c_r, c_c = _FRAG
     A = np.zeros((16, 16))
     B = np.zeros((16, 8))
     Cm = np.zeros((16, 8))
-    for ln in range(32):
-        g, t = ln >> 2, ln & 3
-        a0, a1, a2, a3 = A_regs[ln]
-        A[g, 2 * t], A[g, 2 * t + 1] = h16(a0), h16(a0 >> 16)
-        A[g + 8, 2 * t], A[g + 8, 2 * t + 1] = h16(a1), h16(a1 >> 16)
-        A[g, 2 * t + 8], A[g, 2 * t + 9] = h16(a2), h16(a2 >> 16)
-        A[g + 8, 2 * t + 8], A[g + 8, 2 * t + 9] = h16(a3), h16(a3 >> 16)
-        b0, b1 = B_regs[ln]
-        B[2 * t, g], B[2 * t + 1, g] = h16(b0), h16(b0 >> 16)
-        B[2 * t + 8, g], B[2 * t + 9, g] = h16(b1), h16(b1 >> 16)
-        Cm[g, 2 * t], Cm[g, 2 * t + 1], Cm[g + 8, 2 * t], Cm[g + 8, 2 * t + 1] = C[ln]
+    A[a_r, a_c] = np.asarray(A_regs, dtype=np.uint32).view(np.float16)
+    B[b_r, b_c] = np.asarray(B_regs, dtype=np.uint32).view(np.float16)
+    Cm[c_r, c_c] = np.asarray(C, dtype=np.float64)
     D = A @ B + Cm
-    return [[D[ln >> 2, 2 * (ln & 3)], D[ln >> 2, 2 * (ln & 3) + 1], D[(ln >> 2) + 8, 2 * (ln & 3)],
-             D[(ln >> 2) + 8, 2 * (ln & 3) + 1]] for ln in range(32)]
+    return D[c_r, c_c]
 
 
 def fwht128(v):
