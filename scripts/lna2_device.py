@@ -255,6 +255,46 @@ def cmd_build(args):
                              "info_k3": dict(ext.lna2_moe_info(3)), "prepare": ext.lna2_moe_prepare(2)})
 
 
+def zero_weight_cases(lna, dense, res, K, cb, I, dev, gen, bad=5):
+    """A slot of routing weight 0 adds nothing (every build's contract; FXA multiplies where the
+    gather skips): expert `bad`'s down scales are set to inf on the kernel's side only, every row
+    routes it at weight 0 in slot 0, and the output must be finite and match the reference, which
+    still holds the expert's finite weights. The scales are restored before anything else runs."""
+    import torch
+
+    svh = lna.W[8]
+    saved = svh[bad].clone()
+    try:
+        for m in (1, 4, 16):
+            gen.manual_seed(4242 + m)
+            pick = torch.rand((m, E), device=dev, generator=gen)
+            pick[:, bad] = -1.0  # never chosen by topk, then placed in slot 0
+            ids = pick.topk(TOPK, dim=-1).indices
+            ids[:, 0] = bad
+            w = torch.softmax(torch.randn((m, TOPK), device=dev, generator=gen), -1)
+            w[:, 0] = 0.0
+            x = torch.randn((m, H), device=dev, generator=gen).half()
+            ref = dense.moe(x, ids, w)  # before the scales change: the reference's weights stay finite
+            svh[bad].fill_(float("inf"))
+            for variant in [v for v in VARIANTS if serves(v, H, I)]:
+                out = torch.full((m, H), float("nan"), dtype=torch.float32, device=dev)
+                lna.run(x, ids.to(torch.int32).contiguous(), w.float().contiguous(), out, variant)
+                torch.cuda.synchronize()
+                rel = row_rel(out, ref)
+                ctrl_zero = not bool(lna.scratch[:lna.ctrl].any())
+                ok = bool(torch.isfinite(out).all()) and max(rel) <= 2e-3 and ctrl_zero
+                case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": "zero-weight-inf-expert",
+                        "worst_rel": max(rel), "tol": 2e-3, "ok": ok, "ctrl_zero": ctrl_zero}
+                res.setdefault("zero_weight", []).append(case)
+                if not ok:
+                    res["fail"] += 1
+                    log("ZERO-WEIGHT FAIL", case)
+            svh[bad].copy_(saved)
+    finally:
+        svh[bad].copy_(saved)
+        torch.cuda.synchronize()
+
+
 def cmd_parity(args):
     import torch
 
@@ -323,6 +363,8 @@ def cmd_parity(args):
                         default=None)  # None: no listed variant serves this shape
             log(f"K{K} {cb} I={I}: {idx} cases, worst " + (f"{worst:.2e}" if worst is not None else "-") +
                 f" ({time.time() - t0:.1f} s)")
+            if I == 256:
+                zero_weight_cases(lna, dense, res, K, cb, I, dev, gen)
             # CUDA graph: capture at m, replay with fresh inputs copied into the static buffers
             for m, gvar in [(m_, v_) for m_ in ([1, 4, 16] if args.quick else [1, 4, 16, 24]) for v_ in VARIANTS[:2]]:
                 if (I != 256 and m != 4) or not serves(gvar, H, I):
@@ -362,7 +404,8 @@ def cmd_parity(args):
             del lna, dense, layer, W
             torch.cuda.empty_cache()
             dump("lna2_parity.json", res)
-    log(f"parity: {len(res['cases'])} cases + {len(res.get('graph', []))} graph cases, fail={res['fail']}, worst "
+    log(f"parity: {len(res['cases'])} cases + {len(res.get('graph', []))} graph cases + "
+        f"{len(res.get('zero_weight', []))} zero-weight cases, fail={res['fail']}, worst "
         f"{max(c['worst_rel'] for c in res['cases']):.2e}")
     dump("lna2_parity.json", res)
     if res["fail"]:

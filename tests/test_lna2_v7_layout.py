@@ -217,8 +217,9 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
                     for s_ in range(top_k):
                         if int(ids[row, s_]) == e:
                             wt = np.float32(wt + np.float32(w[row, s_]))
-                    got = fx_add(words64[row, c0:c0 + 128], wt * y[ib, ent0 + j, c0:c0 + 128].astype(np.float32),
-                                 need[row], fx)
+                    yv = y[ib, ent0 + j, c0:c0 + 128].astype(np.float32)
+                    c = wt * yv if wt != 0 else np.zeros_like(yv)  # w = 0 adds nothing, as the gather skips it
+                    got = fx_add(words64[row, c0:c0 + 128], c, need[row], fx)
                     done_at = words64[row, c0:c0 + 128] == 0  # only a completed word is zero after an add
                     out[row, c0:c0 + 128][done_at] = got[done_at]
             assert sorted(covered) == [(b, j) for b in range(nblk) for j in range(rows)]
@@ -390,6 +391,26 @@ def test_v58_v59_fixed_point_sums_match_reference_in_any_unit_order():
     one, _ = model_v7(x[:1], ids[:1], w[:1], layer, "mcg", True, C=2, fxa=True, fin_local=True, epi=True)
     assert np.array_equal(one[0], got[0])  # v58 (v26's flags) at one row: the same words, the same bits
 
+
+
+def test_fxa_zero_weight_slot_adds_nothing_even_beside_a_non_finite_expert():
+    """A slot whose routing weight is 0 contributes nothing under FXA, as the gather of the other
+    builds skips it: an expert whose down scale is inf (its y rows non-finite) routed at weight 0
+    leaves every element finite and bitwise what the same routes give on the clean layer. Its
+    arrivals still count, so each row completes."""
+    H, I, E = 1024, 256, 4
+    clean = random_expert_layer(E, H, I, 2, "mcg", seed=61)
+    bad = random_expert_layer(E, H, I, 2, "mcg", seed=61)
+    bad.down_svh[2] = float("inf")
+    gen = torch.Generator().manual_seed(62)
+    ids = torch.tensor([[2, 0], [1, 2], [3, 1]])
+    w = torch.rand(3, 2, generator=gen)
+    w[ids == 2] = 0.0
+    x = torch.randn(3, H, generator=gen).half()
+    flags = dict(fin_local=True, epi=True, rcap=True, sb=True, rg=True, fxa=True)
+    got, _ = model_v7(x, ids, w, bad, "mcg", True, C=2, **flags)
+    want, _ = model_v7(x, ids, w, clean, "mcg", True, C=2, **flags)
+    assert np.isfinite(got).all() and np.array_equal(got, want)
 
 def test_fx_word_bounds():
     """The fixed-point word's bounds as lna2_v7.cu sets them: 32 contributions (top-k 8 x 4 blocks)

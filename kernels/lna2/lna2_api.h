@@ -39,7 +39,7 @@ enum DType : int { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 // separate scratches.
 constexpr size_t CTRL_WORDS = 72 * 1024;     // >= either variant family's control words (asserted below)
 // FXA builds (variants 58, 59): per output element one int64 holding the fixed-point sum of its
-// top-k contributions (scaled by 2^FX_FRAC, shifted left by 6) plus, in its low 6 bits, how many
+// top-k contributions (scaled by FX_ONE = 2^26, shifted left by 6) plus, in its low 6 bits, how many
 // have arrived. Zero like the control words; the element's last contributor stores it back to zero.
 constexpr int FX_MAX_HIDDEN = 8192;          // the cluster kernel's widest hidden size
 constexpr size_t FX_ACC = CTRL_WORDS;

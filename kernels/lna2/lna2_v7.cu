@@ -359,7 +359,7 @@ struct V7Kernel {
             if (s.rid[row * a.top_k + sl] == e) wt += s.rw[row * a.top_k + sl];
         float c[4], t[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) c[i] = wt * (v[i] * RSQRT128 * sv[i]);
+        for (int i = 0; i < 4; i++) c[i] = wt != 0.f ? wt * (v[i] * RSQRT128 * sv[i]) : 0.f;  // as the gather: w = 0 adds nothing, even beside inf
 #pragma unroll
         for (int i = 0; i < 4; i++) {  // column 32 i + lane sits in lane 8 i + lane / 4, value lane % 4
             const int src = 8 * i + (lane >> 2);
