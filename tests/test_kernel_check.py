@@ -65,7 +65,7 @@ def test_a_faithful_kernel_passes_and_each_case_names_the_policy_pick():
         assert 1e-5 < p.worst_rel_x < selfcheck.HALF_TOL
         assert c.variant == policy.variant_for(c.rows, 256, c.K, 1024)
         assert c.x_dtype == ("bfloat16" if c.rows % 2 == 0 else "float16")
-    assert {(c.K, c.rows): c.variant for c in rep.cases}[(3, 2)] == policy.TWO_ROW_VARIANT
+    assert {(c.K, c.rows): c.variant for c in rep.cases}[(3, 2)] == policy.CLUSTER_VARIANT
     doc = json.loads(rep.model_dump_json())
     assert doc["cases"][0]["pick"]["worst_rel"] < 1e-5 and doc["spec"]["hidden"] == 1024 and doc["aborted"] is None
 
@@ -138,7 +138,7 @@ def test_bench_times_only_correct_builds_and_names_the_fastest():
 
     rep = run_check([1], fault=wrong_36, timer=timer, also=[46, 36])
     (c,) = rep.cases
-    assert c.variant == policy.ONE_ROW_VARIANT == 59 and c.ok
+    assert c.variant == policy.CLUSTER_VARIANT == 59 and c.ok
     assert c.failed_variants == [36] and not rep.ok  # a build the check ran is wrong here
     assert timed == [{59, 55, 46}] and c.timings_us == {59: 20.0, 55: 25.0, 46: 18.0}
     assert c.fastest == 46
@@ -146,8 +146,8 @@ def test_bench_times_only_correct_builds_and_names_the_fastest():
 
 
 def test_when_the_pick_is_fastest_the_report_says_so():
-    rep = run_check([1], timer=lambda fns: {v: (10.0 if v == policy.ONE_ROW_VARIANT else 50.0) for v in fns})
-    assert rep.ok and rep.cases[0].fastest == policy.ONE_ROW_VARIANT
+    rep = run_check([1], timer=lambda fns: {v: (10.0 if v == policy.CLUSTER_VARIANT else 50.0) for v in fns})
+    assert rep.ok and rep.cases[0].fastest == policy.CLUSTER_VARIANT
     assert selfcheck.table_rows(rep)[0][-1] == "the pick"
 
 

@@ -95,16 +95,16 @@ def test_a_build_replaces_the_pick_only_past_the_margin_and_after_a_graph_replay
 
 
 def test_no_table_from_a_check_that_failed_or_did_not_time():
-    def wrong_36(layer):
+    def wrong_pick(layer):
         r = Runner(layer)
 
         def run(x, ids32, w32, out, variant):
             r(x, ids32, w32, out, variant)
-            return out.mul_(1.1) if variant == policy.TWO_ROW_VARIANT else out
+            return out.mul_(1.1) if variant == policy.CLUSTER_VARIANT else out
         return run
 
     spec = selfcheck.CheckSpec(**SMALL, rows=[1], bits=[2], bench=True)
-    failed = selfcheck.check(spec, torch.device("cpu"), wrong_36, lambda fns: {v: 1.0 for v in fns})
+    failed = selfcheck.check(spec, torch.device("cpu"), wrong_pick, lambda fns: {v: 1.0 for v in fns})
     assert not failed.ok
     with pytest.raises(tuning.TuningError, match="did not pass"):
         tuning.from_report(failed, **CARD)

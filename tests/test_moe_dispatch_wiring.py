@@ -41,8 +41,7 @@ from dsv4serve.state import counters_path
 
 # What the stand-in takes: the early builds and every build the policy can serve, read from the
 # policy itself (a hand-written copy of the served set went stale when v53 began serving).
-KNOWN_VARIANTS = {0, 1, 2, 3, 4, 7} | {policy.SEAT_VARIANT, policy.ONE_ROW_VARIANT, policy.TWO_ROW_VARIANT,
-                                       policy.CLUSTER_VARIANT, policy.CLUSTER_VARIANT_K2}
+KNOWN_VARIANTS = {0, 1, 2, 3, 4, 7} | {policy.SEAT_VARIANT, policy.CLUSTER_VARIANT}
 
 H, I, E, TOP_K = 128, 128, 4, 2
 CANON_FORBIDDEN = re.compile(r"LNA2 declined: (?!rows=\d+ above the ceiling)")  # configs/8x16gb-380k.yaml

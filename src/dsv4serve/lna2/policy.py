@@ -26,7 +26,8 @@ session 20's v45 (the next unit's rotation during this unit's finisher: slower f
     in its low bits; the add that completes an element writes it), in place of the y rows, the
     arrival counter and the gather: 1.1-3.2 us faster than the build each point had at one to eight
     TP8 rows, K2 and K3 (an H100, same process: one K2 row 18.58 against v26's 19.68, eight K3 rows
-    69.14 against v46's 72.30; kernels/lna2/NOTES.md, session 44). The H200 has not timed it yet.
+    69.14 against v46's 72.30; kernels/lna2/NOTES.md, session 44), and 0.9-2.3 us on the H200 (session
+    45: one K2 row 18.42 against v26's 19.3, eight K3 rows 66.11 against v46's 68.4).
     What follows is how v26 / v36 / v46 came to hold those points, and the ranges v59 inherits.
   - One row, K2 or K3: v26, where every CTA also finishes the activation itself (no second cluster
     barrier) and every unit's cluster has SMs of its own. Session 19 run 2: 19.3 / 20.6 us at one
@@ -157,12 +158,10 @@ ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
 TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59})
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 # v59 (v46 whose top-k sum is one fixed-point atomic per output element) serves every cluster point
-# since session 44: 1.1-3.2 us faster than the build that served each (v26 / v36 / v46) at one to
-# eight TP8 rows, K2 and K3, on an H100 (kernels/lna2/NOTES.md, session 44)
-ONE_ROW_VARIANT = 59  # one row at any bits
-CLUSTER_VARIANT = 59  # K3 (and any bits but 2), three to CLUSTER_MAX_ROWS rows
-TWO_ROW_VARIANT = 59  # K3 (and any bits but 2), two rows
-CLUSTER_VARIANT_K2 = 59  # K2, two to CLUSTER_MAX_ROWS_K2 rows
+# since session 44: 0.9-2.3 us faster than the build that served each (v26 at one row, v36 at two K3
+# rows, v46 elsewhere) at one to eight TP8 rows, K2 and K3, on an H100 (session 44) and on the H200
+# (session 45, the same process; kernels/lna2/NOTES.md), so one constant names it for every row count
+CLUSTER_VARIANT = 59  # one to CLUSTER_MAX_ROWS_K2 rows at K2, to CLUSTER_MAX_ROWS at any other bits
 CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_ROWS_K2 = 12
 CLUSTER_MAX_INTER = 256  # measured at the TP8 slice only
@@ -180,16 +179,8 @@ def preference(rows: int, inter: int = 256, bits: int = 2, hidden: int = 4096) -
     takes every shape. The first whose shared memory fits the device serves (`variant_for`)."""
     if inter > CLUSTER_MAX_INTER or not cluster_kernel_takes(hidden, inter):
         return [SEAT_VARIANT]
-    def best(*vs: int) -> list[int]:  # in order, once each (the constants may name one build)
-        return list(dict.fromkeys(vs))
-
-    if rows == 1:
-        return best(ONE_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT)
-    if bits == 2 and rows <= CLUSTER_MAX_ROWS_K2:
-        return best(CLUSTER_VARIANT_K2, SEAT_VARIANT)
-    if rows == 2:
-        return best(TWO_ROW_VARIANT, CLUSTER_VARIANT, SEAT_VARIANT)
-    return best(CLUSTER_VARIANT, SEAT_VARIANT) if rows <= CLUSTER_MAX_ROWS else [SEAT_VARIANT]
+    top = CLUSTER_MAX_ROWS_K2 if bits == 2 else CLUSTER_MAX_ROWS
+    return [CLUSTER_VARIANT, SEAT_VARIANT] if rows <= top else [SEAT_VARIANT]
 
 
 def served(inter: int = 256, hidden: int = 4096) -> list[int]:
