@@ -12,6 +12,8 @@ ordering, the hardware MMA itself) is covered by the parity run on the GPU (scri
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -215,6 +217,19 @@ def zero_acc():
     return [[[0.0] * 4 for _ in range(32)] for _ in range(8)]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def tile_a_regs(K, cb, dup, tw):
+    """One tile's A registers as the 32 lanes decode them from its trellis words `tw` (a tuple):
+    per MMA of the tile (two with MCG's duplication), uint32 [32 lanes][4]. A pure function of the
+    words, so it is cached: the models decode the same tiles once per group and once per run, and a
+    test runs several models over one layer."""
+    afr = []
+    for ln in range(32):
+        w0, w1, sh = lane_window(K, ln)
+        afr.append(a_frag(cb, dup, states8(K, tw[w0], tw[w1], sh)))
+    return tuple(np.array([afr[ln][h] for ln in range(32)], dtype=np.uint32) for h in range(len(afr[0])))
+
+
 def ring_row_mma(words, K, cb, dup, H, I):
     """mma_row(proj, e, kt, nt0, b_of_lane, acc): one warp's ring row, 8 tiles of k-tile kt from
     n-tile nt0, decoded per lane and fed to the emulated m16n8k16 (lna2_tile.cuh mma_row)."""
@@ -226,14 +241,10 @@ def ring_row_mma(words, K, cb, dup, H, I):
 
     def mma_row(proj, e, kt_, nt0, b_of_lane, acc):
         for nt in range(8):
-            tw = tile_words(proj, e, kt_, nt0 + nt)
-            afr = []
-            for ln in range(32):
-                w0, w1, sh = lane_window(K, ln)
-                afr.append(a_frag(cb, dup, states8(K, int(tw[w0]), int(tw[w1]), sh)))
+            afr = tile_a_regs(K, cb, dup, tuple(int(v) for v in tile_words(proj, e, kt_, nt0 + nt)))
             bfr = [b_regs(cb, dup, b_of_lane(ln)) for ln in range(32)]
-            for h in range(len(afr[0])):
-                acc[nt] = mma([afr[ln][h] for ln in range(32)], [bfr[ln][h] for ln in range(32)], acc[nt])
+            for h, a_regs in enumerate(afr):
+                acc[nt] = mma(a_regs, [bfr[ln][h] for ln in range(32)], acc[nt])
 
     return mma_row
 
