@@ -193,6 +193,11 @@ class DenseCache:
         return out
 
 
+def worst_of(rel):
+    """The largest per-row error, NaN if any row's is (Python's max() can pass a NaN over)."""
+    return float("nan") if any(r != r for r in rel) else max(rel)
+
+
 def row_rel(got, ref):
     """Per-row relative L2: `dsv4serve kernel check`'s own measure, so the two gates cannot drift."""
     from dsv4serve.lna2.selfcheck import row_errors
@@ -284,7 +289,7 @@ def zero_weight_cases(lna, dense, res, K, cb, I, dev, gen, bad=5):
                 ctrl_zero = not bool(lna.scratch[:lna.ctrl].any())
                 ok = bool(torch.isfinite(out).all()) and max(rel) <= 2e-3 and ctrl_zero
                 case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": "zero-weight-inf-expert",
-                        "worst_rel": max(rel), "tol": 2e-3, "ok": ok, "ctrl_zero": ctrl_zero}
+                        "worst_rel": worst_of(rel), "tol": 2e-3, "ok": ok, "ctrl_zero": ctrl_zero}
                 res.setdefault("zero_weight", []).append(case)
                 if not ok:
                     res["fail"] += 1
@@ -348,7 +353,7 @@ def cmd_parity(args):
                         ctrl_zero = not bool(lna.scratch[:lna.ctrl].any())
                         ok = ok and ctrl_zero
                         case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": rp, "x": str(xdt),
-                                "out": str(odt), "worst_rel": max(rel), "tol": tol, "ok": ok, "bitwise_repeat": rep,
+                                "out": str(odt), "worst_rel": worst_of(rel), "tol": tol, "ok": ok, "bitwise_repeat": rep,
                                 "ctrl_zero": ctrl_zero,
                                 "U": int(torch.unique(ids[(ids >= 0) & (ids < E)]).numel())}
                         outs[variant], cases[variant] = out, case

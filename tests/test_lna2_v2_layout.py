@@ -222,12 +222,16 @@ def tile_a_regs(K, cb, dup, tw):
     """One tile's A registers as the 32 lanes decode them from its trellis words `tw` (a tuple):
     per MMA of the tile (two with MCG's duplication), uint32 [32 lanes][4]. A pure function of the
     words, so it is cached: the models decode the same tiles once per group and once per run, and a
-    test runs several models over one layer."""
+    test runs several models over one layer. The arrays are read-only, so no caller can alter what
+    the next one reads; a full cache holds ~150 MB."""
     afr = []
     for ln in range(32):
         w0, w1, sh = lane_window(K, ln)
         afr.append(a_frag(cb, dup, states8(K, tw[w0], tw[w1], sh)))
-    return tuple(np.array([afr[ln][h] for ln in range(32)], dtype=np.uint32) for h in range(len(afr[0])))
+    regs = tuple(np.array([afr[ln][h] for ln in range(32)], dtype=np.uint32) for h in range(len(afr[0])))
+    for r in regs:
+        r.setflags(write=False)
+    return regs
 
 
 def ring_row_mma(words, K, cb, dup, H, I):

@@ -100,7 +100,7 @@ def model_v7(x, ids, w, layer, cb, dup, C=8, limit=10.0, fin_local=False, epi=Fa
             for k in range(n_ib):
                 for s_ in range(top_k):
                     e2 = int(ids[row, s_])
-                    if 0 <= e2 < n_e:
+                    if 0 <= e2 < n_e and float(w[row, s_]) != 0:  # the kernel's gather skips w = 0
                         ent = entry_of(mask, rbase, e2, row)
                         acc4 = acc4 + float(w[row, s_]) * y[k, ent, c0:c0 + 128]
             out[row, c0:c0 + 128] = acc4
@@ -392,12 +392,11 @@ def test_v58_v59_fixed_point_sums_match_reference_in_any_unit_order():
     assert np.array_equal(one[0], got[0])  # v58 (v26's flags) at one row: the same words, the same bits
 
 
-
 def test_fxa_zero_weight_slot_adds_nothing_even_beside_a_non_finite_expert():
     """A slot whose routing weight is 0 contributes nothing under FXA, as the gather of the other
     builds skips it: an expert whose down scale is inf (its y rows non-finite) routed at weight 0
     leaves every element finite and bitwise what the same routes give on the clean layer. Its
-    arrivals still count, so each row completes."""
+    arrivals still count, so each row completes. v46's gather (no FXA) does the same."""
     H, I, E = 1024, 256, 4
     clean = random_expert_layer(E, H, I, 2, "mcg", seed=61)
     bad = random_expert_layer(E, H, I, 2, "mcg", seed=61)
@@ -411,6 +410,11 @@ def test_fxa_zero_weight_slot_adds_nothing_even_beside_a_non_finite_expert():
     got, _ = model_v7(x, ids, w, bad, "mcg", True, C=2, **flags)
     want, _ = model_v7(x, ids, w, clean, "mcg", True, C=2, **flags)
     assert np.isfinite(got).all() and np.array_equal(got, want)
+    flags["fxa"] = False
+    got, _ = model_v7(x, ids, w, bad, "mcg", True, C=2, **flags)
+    want, _ = model_v7(x, ids, w, clean, "mcg", True, C=2, **flags)
+    assert np.isfinite(got).all() and np.array_equal(got, want)
+
 
 def test_fx_word_bounds():
     """The fixed-point word's bounds as lna2_v7.cu sets them: 32 contributions (top-k 8 x 4 blocks)
