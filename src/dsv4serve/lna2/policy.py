@@ -158,9 +158,9 @@ ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
 TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59})
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 # v59 (v46 whose top-k sum is one fixed-point atomic per output element) serves every cluster point
-# since session 44: 0.9-2.3 us faster than the build that served each (v26 at one row, v36 at two K3
-# rows, v46 elsewhere) at one to eight TP8 rows, K2 and K3, on an H100 (session 44) and on the H200
-# (session 45, the same process; kernels/lna2/NOTES.md), so one constant names it for every row count
+# since session 44: faster than the build that served each (v26 at one row, v36 at two K3 rows, v46
+# elsewhere) at one to eight TP8 rows, K2 and K3, by 1.1-3.2 us on an H100 (session 44) and 0.9-2.3
+# on the H200 (session 45; same process, kernels/lna2/NOTES.md), so one constant names it throughout
 CLUSTER_VARIANT = 59  # one to CLUSTER_MAX_ROWS_K2 rows at K2, to CLUSTER_MAX_ROWS at any other bits
 CLUSTER_MAX_ROWS = 8
 CLUSTER_MAX_ROWS_K2 = 12
