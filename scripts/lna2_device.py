@@ -117,6 +117,10 @@ class Lna2Layer:
                                  1 if self.cb == "mcg" else 2, variant, trace)
         return out
 
+    def ctrl_zero(self):
+        """The contract every launch keeps: the control words (counters, FXA's sums) are back at zero."""
+        return not bool(self.scratch[:self.ctrl].any())
+
     def poison(self):
         """NaN-fill every data byte of the scratch; the control words stay zero (the contract)."""
         import torch
@@ -286,7 +290,7 @@ def zero_weight_cases(lna, dense, res, K, cb, I, dev, gen, bad=5):
                 lna.run(x, ids.to(torch.int32).contiguous(), w.float().contiguous(), out, variant)
                 torch.cuda.synchronize()
                 rel = row_rel(out, ref)
-                ctrl_zero = not bool(lna.scratch[:lna.ctrl].any())
+                ctrl_zero = lna.ctrl_zero()
                 ok = bool(torch.isfinite(out).all()) and max(rel) <= 2e-3 and ctrl_zero
                 case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": "zero-weight-inf-expert",
                         "worst_rel": worst_of(rel), "tol": 2e-3, "ok": ok, "ctrl_zero": ctrl_zero}
@@ -349,8 +353,7 @@ def cmd_parity(args):
                         tol = 2e-3 if odt == torch.float32 else 6e-3
                         ok = all(r <= tol for r in rel) and bool(torch.isfinite(out.float()).all())
                         rep = bool(torch.equal(out, out2))
-                        # the contract: every launch leaves the control words (counters, FXA's sums) at zero
-                        ctrl_zero = not bool(lna.scratch[:lna.ctrl].any())
+                        ctrl_zero = lna.ctrl_zero()
                         ok = ok and ctrl_zero
                         case = {"variant": variant, "K": K, "cb": cb, "I": I, "m": m, "route": rp, "x": str(xdt),
                                 "out": str(odt), "worst_rel": worst_of(rel), "tol": tol, "ok": ok, "bitwise_repeat": rep,
