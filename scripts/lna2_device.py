@@ -44,8 +44,8 @@ SHAPES = {"tp8": 256, "tp1": 2048}
 # are that build's bits (only the fp64 tolerance is the gate): v50 decodes v4's integers, v53 is v50
 # with another ring completion, v54 is v53 with two k-tiles per ring row.
 BITWISE_TWINS = {50: 4, 53: 50, 54: 53}
-CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 58, 59, 61, 17, 18, 19, 60}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46, 58, 59, 61, its timing ablations (lna2_api.h)
-ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19, 60}  # K2 MCG only
+CLUSTER_VARIANTS = {7, 9, 20, 21, 26, 31, 36, 40, 46, 58, 59, 17, 18, 19}  # v7, its bulk-copy builds 9, 20, 21, 26, 31, 36, 40, 46, 58, 59, its timing ablations (lna2_api.h)
+ABLATION_VARIANTS = {10, 11, 12, 13, 17, 18, 19}  # K2 MCG only
 
 
 def serves(variant, hidden, inter, K=None):

@@ -147,12 +147,12 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
     LNA2_CHECK(bits == 2 || bits == 3, "bits must be 2 or 3, got ", bits);
     LNA2_CHECK(codebook == lna2::CB_MCG || codebook == lna2::CB_MUL1, "codebook must be 1 (mcg) or 2 (mul1)");
     LNA2_CHECK(lna2::variant_known(static_cast<int>(variant)),
-               "variant must be 0..4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59, 61, or 10..13 / 17..19 / 60 for a timing ablation (see lna2_api.h), got ", variant);
+               "variant must be 0..4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59, or 10..13 / 17..19 for a timing ablation (see lna2_api.h), got ", variant);
     LNA2_CHECK(!lna2::is_cluster_variant(static_cast<int>(variant)) || lna2::v7_supports(static_cast<int>(hidden), static_cast<int>(intermediate)),
-               "variants 7, 9, 20, 21, 26, 31, 36, 40, 46, 58, 59 and 61 (the cluster kernel) need hidden 1024, 2048, 4096 or 8192 and intermediate a multiple of 128 up to 512, got ",
+               "variants 7, 9, 20, 21, 26, 31, 36, 40, 46, 58 and 59 (the cluster kernel) need hidden 1024, 2048, 4096 or 8192 and intermediate a multiple of 128 up to 512, got ",
                hidden, " x ", intermediate, "; use variant 4 for this layer");
     LNA2_CHECK(!lna2::is_ablation(static_cast<int>(variant)) || (bits == 2 && codebook == lna2::CB_MCG),
-               "timing ablations (variants 10..13, 17..19, 60) exist for K2 MCG only");
+               "timing ablations (variants 10..13, 17..19) exist for K2 MCG only");
     LNA2_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0, "swiglu_limit must be finite and > 0");
     const size_t need = lna2::scratch_bytes(static_cast<int>(hidden), static_cast<int>(intermediate));
     LNA2_CHECK(scratch.device() == dev && scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous() &&
@@ -196,7 +196,7 @@ torch::Tensor lna2_moe_decode(torch::Tensor x, torch::Tensor out, torch::Tensor 
         LNA2_CHECK(variant >= 2 && (variant < lna2::ABLATION_VARIANT_BASE || lna2::is_cluster_variant(static_cast<int>(variant)) ||
                                     variant == lna2::V2_PRM_VARIANT || variant == lna2::V2_GRP_VARIANT ||
                                     variant == lna2::V2_KT2_VARIANT || variant == lna2::V2_KC32_VARIANT),
-                   "trace is recorded by variants 2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59, 61 and 17..19 / 60 only");
+                   "trace is recorded by variants 2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59 and 17..19 only");
         LNA2_CHECK(trace->device() == dev && trace->scalar_type() == torch::kInt64 && trace->is_contiguous() &&
                        trace->numel() >= int64_t(bps) * sms * lna2::TRACE_EVENTS * 2,
                    "trace must be a contiguous int64 CUDA tensor of >= grid x ", lna2::TRACE_EVENTS, " x 2 elements");

@@ -158,28 +158,24 @@ constexpr int ABLATION_VARIANT_BASE = 10, ABLATION_VARIANTS = 4;
 // that completes it; 46 is 40 with a relaxed arrive after the finisher's reads. 58 and 59 are 26
 // and 46 whose top-k sum is one returning 64-bit integer atomic per output element (fixed-point sum
 // and arrival count in one word: the contribution that completes an element writes it), in place of
-// the y rows, the arrival counter and the gather. 61 is 59 with each row's words of FXA's sum
-// prefetched into L2 once its first unit's inputs are requested: after an L2 flush (or a long
-// layer in between) the first returning atomic on a word otherwise waits on HBM.
+// the y rows, the arrival counter and the gather.
 // (32-35 were session 17's experiments, 37-39 session 18's, 41-44 session 19's, 45 session 20's and
 // 47-49 session 21's and 56 session 33's, measured and retired: kernels/lna2/NOTES.md, "The variants".)
 // Variants 17..19 are timing ablations of 7 (K2 MCG only): 17 no trellis decode, 18 no trellis
-// copies, 19 neither; 60 is one of 59 whose FXA contributions are stored, not added (no atomics).
+// copies, 19 neither.
 constexpr int V7_VARIANT = 7, V7_BULK_VARIANT = 9, V7_PRM_VARIANT = 20, V7_FIN_VARIANT = 21;
 constexpr int V7_EPI_VARIANT = 26, V7_RCAP_VARIANT = 31, V7_SB_VARIANT = 36, V7_RG_VARIANT = 40;
-constexpr int V7_RLX_VARIANT = 46, V7_FXA_VARIANT = 58, V7_RGFXA_VARIANT = 59, V7_PFX_VARIANT = 61;
+constexpr int V7_RLX_VARIANT = 46, V7_FXA_VARIANT = 58, V7_RGFXA_VARIANT = 59;
 constexpr int V7_ABLATION_BASE = 17, V7_ABLATIONS = 3;
-constexpr int V7_ABL_FXA = 60;  // v59 with FXA's returning atomics replaced by plain stores (timing only)
-inline bool is_v7_ablation(int v) {
-    return (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS) || v == V7_ABL_FXA;
-}
 inline bool is_ablation(int v) {
-    return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) || is_v7_ablation(v);
+    return (v >= ABLATION_VARIANT_BASE && v < ABLATION_VARIANT_BASE + ABLATION_VARIANTS) ||
+           (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
 inline bool is_cluster_variant(int v) {
     return v == V7_VARIANT || v == V7_BULK_VARIANT || v == V7_PRM_VARIANT || v == V7_FIN_VARIANT || v == V7_EPI_VARIANT ||
            v == V7_RCAP_VARIANT || v == V7_SB_VARIANT || v == V7_RG_VARIANT || v == V7_RLX_VARIANT ||
-           v == V7_FXA_VARIANT || v == V7_RGFXA_VARIANT || v == V7_PFX_VARIANT || is_v7_ablation(v);
+           v == V7_FXA_VARIANT || v == V7_RGFXA_VARIANT ||
+           (v >= V7_ABLATION_BASE && v < V7_ABLATION_BASE + V7_ABLATIONS);
 }
 // Variant 50 is v4 (the ticket-scheduled v2 kernel at 2 CTAs per SM) with v20's byte-permute state
 // extraction at K2 (at K3 it is v4's kernel), aimed at TP1 (kernels/lna2/NOTES.md). (51, session

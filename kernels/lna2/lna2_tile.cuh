@@ -15,7 +15,6 @@ enum Ablation : int {
     // every CTA returns right after its barrier inits (Args::stop 1) or the route plan (2). The
     // stage is read at run time, so the build keeps all of v26's code and registers.
     ABL_STOP = 8,
-    ABL_FX_STORE = 16,  // v59's timing ablation 60: each FXA contribution stored to its element, no atomic
 };
 
 namespace lna2 {
@@ -68,11 +67,6 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
                      smem_u32(dst)),
                  "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
-}
-// A bulk L2 prefetch (sm_90 and later): the run of bytes (a multiple of 16, 16-byte aligned) is read
-// into L2 and nothing waits for it.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 // Generic-proxy accesses to shared memory (and barrier inits) ordered before later bulk copies.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

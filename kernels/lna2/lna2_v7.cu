@@ -151,12 +151,11 @@ constexpr long long FX_BAD = 1ll << 50, FX_BAD_SUM = 1ll << 49;
 static_assert(MAX_TOPK * 4 < 64, "an element's arrivals (top-k x <= 4 blocks of a <= 512 intermediate) fit six bits");
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool FXA = false, bool PFX = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool FXA = false>
 struct V7Kernel {
     static_assert(!SB || FIN, "SB's split barrier pairs with the local finisher's arrive, not cluster.sync");
     static_assert(!RLX || SB, "the relaxed arrive is SB's");
     static_assert(!FXA || EPI, "the fixed-point sum is written by the dealt epilogue");
-    static_assert(!PFX || FXA, "PFX prefetches FXA's words");
     static constexpr int TILE = 32 * K;  // bytes per tile
     static constexpr int ROW = 8 * TILE;
     static constexpr int PR = ROW / 16;  // 16-byte pieces per row
@@ -372,25 +371,20 @@ struct V7Kernel {
         const unsigned long long need = static_cast<unsigned long long>(rneed[row]);
         const size_t o = size_t(row) * a.hidden + blk + lane;
         unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.scratch + FX_ACC) + o;
-        if constexpr ((ABL & ABL_FX_STORE) != 0) {  // timing only: the element gets this contribution
+        unsigned long long tot[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) store_out1(a, o + 32 * i, t[i]);
-        } else {
-            unsigned long long tot[4];
+        for (int i = 0; i < 4; i++) {
+            const long long q = fabsf(t[i]) <= FX_LIM ? __float2ll_rn(t[i] * FX_ONE) : FX_BAD;
+            const unsigned long long add = (static_cast<unsigned long long>(q) << 6) + 1ull;
+            tot[i] = atomicAdd(acc + 32 * i, add) + add;
+        }
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const long long q = fabsf(t[i]) <= FX_LIM ? __float2ll_rn(t[i] * FX_ONE) : FX_BAD;
-                const unsigned long long add = (static_cast<unsigned long long>(q) << 6) + 1ull;
-                tot[i] = atomicAdd(acc + 32 * i, add) + add;
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                if ((tot[i] & 63ull) == need) {
-                    const long long sum = static_cast<long long>(tot[i]) >> 6;
-                    const bool bad = sum >= FX_BAD_SUM || sum <= -FX_BAD_SUM;
-                    store_out1(a, o + 32 * i, bad ? __int_as_float(0x7fc00000) : __ll2float_rn(sum) * (1.f / FX_ONE));
-                    acc[32 * i] = 0ull;  // its last user in this launch; the launch boundary publishes it
-                }
+        for (int i = 0; i < 4; i++) {
+            if ((tot[i] & 63ull) == need) {
+                const long long sum = static_cast<long long>(tot[i]) >> 6;
+                const bool bad = sum >= FX_BAD_SUM || sum <= -FX_BAD_SUM;
+                store_out1(a, o + 32 * i, bad ? __int_as_float(0x7fc00000) : __ll2float_rn(sum) * (1.f / FX_ONE));
+                acc[32 * i] = 0ull;  // its last user in this launch; the launch boundary publishes it
             }
         }
     }
@@ -509,14 +503,6 @@ struct V7Kernel {
             rotate(gi, BULK && it == 0 ? u : -1);
             __syncthreads();
             trace(E7_ROTATED, u);
-            if constexpr (PFX) {
-                if (it == 0 && warp == 0) {  // the unit's trellis, x and suh are requested by now
-                    const int npf = min(ncl, units);  // clusters that run a unit
-                    const unsigned long long* fx = reinterpret_cast<const unsigned long long*>(a.scratch + FX_ACC);
-                    for (int j = cid + npf * lane; j < a.m; j += 32 * npf)
-                        bulk_prefetch_l2(fx + size_t(j) * a.hidden + r * g.nblk * 128, g.nblk * 128 * 8);
-                }
-            }
 
             // ---- gate/up: warp (proj, ksub) over its kpw k-tiles, 8 n-tiles each
             float acc[8][4];
@@ -720,26 +706,26 @@ struct V7Kernel {
 };
 
 template <int K, int CB, bool DUP, int ABL, bool BULK, bool PRM = false, bool FIN = false, bool EPI = false,
-          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool FXA = false, bool PFX = false>
+          bool RCAP = false, bool SB = false, bool RG = false, bool RLX = false, bool FXA = false>
 __global__ void __cluster_dims__(C7, 1, 1) __launch_bounds__(THREADS, 2) moe_decode_v7(const __grid_constant__ Args a) {
     __shared__ Plan7 s;
     extern __shared__ __align__(16) uint8_t dyn[];
-    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA, PFX> k(a, s, dyn);
+    V7Kernel<K, CB, DUP, ABL, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA> k(a, s, dyn);
     k.run();
 }
 
 using KernelFn = void (*)(Args);
 
 template <bool BULK, bool PRM = false, bool FIN = false, bool EPI = false, bool RCAP = false,
-          bool SB = false, bool RG = false, bool RLX = false, bool FXA = false, bool PFX = false>
+          bool SB = false, bool RG = false, bool RLX = false, bool FXA = false>
 KernelFn pick_cb(int bits, int codebook) {
     // MCG layers take v2's exact sum (lo and hi as two MMA k-elements), MUL1 the format's rounding.
     if (codebook == CB_MCG)
-        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA, PFX>
-                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, FXA, PFX>;
+        return bits == 2 ? moe_decode_v7<2, CB_MCG, true, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA>
+                         : moe_decode_v7<3, CB_MCG, true, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, FXA>;
     if (codebook == CB_MUL1)
-        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA, PFX>
-                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, FXA, PFX>;
+        return bits == 2 ? moe_decode_v7<2, CB_MUL1, false, 0, BULK, PRM, FIN, EPI, RCAP, SB, RG, RLX, FXA>
+                         : moe_decode_v7<3, CB_MUL1, false, 0, BULK, false, FIN, EPI, RCAP, SB, RG, RLX, FXA>;
     return nullptr;
 }
 
@@ -748,22 +734,21 @@ KernelFn pick_cb(int bits, int codebook) {
 // the layout its launch asks for cannot disagree.
 struct Build7 {
     int variant;
-    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, fxa, pfx;
+    bool bulk, prm, fin, epi, rcap, sb, rg, rlx, fxa;
 };
 constexpr Build7 BUILDS7[] = {
-    //                  bulk   prm    fin    epi    rcap   sb     rg     rlx    fxa    pfx
-    {V7_VARIANT,       false, false, false, false, false, false, false, false, false, false},
-    {V7_BULK_VARIANT,  true,  false, false, false, false, false, false, false, false, false},
-    {V7_PRM_VARIANT,   true,  true,  false, false, false, false, false, false, false, false},
-    {V7_FIN_VARIANT,   true,  true,  true,  false, false, false, false, false, false, false},
-    {V7_EPI_VARIANT,   true,  true,  true,  true,  false, false, false, false, false, false},
-    {V7_RCAP_VARIANT,  true,  true,  true,  true,  true,  false, false, false, false, false},
-    {V7_SB_VARIANT,    true,  true,  true,  true,  true,  true,  false, false, false, false},
-    {V7_RG_VARIANT,    true,  true,  true,  true,  true,  true,  true,  false, false, false},
-    {V7_RLX_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  false, false},
-    {V7_FXA_VARIANT,   true,  true,  true,  true,  false, false, false, false, true,  false},
-    {V7_RGFXA_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true,  false},
-    {V7_PFX_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  true,  true},
+    //                  bulk   prm    fin    epi    rcap   sb     rg     rlx    fxa
+    {V7_VARIANT,       false, false, false, false, false, false, false, false, false},
+    {V7_BULK_VARIANT,  true,  false, false, false, false, false, false, false, false},
+    {V7_PRM_VARIANT,   true,  true,  false, false, false, false, false, false, false},
+    {V7_FIN_VARIANT,   true,  true,  true,  false, false, false, false, false, false},
+    {V7_EPI_VARIANT,   true,  true,  true,  true,  false, false, false, false, false},
+    {V7_RCAP_VARIANT,  true,  true,  true,  true,  true,  false, false, false, false},
+    {V7_SB_VARIANT,    true,  true,  true,  true,  true,  true,  false, false, false},
+    {V7_RG_VARIANT,    true,  true,  true,  true,  true,  true,  true,  false, false},
+    {V7_RLX_VARIANT,   true,  true,  true,  true,  true,  true,  true,  true,  false},
+    {V7_FXA_VARIANT,   true,  true,  true,  true,  false, false, false, false, true},
+    {V7_RGFXA_VARIANT, true,  true,  true,  true,  true,  true,  true,  true,  true},
 };
 constexpr int N_BUILDS7 = int(sizeof(BUILDS7) / sizeof(BUILDS7[0]));
 
@@ -773,13 +758,12 @@ KernelFn pick_build(int bits, int codebook, int variant) {
         return nullptr;
     } else {
         constexpr Build7 b = BUILDS7[I];
-        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.fxa, b.pfx>(bits, codebook);
+        if (variant == b.variant) return pick_cb<b.bulk, b.prm, b.fin, b.epi, b.rcap, b.sb, b.rg, b.rlx, b.fxa>(bits, codebook);
         return pick_build<I + 1>(bits, codebook, variant);
     }
 }
 
 const Build7* build7_of(int variant) {
-    if (variant == V7_ABL_FXA) variant = V7_RGFXA_VARIANT;  // v59's layout
     for (const Build7& b : BUILDS7)
         if (b.variant == variant) return &b;
     return nullptr;  // a timing ablation: v7's flags, all false
@@ -792,8 +776,6 @@ KernelFn pick_v7(int bits, int codebook, int variant) {
         return moe_decode_v7<2, CB_MCG, true, ABL_STOP, true, true, true, true>;
     if (KernelFn fn = pick_build(bits, codebook, variant)) return fn;
     if (bits != 2 || codebook != CB_MCG) return nullptr;  // the ablations: K2 MCG only
-    if (variant == V7_ABL_FXA)
-        return moe_decode_v7<2, CB_MCG, true, ABL_FX_STORE, true, true, true, true, true, true, true, true, true>;
     switch (variant - V7_ABLATION_BASE) {
         case 0: return moe_decode_v7<2, CB_MCG, true, ABL_NO_DECODE, false>;
         case 1: return moe_decode_v7<2, CB_MCG, true, ABL_NO_COPY, false>;

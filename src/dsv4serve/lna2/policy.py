@@ -148,14 +148,14 @@ from typing import Any
 # The routed-expert widths (K, bits per weight) lna2 is built for: the dispatch refuses any other
 # layer, and check-seat holds a pack's routed experts to them.
 BITS = (2, 3)
-# Timing ablations (lna2_api.h is_ablation: v4's 10..13, v7's 17..19, v59's 60) skip a stage by design:
-# what they write is not the op, so nothing may serve them (a tuning table, --also, the dispatch).
-ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20)) | {60}
+# Timing ablations (lna2_api.h is_ablation: v4's 10..13, v7's 17..19) skip a stage by design: what
+# they write is not the op, so nothing may serve them (a tuning table, --also, the dispatch).
+ABLATIONS = frozenset(range(10, 14)) | frozenset(range(17, 20))
 # The builds a tuning table, `kernel check --also` and the dispatch's fit query may name: what the
 # binding launches (lna2_api.h's variant_known) less the ablations and the cooperative v0 / v1,
 # which lna2_moe_fit cannot size. An unknown number "fits" in the binding's sizing and is refused
 # only at launch, mid-serving.
-TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59, 61})
+TUNABLE = frozenset({2, 3, 4, 6, 7, 9, 20, 21, 26, 31, 36, 40, 46, 50, 53, 54, 55, 58, 59})
 SEAT_VARIANT = 55  # v54 (two k-tiles per ring row) with 32-k-tile gate/up chunks where items are many
 # v59 (v46 whose top-k sum is one fixed-point atomic per output element) serves every cluster point
 # since session 44: faster than the build that served each (v26 at one row, v36 at two K3 rows, v46
